@@ -1,0 +1,67 @@
+"""Model hyper-parameters: a few knobs, the rest derived."""
+
+import dataclasses
+
+ATTENTION_IMPLS = ('xla', 'cudnn', 'pallas')
+REMAT_POLICIES = ('none', 'full', 'save_matmuls')
+
+
+@dataclasses.dataclass
+class ModelConfig:
+  vocab_size: int = 320
+  num_layers: int = 4
+  embed_dim: int = 256
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 0          # 0: embed_dim // num_heads
+  mlp_dim: int = 0           # 0: SwiGLU width 8/3 * embed_dim rounded up to mlp_multiple
+  mlp_multiple: int = 64
+  max_seq_len: int = 2048
+  rope_theta: float = 10000.0
+  # Llama-3 style RoPE scaling; factor 1.0 disables it.
+  rope_scaling_factor: float = 1.0
+  rope_original_max_len: int = 8192
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  dtype: str = 'float32'         # compute dtype of activations and matmuls
+  param_dtype: str = 'float32'   # master weights
+  remat: str = 'none'            # one of REMAT_POLICIES
+  attention_impl: str = 'xla'    # one of ATTENTION_IMPLS
+  init_std: float = 0.02
+  loss_chunk: int = 0            # >0: compute logits+loss this many tokens at a time
+
+  @property
+  def resolved_head_dim(self) -> int:
+    return self.head_dim or self.embed_dim // self.num_heads
+
+  @property
+  def resolved_mlp_dim(self) -> int:
+    if self.mlp_dim:
+      return self.mlp_dim
+    width = 8 * self.embed_dim // 3
+    return -(-width // self.mlp_multiple) * self.mlp_multiple
+
+  def validate(self) -> None:
+    """Raises ValueError naming the field and the fix."""
+    def need(ok, msg):
+      if not ok:
+        raise ValueError(msg)
+    need(self.attention_impl in ATTENTION_IMPLS,
+         f'model.attention_impl={self.attention_impl!r}: choose one of {ATTENTION_IMPLS}.')
+    need(self.remat in REMAT_POLICIES,
+         f'model.remat={self.remat!r}: choose one of {REMAT_POLICIES}.')
+    for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads'):
+      need(getattr(self, name) > 0, f'model.{name} must be positive, got {getattr(self, name)}.')
+    need(self.num_heads % self.num_kv_heads == 0,
+         f'model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads='
+         f'{self.num_kv_heads} (grouped-query attention).')
+    need(self.head_dim > 0 or self.embed_dim % self.num_heads == 0,
+         f'model.embed_dim={self.embed_dim} is not divisible by model.num_heads='
+         f'{self.num_heads}: set model.head_dim explicitly.')
+    need(self.resolved_head_dim % 2 == 0,
+         f'head_dim={self.resolved_head_dim} must be even for RoPE.')
+    for name in ('dtype', 'param_dtype'):
+      need(getattr(self, name) in ('float32', 'bfloat16', 'float16'),
+           f'model.{name}={getattr(self, name)!r}: choose float32, bfloat16 or float16.')

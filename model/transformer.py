@@ -1,0 +1,279 @@
+"""A Llama-family decoder, written once with logical axis names.
+
+Reads top-down: parameters (declared abstractly) -> rope, norm -> attention, mlp ->
+block -> forward -> loss. Einsum letters: b batch, t/s query/key positions, d embed,
+h query heads, k kv heads, g query heads per kv head, e head dim, f mlp, v vocab.
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.config import ModelConfig
+from sharding.rules import ShardingPlan, constrain
+
+Params = dict[str, Any]
+
+# Residual stream at block edges; `seq` picks up `tensor` under sequence parallelism.
+RESIDUAL = ('batch', 'seq', 'act_embed')
+
+
+# ----------------------------------------------------------------------------- parameters
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+  shape: tuple[int, ...]
+  axes: tuple[str | None, ...]   # logical axis names, one per dimension
+  init: str                      # 'ones', 'normal' or 'residual' (scaled by depth)
+
+
+def param_specs(cfg: ModelConfig) -> Params:
+  """Every parameter's shape, logical axes and initializer; allocates nothing."""
+  L, D, F, V = cfg.num_layers, cfg.embed_dim, cfg.resolved_mlp_dim, cfg.vocab_size
+  H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+  layers = {
+      'attn_norm': ParamSpec((L, D), ('layers', 'embed'), 'ones'),
+      'wq': ParamSpec((L, D, H, E), ('layers', 'embed', 'heads', 'head_dim'), 'normal'),
+      'wk': ParamSpec((L, D, K, E), ('layers', 'embed', 'kv_heads', 'head_dim'), 'normal'),
+      'wv': ParamSpec((L, D, K, E), ('layers', 'embed', 'kv_heads', 'head_dim'), 'normal'),
+      'wo': ParamSpec((L, H, E, D), ('layers', 'heads', 'head_dim', 'embed'), 'residual'),
+      'mlp_norm': ParamSpec((L, D), ('layers', 'embed'), 'ones'),
+      'w_gate': ParamSpec((L, D, F), ('layers', 'embed', 'mlp'), 'normal'),
+      'w_up': ParamSpec((L, D, F), ('layers', 'embed', 'mlp'), 'normal'),
+      'w_down': ParamSpec((L, F, D), ('layers', 'mlp', 'embed'), 'residual'),
+  }
+  specs = {
+      'embed': ParamSpec((V, D), ('vocab', 'embed'), 'normal'),
+      'layers': layers,
+      'final_norm': ParamSpec((D,), ('embed',), 'ones'),
+  }
+  if not cfg.tie_embeddings:
+    specs['lm_head'] = ParamSpec((D, V), ('embed', 'vocab'), 'normal')
+  return specs
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+  dtype = jnp.dtype(cfg.param_dtype)
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), param_specs(cfg))
+
+
+def logical_axes(cfg: ModelConfig) -> Params:
+  return jax.tree.map(lambda s: s.axes, param_specs(cfg))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+  """Initial weights; each leaf's key depends only on its position, not on sharding."""
+  specs = param_specs(cfg)
+  leaves, treedef = jax.tree.flatten(specs)
+  dtype = jnp.dtype(cfg.param_dtype)
+  residual_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+  def one(i, spec):
+    if spec.init == 'ones':
+      return jnp.ones(spec.shape, dtype)
+    std = residual_std if spec.init == 'residual' else cfg.init_std
+    return (std * jax.random.normal(jax.random.fold_in(key, i), spec.shape)).astype(dtype)
+
+  return jax.tree.unflatten(treedef, [one(i, s) for i, s in enumerate(leaves)])
+
+
+def count_params(cfg: ModelConfig) -> int:
+  return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg)))
+
+
+# ------------------------------------------------------------------------ rope and norm
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """RoPE inverse frequencies, with Llama-3 scaling for contexts past the original."""
+  dim = cfg.resolved_head_dim
+  inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+  factor = cfg.rope_scaling_factor
+  if factor == 1.0:
+    return inv_freq.astype(np.float32)
+  wavelen = 2 * np.pi / inv_freq
+  low_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
+  high_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+  # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+  smooth = ((cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor)
+            / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+  blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+  out = np.where(wavelen > low_wavelen, inv_freq / factor,
+                 np.where(wavelen < high_wavelen, inv_freq, blended))
+  return out.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates x [b, t, h, e] by position; halves layout (rotate-half), as in HF Llama."""
+  angles = positions[:, :, None].astype(jnp.float32) * inv_freq   # [b, t, e/2]
+  sin, cos = jnp.sin(angles)[:, :, None], jnp.cos(angles)[:, :, None]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  # Statistics in float32: bf16 loses the small mean of squares of wide rows.
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------- attention
+
+def attention_mask(segment_ids: jax.Array | None, t: int) -> jax.Array:
+  """[b or 1, t, s] boolean: causal, and within one packed document."""
+  causal = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
+  if segment_ids is None:
+    return causal
+  same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return causal & same_doc
+
+
+def attention_xla(q, k, v, mask):
+  """Grouped-query attention without repeating K/V: q [b,t,h,e], k/v [b,s,k,e]."""
+  b, t, h, e = q.shape
+  groups = h // k.shape[2]
+  q = q.reshape(b, t, k.shape[2], groups, e)
+  scores = jnp.einsum('btkge,bske->bkgts', q, k, preferred_element_type=jnp.float32)
+  scores = scores / math.sqrt(e)
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum('bkgts,bske->btkge', probs, v)
+  return out.reshape(b, t, h, e)
+
+
+def attention_cudnn(q, k, v, mask):
+  # cuDNN's fused kernel on GPU; it does the grouped-query broadcast itself.
+  return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation='cudnn')
+
+
+def attention(x, layer, cfg: ModelConfig, positions, mask, inv_freq, plan):
+  dtype = x.dtype
+  q = jnp.einsum('btd,dhe->bthe', x, layer['wq'].astype(dtype))
+  k = jnp.einsum('btd,dke->btke', x, layer['wk'].astype(dtype))
+  v = jnp.einsum('btd,dke->btke', x, layer['wv'].astype(dtype))
+  q = constrain(apply_rope(q, positions, inv_freq), ('batch', 'act_seq', 'act_heads', None), plan)
+  k = constrain(apply_rope(k, positions, inv_freq), ('batch', 'act_seq', 'act_kv_heads', None), plan)
+  v = constrain(v, ('batch', 'act_seq', 'act_kv_heads', None), plan)
+  if cfg.attention_impl == 'xla':
+    out = attention_xla(q, k, v, mask)
+  elif cfg.attention_impl == 'cudnn':
+    out = attention_cudnn(q, k, v, mask)
+  else:
+    raise NotImplementedError(
+        f'model.attention_impl={cfg.attention_impl!r}: the Pallas flash-attention kernel is '
+        "not built yet; use 'xla' or 'cudnn'.")
+  return jnp.einsum('bthe,hed->btd', out, layer['wo'].astype(dtype))
+
+
+# ---------------------------------------------------------------------------- mlp, block
+
+def mlp(x, layer, plan):
+  dtype = x.dtype
+  gate = jnp.einsum('btd,df->btf', x, layer['w_gate'].astype(dtype))
+  up = jnp.einsum('btd,df->btf', x, layer['w_up'].astype(dtype))
+  hidden = constrain(jax.nn.silu(gate) * up, ('batch', 'act_seq', 'act_mlp'), plan)
+  return jnp.einsum('btf,fd->btd', hidden, layer['w_down'].astype(dtype))
+
+
+def block(x, layer, cfg: ModelConfig, positions, mask, inv_freq, plan):
+  with jax.named_scope('attention'):
+    h = rms_norm(x, layer['attn_norm'], cfg.norm_eps)
+    x = constrain(x + attention(h, layer, cfg, positions, mask, inv_freq, plan), RESIDUAL, plan)
+  with jax.named_scope('mlp'):
+    h = rms_norm(x, layer['mlp_norm'], cfg.norm_eps)
+    x = constrain(x + mlp(h, layer, plan), RESIDUAL, plan)
+  return x
+
+
+def _remat(fn, policy: str):
+  if policy == 'none':
+    return fn
+  if policy == 'full':
+    return jax.checkpoint(fn)
+  # Keep projection outputs; recompute elementwise work and attention scores.
+  return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+
+# -------------------------------------------------------------------------------- forward
+
+def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
+            positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+            plan: ShardingPlan | None = None) -> jax.Array:
+  """Final hidden states [b, t, d] for tokens [b, t]."""
+  b, t = tokens.shape
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  mask = attention_mask(segment_ids, t)
+  inv_freq = rope_inv_freq(cfg)
+  x = params['embed'].astype(cfg.dtype)[tokens]
+  x = constrain(x, RESIDUAL, plan)
+
+  def body(x, layer):
+    return block(x, layer, cfg, positions, mask, inv_freq, plan), None
+
+  x, _ = jax.lax.scan(_remat(body, cfg.remat), x, params['layers'])
+  return rms_norm(x, params['final_norm'], cfg.norm_eps)
+
+
+def output_weights(params: Params, cfg: ModelConfig) -> jax.Array:
+  """[d, v]: the untied head, or the embedding table transposed."""
+  w = params['embed'].T if cfg.tie_embeddings else params['lm_head']
+  return w.astype(cfg.dtype)
+
+
+def logits(params: Params, hidden: jax.Array, cfg: ModelConfig, plan=None) -> jax.Array:
+  out = jnp.einsum('btd,dv->btv', hidden, output_weights(params, cfg),
+                   preferred_element_type=jnp.float32)
+  return constrain(out, ('batch', 'act_seq', 'act_vocab'), plan)
+
+
+# ----------------------------------------------------------------------------------- loss
+
+def _weighted_nll(logits_btv, targets, weights):
+  logz = jax.nn.logsumexp(logits_btv, axis=-1)
+  picked = jnp.take_along_axis(logits_btv, targets[..., None], axis=-1)[..., 0]
+  return jnp.sum((logz - picked) * weights)
+
+
+def summed_nll(params: Params, batch: dict, cfg: ModelConfig, plan=None) -> jax.Array:
+  """Sum over tokens of weight * negative log-likelihood (float32)."""
+  hidden = forward(params, batch['inputs'], cfg, positions=batch.get('positions'),
+                   segment_ids=batch.get('segment_ids'), plan=plan)
+  targets, weights = batch['targets'], batch['weights'].astype(jnp.float32)
+  chunk = cfg.loss_chunk
+  t = hidden.shape[1]
+  if not chunk or chunk >= t:
+    return _weighted_nll(logits(params, hidden, cfg, plan), targets, weights)
+  if t % chunk:
+    raise ValueError(f'model.loss_chunk={chunk} must divide the sequence length {t}.')
+
+  # Long sequences: never hold [b, t, vocab] logits; recompute each chunk's in backward.
+  @jax.checkpoint
+  def chunk_nll(h, tg, w):
+    return _weighted_nll(logits(params, h, cfg, plan), tg, w)
+
+  def split(x):
+    return jnp.moveaxis(x.reshape(x.shape[0], t // chunk, chunk, *x.shape[2:]), 1, 0)
+
+  def body(total, xs):
+    return total + chunk_nll(*xs), None
+
+  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                          (split(hidden), split(targets), split(weights)))
+  return total
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Training FLOPs per token (forward + backward = 3x forward), causal attention halved."""
+  # Every weight multiplies once per token except the embedding lookup; a tied table
+  # is used once, as the output head.
+  norms = (2 * cfg.num_layers + 1) * cfg.embed_dim
+  lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.embed_dim
+  matmul_params = count_params(cfg) - norms - lookup
+  attn = 2 * 2 * cfg.num_layers * seq_len * cfg.num_heads * cfg.resolved_head_dim * 0.5
+  return 3 * (2 * matmul_params + attn)

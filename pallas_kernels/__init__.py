@@ -1,0 +1,1 @@
+"""Pallas attention kernels with pure-jnp references (not built yet)."""

@@ -1,0 +1,1 @@
+"""Serving: KV block pool, scheduler, runner, engine, HTTP server (not built yet)."""

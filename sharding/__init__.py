@@ -1,0 +1,1 @@
+"""Mesh, logical-axis rules, ZeRO presets and compiled-step inspection."""

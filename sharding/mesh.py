@@ -1,0 +1,61 @@
+"""Device mesh from config: six named axes, outermost first, Auto axis types."""
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+# Outermost first: the innermost axis gets the fastest links.
+MESH_AXES = ('data', 'stage', 'fsdp', 'expert', 'context', 'tensor')
+
+
+@dataclasses.dataclass
+class MeshConfig:
+  """Size of each mesh axis; one may be -1 (takes the remaining devices)."""
+  data: int = -1
+  stage: int = 1
+  fsdp: int = 1
+  expert: int = 1
+  context: int = 1
+  tensor: int = 1
+
+
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
+  """Resolves -1 and checks the sizes multiply to the device count."""
+  sizes = {a: getattr(cfg, a) for a in MESH_AXES}
+  bad = [a for a, s in sizes.items() if s == 0 or s < -1]
+  if bad:
+    raise ValueError(f'mesh.{bad[0]}={sizes[bad[0]]}: each mesh axis size must be '
+                     'a positive integer or -1 (the remaining devices).')
+  free = [a for a, s in sizes.items() if s == -1]
+  if len(free) > 1:
+    raise ValueError(f'mesh axes {free} are all -1; at most one may take the remaining '
+                     'devices. Give the others explicit sizes.')
+  fixed = math.prod(s for s in sizes.values() if s != -1)
+  if free:
+    if num_devices % fixed:
+      raise ValueError(
+          f'the fixed mesh axes multiply to {fixed}, which does not divide the '
+          f'{num_devices} devices, so mesh.{free[0]}=-1 cannot take the rest. '
+          f'Choose sizes whose product divides {num_devices}.')
+    sizes[free[0]] = num_devices // fixed
+  elif fixed != num_devices:
+    raise ValueError(
+        f'the mesh axes multiply to {fixed} but there are {num_devices} devices. '
+        f'Set one axis to -1 (e.g. --config.mesh.data=-1) or make the product {num_devices}.')
+  return sizes
+
+
+def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
+  """A mesh over `devices` (default: all) with compiler-propagated (Auto) axes."""
+  devices = jax.devices() if devices is None else list(devices)
+  shape = mesh_shape(cfg, len(devices))
+  dims = tuple(shape[a] for a in MESH_AXES)
+  try:
+    device_array = mesh_utils.create_device_mesh(dims, devices)
+  except (AssertionError, ValueError, NotImplementedError):
+    device_array = np.asarray(devices).reshape(dims)
+  return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

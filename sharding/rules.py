@@ -1,0 +1,150 @@
+"""Logical-axis rules: the one table that maps model names onto mesh axes.
+
+Model code names only logical axes. A `Rules` table turns a tuple of logical names into a
+`PartitionSpec`; a `ShardingPlan` holds one table each for parameters, gradients,
+optimizer state and activations, chosen by ZeRO stage:
+
+  stage   params      grads       opt state
+  0       replicated  replicated  replicated      (over data/fsdp; tensor always applies)
+  1       replicated  replicated  sharded
+  2       replicated  sharded     sharded
+  3       sharded     sharded     sharded         (FSDP: gathered per layer in the scan)
+
+"Sharded" puts the `embed` dimension, which every weight has, on the `fsdp` mesh axis.
+"""
+
+import dataclasses
+from typing import Mapping
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+LogicalAxes = tuple[str | None, ...]
+
+BATCH_AXES = ('data', 'fsdp')
+
+# Tensor parallelism (Megatron layout): heads, kv heads, mlp and vocab split over
+# `tensor`; `embed` stays whole so each block needs one reduction per projection pair.
+_TENSOR = {
+    'vocab': 'tensor', 'embed': None, 'heads': 'tensor', 'kv_heads': 'tensor',
+    'head_dim': None, 'mlp': 'tensor', 'experts': 'expert', 'layers': None,
+}
+# Activations. `seq` is the residual stream's sequence axis at block edges (sequence
+# parallelism puts it on `tensor` too); `act_seq` is the sequence inside attention/MLP,
+# where `tensor` is taken by heads or mlp.
+_ACTIVATIONS = {
+    'batch': BATCH_AXES, 'seq': 'context', 'act_seq': 'context', 'act_embed': None,
+    'act_heads': 'tensor', 'act_kv_heads': 'tensor', 'act_mlp': 'tensor',
+    'act_vocab': 'tensor',
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+  """Logical axis name -> mesh axes. Unknown names and None are replicated."""
+  name: str
+  table: Mapping[str, MeshAxes]
+
+  def spec(self, axes: LogicalAxes) -> PartitionSpec:
+    owner: dict[str, str] = {}
+    out = []
+    for logical in axes:
+      mesh_axes = self.table.get(logical) if logical else None
+      for m in _as_tuple(mesh_axes):
+        if m in owner:
+          raise ValueError(
+              f'rules {self.name!r}: logical axes {owner[m]!r} and {logical!r} of one '
+              f'tensor {axes} both map to mesh axis {m!r}. Map one of them elsewhere.')
+        owner[m] = logical
+      out.append(mesh_axes)
+    return PartitionSpec(*out)
+
+  def with_overrides(self, name: str, **entries: MeshAxes) -> 'Rules':
+    return Rules(name, {**self.table, **entries})
+
+
+def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+  if mesh_axes is None:
+    return ()
+  return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+
+
+REPLICATED = Rules('replicated', _TENSOR)
+ZERO_SHARDED = REPLICATED.with_overrides('zero_sharded', embed='fsdp')
+# (params, grads, opt_state) per ZeRO stage.
+ZERO_STAGES = {
+    0: (REPLICATED, REPLICATED, REPLICATED),
+    1: (REPLICATED, REPLICATED, ZERO_SHARDED),
+    2: (REPLICATED, ZERO_SHARDED, ZERO_SHARDED),
+    3: (ZERO_SHARDED, ZERO_SHARDED, ZERO_SHARDED),
+}
+
+
+def activation_rules(sequence_parallel: bool) -> Rules:
+  base = Rules('activations', _ACTIVATIONS)
+  if sequence_parallel:
+    return base.with_overrides('activations_sp', seq=('context', 'tensor'))
+  return base
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+  """Where every parameter, gradient, optimizer-state leaf and activation lives."""
+  mesh: Mesh
+  params: Rules
+  grads: Rules
+  opt_state: Rules
+  activations: Rules
+
+  def sharding(self, rules: Rules, axes: LogicalAxes) -> NamedSharding:
+    return NamedSharding(self.mesh, rules.spec(axes))
+
+  def tree(self, rules: Rules, axes_tree):
+    """Shardings for a tree whose leaves are logical-axes tuples."""
+    return jax.tree.map(lambda a: self.sharding(rules, a), axes_tree, is_leaf=_is_axes)
+
+  def batch_sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, PartitionSpec(BATCH_AXES, self.activations.table['seq']))
+
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, PartitionSpec())
+
+
+def _is_axes(x) -> bool:
+  return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def make_plan(mesh: Mesh, zero_stage: int, sequence_parallel: bool = True) -> ShardingPlan:
+  if zero_stage not in ZERO_STAGES:
+    raise ValueError(f'parallel.zero_stage={zero_stage}: choose one of {sorted(ZERO_STAGES)}.')
+  params, grads, opt_state = ZERO_STAGES[zero_stage]
+  sp = sequence_parallel and mesh.shape['tensor'] > 1
+  return ShardingPlan(mesh, params, grads, opt_state, activation_rules(sp))
+
+
+def constrain(x: jax.Array, axes: LogicalAxes, plan: ShardingPlan | None) -> jax.Array:
+  """Pins an activation's layout at a block edge; a no-op without a plan."""
+  if plan is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, plan.sharding(plan.activations, axes))
+
+
+def check_divisible(plan: ShardingPlan, rules: Rules, shapes, axes_tree,
+                    field_of: Mapping[str, str] | None = None) -> None:
+  """Fails early, naming the config field, when a dimension does not split evenly."""
+  field_of = field_of or {}
+  sizes = plan.mesh.shape
+  flat_shapes, _ = jax.tree.flatten_with_path(shapes)
+  flat_axes = jax.tree.leaves(axes_tree, is_leaf=_is_axes)
+  for (path, shape), axes in zip(flat_shapes, flat_axes):
+    for dim, logical in zip(shape.shape, axes):
+      n = 1
+      for m in _as_tuple(rules.table.get(logical) if logical else None):
+        n *= sizes[m]
+      if dim % n:
+        field = field_of.get(logical, logical)
+        raise ValueError(
+            f'parameter {jax.tree_util.keystr(path)}: its {logical!r} dimension ({dim}) does '
+            f'not split over mesh axes {rules.table[logical]!r} of total size {n}. Choose '
+            f'{field} divisible by {n}, or change the mesh.')
