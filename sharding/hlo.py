@@ -1,0 +1,351 @@
+"""Per-device cost of a compiled step, read from its optimized HLO.
+
+`inspect_compiled(jax.jit(f).lower(...).compile())` takes memory from `memory_analysis()` and,
+from `as_text()` (the partitioned program one device runs), dot FLOPs and collectives, each
+weighted by how often its computation runs: a `lax.scan` body counts trip-count times.
+`cost_analysis()` counts a loop body once, so it undercounts scanned layers.
+
+Convolutions are not costed (their FLOPs depend on window, feature grouping and dilation);
+the report counts them so a caller can tell its FLOPs are incomplete.
+"""
+
+import collections
+import dataclasses
+import math
+import re
+
+COLLECTIVES = ('all-gather', 'all-reduce', 'reduce-scatter', 'collective-permute', 'all-to-all')
+
+_DTYPE_BYTES = {
+    'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'bf16': 2, 'f16': 2, 's32': 4, 'u32': 4,
+    'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16, 'token': 0,
+}
+_ARRAY = re.compile(r'([a-z][a-z0-9]*)\[([^\]]*)\]')
+_HEADER = re.compile(r'(ENTRY\s+)?%?([^\s(]+)\s*\(.*->.*\{\s*$')
+_INSTR = re.compile(r'\s+(?:ROOT\s+)?%?([^\s=]+)\s*=\s*')
+_OPCODE = re.compile(r'\s*([a-z][\w\-]*)\(')
+# Metadata holds free-form source text (op names, file names) that could mimic attributes.
+_METADATA = re.compile(r'metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+@dataclasses.dataclass
+class CollectiveStats:
+  count: float  # executions per step, weighted by enclosing loops' trip counts
+  bytes: float  # bytes of the result per device per step, same weighting
+
+
+@dataclasses.dataclass
+class HloStats:
+  """What the HLO text alone tells: dot FLOPs, collectives, and what was not costed."""
+  dot_flops: float
+  collectives: dict[str, CollectiveStats]
+  unknown_trip_count_loops: list[str]  # `while` ops counted once for lack of a trip count
+  convolutions: float  # executions of `convolution`, whose FLOPs are not in dot_flops
+
+
+@dataclasses.dataclass
+class StepReport:
+  """Per-device memory, dot FLOPs and collectives of one compiled step."""
+  argument_bytes: int
+  output_bytes: int
+  temp_bytes: int
+  alias_bytes: int
+  dot_flops: float
+  collectives: dict[str, CollectiveStats]
+  unknown_trip_count_loops: list[str] = dataclasses.field(default_factory=list)
+  convolutions: float = 0.0
+
+  def bytes_of(self, *kinds: str) -> float:
+    """Collective bytes summed over `kinds` (all kinds if none given).
+
+    XLA:CPU turns a reduce-scatter into all-reduce + slice, so compare sums like
+    bytes_of('all-reduce', 'reduce-scatter') rather than single op names.
+    """
+    kinds = kinds or tuple(self.collectives)
+    return sum(self.collectives[k].bytes for k in kinds if k in self.collectives)
+
+  def summary(self) -> str:
+    lines = [
+        f'memory per device: arguments {_human(self.argument_bytes)}, outputs '
+        f'{_human(self.output_bytes)}, temps {_human(self.temp_bytes)}, '
+        f'aliased {_human(self.alias_bytes)}',
+        f'dot FLOPs per device per step: {self.dot_flops:.4g}',
+    ]
+    if self.collectives:
+      lines.append(f'{"collective":<20}{"count":>10}{"bytes":>14}')
+      for kind, s in sorted(self.collectives.items()):
+        lines.append(f'{kind:<20}{s.count:>10g}{_human(s.bytes):>14}')
+    else:
+      lines.append('no collectives')
+    if self.unknown_trip_count_loops:
+      lines.append('counted once (unknown trip count): ' + ', '.join(self.unknown_trip_count_loops))
+    if self.convolutions:
+      lines.append(f'{self.convolutions:g} convolution executions not in dot FLOPs')
+    return '\n'.join(lines)
+
+
+def _human(n: float) -> str:
+  for unit in ('B', 'KiB', 'MiB', 'GiB'):
+    if abs(n) < 1024 or unit == 'GiB':
+      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.2f} {unit}'
+    n /= 1024
+  raise AssertionError('unreachable')
+
+
+def inspect_compiled(compiled) -> StepReport:
+  """Report for `jax.jit(f).lower(...).compile()`; all numbers are per device."""
+  mem = compiled.memory_analysis()
+  stats = hlo_stats(compiled.as_text())
+  return StepReport(
+      argument_bytes=int(getattr(mem, 'argument_size_in_bytes', 0)),
+      output_bytes=int(getattr(mem, 'output_size_in_bytes', 0)),
+      temp_bytes=int(getattr(mem, 'temp_size_in_bytes', 0)),
+      alias_bytes=int(getattr(mem, 'alias_size_in_bytes', 0)),
+      dot_flops=stats.dot_flops,
+      collectives=stats.collectives,
+      unknown_trip_count_loops=stats.unknown_trip_count_loops,
+      convolutions=stats.convolutions,
+  )
+
+
+def analyze_hlo(hlo_text: str) -> tuple[float, dict[str, CollectiveStats]]:
+  """(dot FLOPs, collectives) of an HLO module's text, weighted by loop trip counts."""
+  stats = hlo_stats(hlo_text)
+  return stats.dot_flops, stats.collectives
+
+
+def hlo_stats(hlo_text: str) -> HloStats:
+  comps, entry = _parse_module(hlo_text)
+  mult, unknown = _multiplicities(comps, entry)
+  stats = HloStats(0.0, {}, unknown, 0.0)
+  for name, m in mult.items():
+    for ins in comps[name].instrs:
+      _account(ins, comps[name], m, stats)
+  return stats
+
+
+def _account(ins, comp, m: float, stats: HloStats):
+  """Adds one instruction, run `m` times per step, to `stats`."""
+  if ins.opcode == 'convolution':
+    stats.convolutions += m
+  stats.dot_flops += m * _dot_flops(ins, comp)
+  found = _collective(ins, comp)
+  if found:
+    kind, nbytes = found
+    s = stats.collectives.setdefault(kind, CollectiveStats(0.0, 0.0))
+    s.count += m
+    s.bytes += m * nbytes
+
+
+# ---------------------------------------------------------------- parsing
+
+
+@dataclasses.dataclass
+class _Instr:
+  name: str
+  shape: str
+  opcode: str
+  operands: list[str]  # as printed: '%name', or 'f32[4]{0} %name' in older dumps
+  attrs: str  # everything after the operand list, metadata removed
+
+
+@dataclasses.dataclass
+class _Comp:
+  instrs: list[_Instr] = dataclasses.field(default_factory=list)
+  shapes: dict[str, str] = dataclasses.field(default_factory=dict)
+  done_shapes: dict[str, str] = dataclasses.field(default_factory=dict)  # start name -> done shape
+
+
+def _parse_module(text: str) -> tuple[dict[str, _Comp], str]:
+  comps, entry, cur = {}, None, None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      cur = comps.setdefault(header.group(2), _Comp())
+      entry = header.group(2) if header.group(1) else entry
+    elif line.startswith('}'):
+      cur = None
+    elif cur is not None:
+      _add_instr(cur, line)
+  if entry is None:
+    raise ValueError('no ENTRY computation in the HLO text; pass compiled.as_text().')
+  return comps, entry
+
+
+def _add_instr(comp: _Comp, line: str):
+  ins = _parse_instr(line)
+  if ins is None:
+    return
+  comp.instrs.append(ins)
+  comp.shapes[ins.name] = ins.shape
+  if ins.opcode.endswith('-done') and ins.operands:
+    comp.done_shapes[_operand_name(ins.operands[0])] = ins.shape
+
+
+def _parse_instr(line: str) -> _Instr | None:
+  m = _INSTR.match(line)
+  if not m:
+    return None
+  rest = line[m.end():]
+  end = _group_end(rest, 0) if rest.startswith('(') else rest.find(' ')
+  shape, rest = rest[:end], rest[end:]
+  op = _OPCODE.match(rest)
+  if not op:
+    return None
+  close = _group_end(rest, op.end() - 1)
+  operands = _split_top(rest[op.end():close - 1])
+  attrs = _METADATA.sub('', rest[close:])
+  return _Instr(m.group(1), shape, op.group(1), operands, attrs)
+
+
+def _group_end(text: str, start: int) -> int:
+  """Index just past the bracket group that opens at text[start]."""
+  depth = 0
+  for i in range(start, len(text)):
+    if text[i] in '([{':
+      depth += 1
+    elif text[i] in ')]}':
+      depth -= 1
+      if depth == 0:
+        return i + 1
+  raise ValueError(f'unbalanced brackets in HLO text: {text[start:start + 80]!r}')
+
+
+def _split_top(text: str) -> list[str]:
+  """Splits on commas outside brackets: tuple shapes and literals contain commas."""
+  parts, depth, start = [], 0, 0
+  for i, c in enumerate(text):
+    depth += (c in '([{') - (c in ')]}')
+    if c == ',' and depth == 0:
+      parts.append(text[start:i].strip())
+      start = i + 1
+  tail = text[start:].strip()
+  return parts + [tail] if tail else parts
+
+
+def _operand_name(operand: str) -> str:
+  return operand.split()[-1].lstrip('%')
+
+
+def _operand_shape(operand: str, comp: _Comp) -> str:
+  # Newer XLA prints bare operand names; older dumps print the shape before the name.
+  pieces = operand.split()
+  return ' '.join(pieces[:-1]) if len(pieces) > 1 else comp.shapes.get(_operand_name(operand), '')
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def _arrays(shape: str) -> list[tuple[str, list[int]]]:
+  """(dtype, dims) of every array in a shape, tuple elements in order."""
+  return [(dt, [int(d.lstrip('<=')) for d in dims.split(',') if d.strip()])
+          for dt, dims in _ARRAY.findall(shape)]
+
+
+def _dtype_bytes(dtype: str) -> float:
+  if dtype in _DTYPE_BYTES:
+    return _DTYPE_BYTES[dtype]
+  bits = re.match(r'[a-z]+(\d+)', dtype)  # f8e4m3fn, s4, ...: the width leads the name
+  if not bits:
+    raise ValueError(f'unknown HLO element type {dtype!r}')
+  return int(bits.group(1)) / 8
+
+
+def _shape_bytes(shape: str) -> float:
+  return sum(_dtype_bytes(dt) * math.prod(dims) for dt, dims in _arrays(shape))
+
+
+# ---------------------------------------------------------------- call graph
+
+
+def _refs(attrs: str, key: str) -> list[str]:
+  """Computation names after `key=`, as `%a` or `{%a, %b}`."""
+  m = re.search(rf'\b{key}=(\{{[^}}]*\}}|%?[\w.\-]+)', attrs)
+  if not m:
+    return []
+  return [r.strip().lstrip('%') for r in m.group(1).strip('{}').split(',') if r.strip()]
+
+
+def _callees(ins: _Instr) -> tuple[list[tuple[str, float]], bool]:
+  """(computation, runs per execution of `ins`) pairs; and whether a loop lacks a trip count."""
+  if ins.opcode == 'while':
+    trip = _TRIP.search(ins.attrs)
+    n = int(trip.group(1)) if trip else 1
+    # The condition runs once more than the body, to exit.
+    cond = n + 1 if trip else 1
+    return [(c, n) for c in _refs(ins.attrs, 'body')] + [
+        (c, cond) for c in _refs(ins.attrs, 'condition')], trip is None
+  if ins.opcode in ('async-update', 'async-done'):
+    return [], False  # the async-start already ran the wrapped computation
+  # Reducers and comparators (to_apply of reduce, all-reduce, sort...) hold no dots.
+  keys = ['calls', 'branch_computations', 'true_computation', 'false_computation',
+          'called_computations'] + (['to_apply'] if ins.opcode == 'call' else [])
+  # Each conditional branch counts once: an upper bound on what one execution runs.
+  return [(c, 1) for k in keys for c in _refs(ins.attrs, k)], False
+
+
+def _multiplicities(comps: dict[str, _Comp], entry: str) -> tuple[dict[str, float], list[str]]:
+  """Runs per step of each computation reachable from `entry`; and loops lacking trip counts."""
+  callers = collections.defaultdict(list)
+  seen, stack, unknown = {entry}, [entry], []
+  while stack:
+    name = stack.pop()
+    for ins in comps[name].instrs:
+      callees, no_trip = _callees(ins)
+      if no_trip:
+        unknown.append(ins.name)
+      for callee, k in callees:
+        callers[callee].append((name, k))
+        if callee in comps and callee not in seen:
+          seen.add(callee)
+          stack.append(callee)
+  mult = {entry: 1.0}
+
+  def runs(name):
+    # A computation called from several places runs the sum of its callers' counts.
+    if name not in mult:
+      mult[name] = sum(runs(c) * k for c, k in callers[name])
+    return mult[name]
+
+  for name in seen:
+    runs(name)
+  return mult, sorted(unknown)
+
+
+# ---------------------------------------------------------------- costs
+
+
+def _dot_flops(ins: _Instr, comp: _Comp) -> float:
+  """2 * result elements * contracted elements, for `dot` and library GEMM custom-calls."""
+  if ins.opcode == 'dot':
+    contracting = re.search(r'lhs_contracting_dims=\{([^}]*)\}', ins.attrs)
+  elif ins.opcode == 'custom-call':
+    # GPU cuBLAS GEMMs carry their dimension numbers in backend_config.
+    contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+  else:
+    return 0.0
+  if not ins.operands or not _arrays(ins.shape):
+    return 0.0
+  dims = [int(d.strip(' "')) for d in contracting.group(1).split(',')
+          if d.strip(' "')] if contracting else []
+  lhs = _arrays(_operand_shape(ins.operands[0], comp))
+  if not lhs:
+    raise ValueError(f'no shape for the lhs of {ins.name}')
+  out = _arrays(ins.shape)[0][1]  # a GEMM custom-call's result is (output, workspace)
+  return 2.0 * math.prod(out) * math.prod(lhs[0][1][d] for d in dims)
+
+
+def _collective(ins: _Instr, comp: _Comp) -> tuple[str, float] | None:
+  """(kind, result bytes) if `ins` is a collective; async pairs count at their start."""
+  if ins.opcode in COLLECTIVES:
+    return ins.opcode, _shape_bytes(ins.shape)
+  kind = ins.opcode.removesuffix('-start')
+  if kind == ins.opcode or kind not in COLLECTIVES:
+    return None
+  # all-gather-start and collective-permute-start results also hold the operands (and
+  # context scalars); the matching -done's result is the output alone.
+  done = comp.done_shapes.get(ins.name)
+  if done is None:
+    raise ValueError(f'{ins.opcode} {ins.name} has no matching -done in its computation')
+  return kind, _shape_bytes(done)

@@ -1,0 +1,21 @@
+"""Test setup: 8 simulated CPU devices and a compilation cache shared by the whole run."""
+
+import os
+import pathlib
+
+import jax
+
+jax.config.update('jax_num_cpu_devices', 8)
+jax.config.update('jax_platforms', 'cpu')
+_CACHE = pathlib.Path(os.environ.get('MESHLM_TEST_CACHE',
+                                     pathlib.Path(__file__).parent.parent / '.pytest_cache' / 'jax'))
+jax.config.update('jax_compilation_cache_dir', str(_CACHE))
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+
+
+def pytest_configure(config):
+  del config
+  # Grain's multiprocessing workers read absl flags; pytest never parses them.
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  flags.FLAGS.mark_as_parsed()

@@ -1,0 +1,234 @@
+"""sharding.hlo against analytic counts: loop-weighted dot FLOPs, collectives, memory."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sharding import hlo
+from sharding.mesh import MeshConfig, make_mesh
+
+B, D, L = 4, 16, 3
+F32 = 4
+
+
+def _scan_layers(x, w):
+  def body(h, wl):
+    return jnp.tanh(h @ wl), None
+  return jax.lax.scan(body, x, w)[0]
+
+
+def _inputs(layers=L):
+  return jnp.ones((B, D), jnp.float32), jnp.ones((layers, D, D), jnp.float32)
+
+
+def _report(f, *args, **jit_kwargs):
+  return hlo.inspect_compiled(jax.jit(f, **jit_kwargs).lower(*args).compile())
+
+
+def test_scan_counts_body_trip_count_times():
+  report = _report(_scan_layers, *_inputs())
+  assert report.dot_flops == 2 * B * D * D * L
+  assert not report.collectives and not report.unknown_trip_count_loops
+
+
+def test_grad_of_scan_is_three_matmuls_per_layer():
+  loss = lambda x, w: _scan_layers(x, w).sum()
+  report = _report(jax.grad(loss, argnums=1), *_inputs())
+  assert report.dot_flops == 3 * 2 * B * D * D * L
+
+
+def test_nested_scans_multiply_trip_counts():
+  outer, inner = 3, 5
+
+  def f(x, w):
+    def block(h, wb):
+      return _scan_layers(h, wb), None
+    return jax.lax.scan(block, x, w)[0]
+
+  w = jnp.ones((outer, inner, D, D), jnp.float32)
+  report = _report(f, jnp.ones((B, D), jnp.float32), w)
+  assert report.dot_flops == 2 * B * D * D * outer * inner
+
+
+def test_unknown_trip_count_counts_once_and_is_reported():
+  def f(n, x, w):
+    return jax.lax.fori_loop(0, n, lambda i, h: h @ w, x)
+
+  x, w = jnp.ones((B, D)), jnp.ones((D, D))
+  report = _report(f, 7, x, w)
+  assert report.dot_flops == 2 * B * D * D
+  assert len(report.unknown_trip_count_loops) == 1
+  assert 'unknown trip count' in report.summary()
+
+
+def test_conditional_counts_every_branch_once():
+  def f(p, x, w):
+    return jax.lax.cond(p, lambda: x @ w, lambda: (x @ w) @ w)
+
+  report = _report(f, True, jnp.ones((B, D)), jnp.ones((D, D)))
+  assert report.dot_flops == 3 * 2 * B * D * D
+
+
+@pytest.fixture(name='mesh')
+def _mesh():
+  return make_mesh(MeshConfig(data=8))
+
+
+def test_contracting_dim_sharding_all_reduces_the_result(mesh):
+  k, n = 4, 6  # per-device contraction, output columns
+  x, w = jnp.ones((B, 8 * k)), jnp.ones((8 * k, n))
+  shard = lambda spec: NamedSharding(mesh, spec)
+  report = _report(lambda a, b: a @ b, x, w,
+                   in_shardings=(shard(P(None, 'data')), shard(P('data', None))),
+                   out_shardings=shard(P()))
+  assert report.collectives['all-reduce'].count == 1
+  assert report.collectives['all-reduce'].bytes == B * n * F32
+  assert report.dot_flops == 2 * B * n * k
+
+
+def test_fsdp_scan_gathers_each_layer_weight(mesh):
+  replicated = NamedSharding(mesh, P())
+
+  def f(x, w):
+    def body(h, wl):
+      # FSDP: the stored shard is gathered just before the layer uses it.
+      wl = jax.lax.with_sharding_constraint(wl, replicated)
+      return jnp.tanh(h @ wl), None
+    return jax.lax.scan(body, x, w)[0]
+
+  x, w = jnp.ones((8 * B, D)), jnp.ones((L, D, D))
+  report = _report(f, x, w, in_shardings=(NamedSharding(mesh, P('data')),
+                                          NamedSharding(mesh, P(None, 'data', None))))
+  gathers = report.collectives['all-gather']
+  assert gathers.count == L
+  assert gathers.bytes == L * D * D * F32
+  assert report.dot_flops == 2 * B * D * D * L  # each device runs its own B rows
+
+
+def test_data_parallel_grad_reduces_every_weight_once(mesh):
+  loss = lambda w, x: _scan_layers(x, w).sum()
+  x, w = jnp.ones((8 * B, D)), jnp.ones((L, D, D))
+  report = _report(jax.grad(loss), w, x,
+                   in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P('data'))),
+                   out_shardings=NamedSharding(mesh, P()))
+  # XLA:CPU may reduce per layer inside the loop or once after it: bytes agree either way.
+  assert report.bytes_of('all-reduce', 'reduce-scatter') == w.size * F32
+
+
+def test_argument_bytes_are_per_device_shards(mesh):
+  big = jax.ShapeDtypeStruct((8 * 5, 3), jnp.float32, sharding=NamedSharding(mesh, P('data')))
+  small = jax.ShapeDtypeStruct((7,), jnp.int32, sharding=NamedSharding(mesh, P()))
+  report = _report(lambda a, b: a.sum() + b.sum(), big, small)
+  expected = sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
+                 for s in (big, small))
+  assert report.argument_bytes == expected
+
+
+def _all_collectives(x):
+  axis, n = 'data', 8
+  return (jax.lax.psum(x, axis),
+          jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True),
+          jax.lax.ppermute(x, axis, [(i, (i + 1) % n) for i in range(n)]),
+          jax.lax.all_to_all(x, axis, 0, 0, tiled=True),
+          jax.lax.all_gather(x, axis, tiled=True))
+
+
+def test_each_collective_kind_and_summary(mesh):
+  rows, cols = 8, 16  # per-device block
+  f = jax.shard_map(_all_collectives, mesh=mesh, in_specs=P('data'),
+                    out_specs=(P('data'),) * 5, check_vma=False)
+  report = _report(f, jnp.ones((8 * rows, cols)))
+  block = rows * cols * F32
+  expected = {'all-reduce': block, 'reduce-scatter': block / 8, 'collective-permute': block,
+              'all-to-all': block, 'all-gather': 8 * block}
+  assert {k: s.bytes for k, s in report.collectives.items()} == expected
+  assert all(s.count == 1 for s in report.collectives.values())
+  text = report.summary()
+  assert all(kind in text for kind in hlo.COLLECTIVES)
+
+
+# Hand-written in the form XLA:GPU prints async collectives, which XLA:CPU never emits.
+_ASYNC_HLO = """\
+HloModule async_example, entry_computation_layout={(f32[2,16]{1,0})->f32[16,16]{1,0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%wrapped_rs (q: f32[16,16]) -> f32[2,16] {
+  %q = f32[16,16]{1,0} parameter(0)
+  ROOT %rs = f32[2,16]{1,0} reduce-scatter(%q), channel_id=4, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add
+}
+
+%layer (p: f32[2,16]) -> f32[2,16] {
+  %p = f32[2,16]{1,0} parameter(0)
+  %ags = (f32[2,16]{1,0}, f32[16,16]{1,0}) all-gather-start(%p), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %agd = f32[16,16]{1,0} all-gather-done(%ags)
+  %ars = f32[16,16]{1,0} all-reduce-start(%agd), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %ard = f32[16,16]{1,0} all-reduce-done(%ars)
+  %cps = (f32[16,16]{1,0}, f32[16,16]{1,0}, u32[], u32[]) collective-permute-start(%ard), channel_id=3, source_target_pairs={{0,1},{1,0}}
+  %cpd = f32[16,16]{1,0} collective-permute-done(%cps)
+  %d = f32[16,16]{1,0} dot(%cpd, %agd), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %rss = ((f32[16,16]{1,0}), f32[2,16]{1,0}) async-start(%d), calls=%wrapped_rs
+  ROOT %rsd = f32[2,16]{1,0} async-done(%rss), calls=%wrapped_rs
+}
+
+%body (t: (s32[], f32[2,16])) -> (s32[], f32[2,16]) {
+  %t = (s32[], f32[2,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %h = f32[2,16]{1,0} get-tuple-element(%t), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %out = f32[2,16]{1,0} call(%h), to_apply=%layer
+  ROOT %r = (s32[], f32[2,16]{1,0}) tuple(%next, %out)
+}
+
+%cond (t.1: (s32[], f32[2,16])) -> pred[] {
+  %t.1 = (s32[], f32[2,16]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%t.1), index=0
+  %n = s32[] constant(TRIP)
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+
+ENTRY %main (x: f32[2,16]) -> f32[2,16] {
+  %x = f32[2,16]{1,0} parameter(0)
+  %first = f32[2,16]{1,0} call(%x), to_apply=%layer
+  %zero = s32[] constant(0), metadata={op_name="calls=%layer" source_file="a{b}.py"}
+  %init = (s32[], f32[2,16]{1,0}) tuple(%zero, %first)
+  %loop = (s32[], f32[2,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"TRIP"}}
+  ROOT %y = f32[2,16]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_async_pairs_and_shared_computations_from_text():
+  trip = 4
+  flops, coll = hlo.analyze_hlo(_ASYNC_HLO.replace('TRIP', str(trip)))
+  runs = trip + 1  # %layer is called once from ENTRY and once per loop iteration
+  full, shard = 16 * 16 * F32, 2 * 16 * F32
+  assert flops == runs * 2 * 16 * 16 * 16
+  assert {k: (s.count, s.bytes) for k, s in coll.items()} == {
+      'all-gather': (runs, runs * full), 'all-reduce': (runs, runs * full),
+      'collective-permute': (runs, runs * full), 'reduce-scatter': (runs, runs * shard)}
+
+
+def test_tuple_results_dtypes_and_inline_operand_shapes():
+  text = """\
+ENTRY %main (a: bf16[4,8], b: bf16[8,3], c: f32[5]) -> f32[4,3] {
+  %a = bf16[4,8]{1,0} parameter(0)
+  %b = bf16[8,3]{1,0} parameter(1)
+  %c = f32[5]{0} parameter(2)
+  %ar = (bf16[4,8]{1,0}, f32[5]{0}) all-reduce(bf16[4,8]{1,0} %a, f32[5]{0} %c), to_apply=%add
+  ROOT %d = f32[4,3]{1,0} dot(bf16[4,8]{1,0} %a, bf16[8,3]{1,0} %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+  flops, coll = hlo.analyze_hlo(text)
+  assert flops == 2 * 4 * 3 * 8
+  assert coll['all-reduce'].bytes == 4 * 8 * np.dtype(jnp.bfloat16).itemsize + 5 * F32
