@@ -1,0 +1,335 @@
+"""Token files and the grain pipeline that turns them into training batches.
+
+A token file is `NAME.bin`, raw little-endian ids (uint16 when the vocabulary fits, else
+uint32), each document followed by one eos, plus `NAME.bin.json` describing it. The
+sidecar is written last, so a file without one is unfinished and never read.
+
+The files are read as one concatenated stream of windows of `seq_len + 1` tokens with
+stride `seq_len`, so every token is a target exactly once per epoch:
+
+    stream   |a a a E b b b b E c c c c c E d d ...      (E = eos)
+    window 0 [a a a E b]
+    window 1         [b b b E c]
+    window 2                 [c c c c E]
+
+The global sequence of windows is a seeded shuffle (new each epoch, forever); global
+step s takes the next `batch_size` windows and process p keeps rows [p*b, (p+1)*b).
+"""
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from typing import Any, Iterable, Sequence
+
+import grain
+import numpy as np
+
+from training import config as config_lib
+from training import tokenizer as tokenizer_lib
+
+FORMAT = 'meshlm-tokens-v1'
+_FLUSH_TOKENS = 1 << 20   # buffer this many ids before each write
+# Grain's defaults (16 threads, 500 elements) are tuned for remote storage and small
+# records; one element here is a whole batch read from a local memmap.
+_READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+  return np.dtype('<u2') if vocab_size <= 1 << 16 else np.dtype('<u4')
+
+
+def sidecar(path: str) -> str:
+  return path + '.json'
+
+
+# --- Writing ----------------------------------------------------------------------------
+
+
+def write_token_file(path: str, docs: Iterable[np.ndarray], tokenizer) -> dict:
+  """Writes token-id documents (eos appended to each) atomically; returns the metadata."""
+  path = os.path.expanduser(path)
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  tmp_bin = _temp_path(directory, path)
+  tmp_json = _temp_path(directory, sidecar(path))
+  try:
+    with open(tmp_bin, 'wb') as f:
+      num_tokens, num_docs = _write_docs(f, docs, tokenizer)
+      f.flush()
+      os.fsync(f.fileno())
+    meta = dict(format=FORMAT, dtype=token_dtype(tokenizer.vocab_size).name,
+                num_tokens=num_tokens, num_documents=num_docs,
+                vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+                tokenizer=tokenizer.name)
+    with open(tmp_json, 'w', encoding='utf-8') as f:
+      json.dump(meta, f, indent=2)
+    # Drop an old sidecar first: for a moment the .bin then has none (and reads as
+    # unfinished) rather than pairing the new tokens with stale metadata.
+    if os.path.exists(sidecar(path)):
+      os.remove(sidecar(path))
+    os.replace(tmp_bin, path)
+    os.replace(tmp_json, sidecar(path))
+  finally:
+    for tmp in (tmp_bin, tmp_json):
+      if os.path.exists(tmp):
+        os.remove(tmp)
+  return meta
+
+
+def _temp_path(directory: str, target: str) -> str:
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f'.{os.path.basename(target)}.',
+                             suffix='.tmp')
+  os.close(fd)
+  os.chmod(tmp, 0o644)   # mkstemp makes 0600; token files are meant to be shared
+  return tmp
+
+
+def _write_docs(f, docs: Iterable[np.ndarray], tokenizer) -> tuple[int, int]:
+  dtype = token_dtype(tokenizer.vocab_size)
+  eos = np.array([tokenizer.eos_id], dtype)
+  pending, pending_tokens, num_tokens, num_docs = [], 0, 0, 0
+  for doc in docs:
+    doc = _checked_doc(doc, num_docs, tokenizer.vocab_size)
+    pending += [doc.astype(dtype), eos]
+    pending_tokens += doc.size + 1
+    num_docs += 1
+    if pending_tokens >= _FLUSH_TOKENS:
+      f.write(np.concatenate(pending).tobytes())
+      num_tokens += pending_tokens
+      pending, pending_tokens = [], 0
+  if pending:
+    f.write(np.concatenate(pending).tobytes())
+    num_tokens += pending_tokens
+  return num_tokens, num_docs
+
+
+def _checked_doc(doc, index: int, vocab_size: int) -> np.ndarray:
+  doc = np.asarray(doc)
+  if doc.ndim != 1 or not (doc.size == 0 or np.issubdtype(doc.dtype, np.integer)):
+    raise ValueError(f'document {index}: expected a 1-D array of integer token ids, got '
+                     f'shape {doc.shape} dtype {doc.dtype}.')
+  if doc.size and (doc.min() < 0 or doc.max() >= vocab_size):
+    raise ValueError(f'document {index}: token ids span [{doc.min()}, {doc.max()}], outside '
+                     f'the tokenizer vocabulary [0, {vocab_size}).')
+  return doc
+
+
+# --- Reading ----------------------------------------------------------------------------
+
+
+def open_token_file(path: str) -> tuple[np.ndarray, dict]:
+  """Memory-maps a token file; returns (ids, metadata). Nothing is read into memory."""
+  meta = read_metadata(path)
+  dtype = np.dtype(meta['dtype']).newbyteorder('<')
+  size = os.path.getsize(path)
+  if size != meta['num_tokens'] * dtype.itemsize:
+    raise ValueError(
+        f'{path} holds {size} bytes but {sidecar(path)} promises {meta["num_tokens"]} '
+        f'{dtype.name} tokens ({meta["num_tokens"] * dtype.itemsize} bytes): the file is '
+        'truncated or does not belong to this sidecar. Re-create it with '
+        '`python -m training.prepare`.')
+  if meta['num_tokens'] == 0:
+    return np.zeros(0, dtype), meta   # np.memmap refuses empty files
+  return np.memmap(path, dtype=dtype, mode='r'), meta
+
+
+def read_metadata(path: str) -> dict:
+  """The sidecar of a token file, checked for the keys the pipeline relies on."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'token file {path} does not exist. Create it with '
+                            '`python -m training.prepare --input TEXT_FILES --output OUT.bin`.')
+  if not os.path.isfile(sidecar(path)):
+    raise FileNotFoundError(
+        f'{path} has no metadata file {sidecar(path)}: it was not written by '
+        '`python -m training.prepare` or its writer did not finish. Re-create it.')
+  with open(sidecar(path), encoding='utf-8') as f:
+    meta = json.load(f)
+  missing = {'dtype', 'num_tokens', 'num_documents', 'vocab_size', 'eos_id',
+             'tokenizer'} - set(meta)
+  if missing:
+    raise ValueError(f'{sidecar(path)} lacks {sorted(missing)}: re-create the token file.')
+  if meta['dtype'] not in ('uint16', 'uint32'):
+    raise ValueError(f'{sidecar(path)}: dtype {meta["dtype"]!r} is not uint16 or uint32.')
+  return meta
+
+
+class TokenWindows:
+  """Random access to windows of `seq_len + 1` tokens, stride `seq_len`, over files.
+
+  Holds paths, not arrays: memmaps are opened lazily in whichever process reads, so
+  pickling this to grain workers never copies the token data.
+  """
+
+  def __init__(self, paths: Sequence[str], seq_len: int):
+    self.paths = list(paths)
+    self.seq_len = seq_len
+    sizes = [read_metadata(p)['num_tokens'] for p in self.paths]
+    self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    self.num_tokens = int(self._starts[-1])
+    self._arrays = None
+
+  def __len__(self) -> int:
+    return max(self.num_tokens - 1, 0) // self.seq_len
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    if not 0 <= index < len(self):
+      raise IndexError(f'window {index} out of range [0, {len(self)}).')
+    return self.read(index * self.seq_len, index * self.seq_len + self.seq_len + 1)
+
+  def read(self, begin: int, end: int) -> np.ndarray:
+    """Tokens [begin, end) of the concatenated files, as int32."""
+    if self._arrays is None:
+      self._arrays = [open_token_file(p)[0] for p in self.paths]
+    pieces = []
+    f = int(np.searchsorted(self._starts, begin, side='right')) - 1
+    while begin < end:
+      local = begin - self._starts[f]
+      take = min(end, self._starts[f + 1]) - begin
+      pieces.append(self._arrays[f][local:local + take])
+      begin += take
+      f += 1
+    return np.concatenate(pieces).astype(np.int32)
+
+  def __getstate__(self) -> dict:
+    return {**self.__dict__, '_arrays': None}
+
+  def __repr__(self) -> str:
+    return f'TokenWindows({len(self.paths)} files, {self.num_tokens} tokens, T={self.seq_len})'
+
+
+def window_features(window: np.ndarray, *, eos_id: int, pack: bool) -> dict[str, np.ndarray]:
+  """Model inputs for one window; with packing, each document is its own segment."""
+  inputs, targets = window[:-1], window[1:]
+  t = np.arange(inputs.size, dtype=np.int32)
+  if not pack:
+    ones = np.ones(inputs.size, np.int32)
+    return dict(inputs=inputs, targets=targets, segment_ids=ones, positions=t,
+                weights=np.ones(inputs.size, np.float32))
+  is_eos = inputs == eos_id
+  # The eos ends its document; the token after it starts the next segment.
+  starts = np.concatenate([[True], is_eos[:-1]])
+  segment_ids = np.cumsum(starts, dtype=np.int32)
+  positions = t - np.maximum.accumulate(np.where(starts, t, 0)).astype(np.int32)
+  # Predicting a new document's first token from the previous document is noise.
+  weights = np.where(is_eos, 0.0, 1.0).astype(np.float32)
+  return dict(inputs=inputs, targets=targets, segment_ids=segment_ids, positions=positions,
+              weights=weights)
+
+
+# --- The pipeline -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DataInfo:
+  tokenizer: Any
+  vocab_size: int
+  eos_id: int
+
+
+def data_info(cfg: config_lib.DataConfig) -> DataInfo:
+  """Tokenizer facts the trainer needs (model.vocab_size >= vocab_size), checked against
+  the configured token files' metadata; builds nothing."""
+  tok = tokenizer_lib.load_tokenizer(cfg.tokenizer)
+  for path in _dedupe_sidecars(config_lib.data_files(cfg)):
+    _check_matches_tokenizer(path, read_metadata(path), tok)
+  return DataInfo(tokenizer=tok, vocab_size=tok.vocab_size, eos_id=tok.eos_id)
+
+
+def eos_id_for(cfg: config_lib.DataConfig) -> int:
+  return data_info(cfg).eos_id
+
+
+def train_files(cfg: config_lib.DataConfig) -> list[str]:
+  """The configured token files, or the default corpus (built on first use)."""
+  files = _dedupe_sidecars(config_lib.data_files(cfg))
+  if files:
+    return files
+  # Imported here: corpus builds its file with write_token_file from this module.
+  from training import corpus  # pylint: disable=import-outside-toplevel
+  return [corpus.default_corpus(cfg)]
+
+
+def _dedupe_sidecars(files: list[str]) -> list[str]:
+  # A glob such as `data/*` also matches each NAME.bin.json next to NAME.bin.
+  names = set(files)
+  return [f for f in files if not (f.endswith('.json') and f[:-len('.json')] in names)]
+
+
+def _check_matches_tokenizer(path: str, meta: dict, tok) -> None:
+  # The name too: two tokenizers can share vocab size and eos yet mean different text.
+  if (meta['tokenizer'], meta['vocab_size'], meta['eos_id']) != (
+      tok.name, tok.vocab_size, tok.eos_id):
+    raise ValueError(
+        f'{path} was written with tokenizer {meta["tokenizer"]} (vocab_size '
+        f'{meta["vocab_size"]}, eos_id {meta["eos_id"]}) but data.tokenizer gives '
+        f'{tok.name} (vocab_size {tok.vocab_size}, eos_id {tok.eos_id}). Re-run '
+        '`python -m training.prepare` with --tokenizer matching data.tokenizer, or set '
+        'data.tokenizer to the one the files were written with.')
+
+
+def _check_cfg(cfg: config_lib.DataConfig, process_index: int, process_count: int) -> None:
+  if cfg.batch_size < 1 or cfg.seq_len < 1:
+    raise ValueError(f'data.batch_size={cfg.batch_size} and data.seq_len={cfg.seq_len} '
+                     'must both be >= 1.')
+  if cfg.batch_size % process_count:
+    raise ValueError(f'data.batch_size={cfg.batch_size} is not divisible by the '
+                     f'{process_count} processes: change data.batch_size.')
+  if not 0 <= process_index < process_count:
+    raise ValueError(f'process_index={process_index} is outside [0, {process_count}).')
+  if cfg.worker_count < 0:
+    raise ValueError(f'data.worker_count={cfg.worker_count} must be >= 0.')
+
+
+def _shuffle_seed(seed: int) -> int:
+  # Grain seeds epoch e with seed + e, so seed s's second epoch would replay seed s+1's
+  # first; hashing the run seed keeps different runs' orders unrelated.
+  digest = hashlib.sha256(f'meshlm-data-shuffle-{seed}'.encode()).digest()
+  return int.from_bytes(digest[:4], 'little')
+
+
+def make_dataset(cfg: config_lib.DataConfig, *, seed: int, process_index: int = 0,
+                 process_count: int = 1) -> grain.IterDataset:
+  """This process's batches as a grain IterDataset (see the module docstring)."""
+  _check_cfg(cfg, process_index, process_count)
+  tok = tokenizer_lib.load_tokenizer(cfg.tokenizer)
+  files = train_files(cfg)
+  metas = [read_metadata(p) for p in files]
+  for path, meta in zip(files, metas):
+    _check_matches_tokenizer(path, meta, tok)
+  windows = TokenWindows(files, cfg.seq_len)
+  if not len(windows):
+    raise ValueError(f'{windows.num_tokens} tokens in {files} do not fill one window of '
+                     f'data.seq_len + 1 = {cfg.seq_len + 1}: add data or lower data.seq_len.')
+  ds = grain.MapDataset.source(windows)
+  if cfg.shuffle:
+    ds = ds.shuffle(seed=_shuffle_seed(seed))
+  features = functools.partial(window_features, eos_id=metas[0]['eos_id'],
+                               pack=cfg.pack_documents)
+  # Cut the endless window sequence into batches of b = batch_size / P rows: batch k is
+  # rows [(k % P) * b, (k % P + 1) * b) of global step k // P, so process p keeps every
+  # P-th batch from p. Slicing before reading means each process reads only its rows.
+  ds = (ds.repeat(None).map(features)
+        .batch(cfg.batch_size // process_count, drop_remainder=True)
+        .slice(slice(process_index, None, process_count)))
+  ds = ds.to_iter_dataset(_READ_OPTIONS)
+  if cfg.worker_count > 0:
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count,
+                                                     per_worker_buffer_size=2))
+  return ds
+
+
+def make_train_iterator(cfg: config_lib.DataConfig, *, seed: int, process_index: int = 0,
+                        process_count: int = 1) -> grain.DatasetIterator:
+  """An endless iterator of this process's batches; `get_state()` is JSON-serializable.
+
+  Each batch is a dict of numpy arrays of shape [batch_size // process_count, seq_len]:
+  inputs, targets, segment_ids, positions (int32) and weights (float32). Call `close()`
+  when done: with workers, batches not yet taken hold shared memory. A saved state only
+  restores onto the same files, cfg, seed, process layout and worker_count.
+  """
+  ds = make_dataset(cfg, seed=seed, process_index=process_index,
+                    process_count=process_count)
+  return iter(ds)

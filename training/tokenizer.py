@@ -1,0 +1,86 @@
+"""Tokenizers: raw UTF-8 bytes, or a local Hugging Face `tokenizer.json`.
+
+Both give `encode(text) -> int32 ids`, `decode(ids) -> str`, `vocab_size`, `eos_id` and a
+`name` that is stable across runs; token files record the name so that training refuses
+tokens written by a different tokenizer.
+"""
+
+import hashlib
+import os
+from typing import Sequence
+
+import numpy as np
+
+# Tried in order: GPT-2/Qwen, Llama-3, Llama-2/Mistral, Gemma.
+EOS_CANDIDATES = ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>')
+
+
+class ByteTokenizer:
+  """ids 0..255 are the UTF-8 bytes of the text; 256 ends a document."""
+
+  name = 'byte'
+  eos_id = 256
+  vocab_size = 257
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.frombuffer(text.encode('utf-8'), np.uint8).astype(np.int32)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    return [self.encode(t) for t in texts]
+
+  def decode(self, ids) -> str:
+    ids = np.asarray(ids).reshape(-1)
+    data = ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes()
+    return data.decode('utf-8', errors='replace')
+
+
+class HFTokenizer:
+  """A `tokenizers.Tokenizer` read from a local tokenizer.json (no downloads)."""
+
+  def __init__(self, path: str):
+    import tokenizers  # pylint: disable=import-outside-toplevel
+    with open(path, 'rb') as f:
+      digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    self._tok = tokenizers.Tokenizer.from_file(path)
+    self.path = path
+    self.name = f'hf-{digest}'
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    self.eos_id = self._find_eos()
+
+  def _find_eos(self) -> int:
+    for token in EOS_CANDIDATES:
+      token_id = self._tok.token_to_id(token)
+      if token_id is not None:
+        return token_id
+    raise ValueError(
+        f'{self.path} has none of the end-of-document tokens {EOS_CANDIDATES}: documents '
+        'could not be separated. Add one of them to the tokenizer as a special token.')
+
+  def encode(self, text: str) -> np.ndarray:
+    # No special tokens: documents are delimited by the eos the token file adds.
+    ids = self._tok.encode(text, add_special_tokens=False).ids
+    return np.asarray(ids, np.int32)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
+    return [np.asarray(e.ids, np.int32) for e in encodings]
+
+  def decode(self, ids) -> str:
+    ids = np.asarray(ids).reshape(-1)
+    ids = ids[(ids >= 0) & (ids < self.vocab_size)]
+    return self._tok.decode(ids.tolist(), skip_special_tokens=True)
+
+
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+  """'byte', or a path (`~` allowed) to a Hugging Face tokenizer.json."""
+  if spec == 'byte':
+    return ByteTokenizer()
+  path = os.path.expanduser(spec)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(
+        f'data.tokenizer={spec!r}: no such file. Set --config.data.tokenizer=byte, or to '
+        'the path of a local Hugging Face tokenizer.json.')
+  return HFTokenizer(path)
