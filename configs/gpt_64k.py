@@ -1,0 +1,40 @@
+"""A ~1.2B-parameter Llama-style GPT trained on 65,536-token sequences.
+
+Llama-3.2-1B shape (16 layers, 2048 wide, 32 query / 8 KV heads, tied embeddings), RoPE
+theta 500k scaled 8x from an 8K original context, full remat, chunked loss, ZeRO-3.
+Attention uses cuDNN until the Pallas flash kernel lands; cuDNN takes no per-token
+segment mask at this length, so documents are not packed with segment ids.
+
+Variants: '' (the real run, GPU), 'smoke' (same structure, tiny sizes, runs on CPU).
+"""
+
+from training.config import Config
+
+VARIANTS = ('', 'smoke')
+
+
+def get_config(variant: str = '') -> Config:
+  cfg = Config(steps=20_000, workdir='runs/gpt_64k')
+  m = cfg.model
+  m.vocab_size, m.num_layers, m.embed_dim, m.mlp_dim = 128_256, 16, 2048, 8192
+  m.num_heads, m.num_kv_heads, m.head_dim = 32, 8, 64
+  m.max_seq_len, m.rope_theta = 65_536, 500_000.0
+  m.rope_scaling_factor, m.rope_original_max_len = 8.0, 8192
+  m.tie_embeddings, m.remat, m.attention_impl = True, 'full', 'cudnn'
+  m.dtype, m.param_dtype, m.loss_chunk = 'bfloat16', 'float32', 4096
+  cfg.mesh.data, cfg.mesh.fsdp = 1, -1
+  cfg.parallel.zero_stage = 3
+  cfg.data.seq_len, cfg.data.batch_size, cfg.data.pack_documents = 65_536, 8, False
+  cfg.optim.learning_rate, cfg.optim.warmup_steps, cfg.optim.b2 = 3e-4, 500, 0.95
+  cfg.checkpoint.every_steps, cfg.checkpoint.keep = 500, 3
+  if variant == 'smoke':
+    m.vocab_size, m.num_layers, m.embed_dim, m.mlp_dim = 512, 2, 64, 192
+    m.num_heads, m.num_kv_heads, m.head_dim = 4, 1, 16
+    m.max_seq_len, m.rope_original_max_len = 512, 64
+    m.attention_impl, m.dtype, m.loss_chunk = 'xla', 'float32', 128
+    cfg.data.seq_len, cfg.data.batch_size, cfg.data.corpus_max_mb = 512, 8, 1
+    cfg.steps, cfg.checkpoint.every_steps = 3, 2
+    cfg.workdir = 'runs/gpt_64k_smoke'
+  elif variant:
+    raise ValueError(f'configs/gpt_64k.py has variants "" and "smoke", not {variant!r}.')
+  return cfg

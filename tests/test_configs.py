@@ -1,0 +1,58 @@
+"""Every file in configs/ imports, validates and builds for every variant it declares."""
+
+import os
+
+import jax
+import pytest
+
+import model
+from sharding.mesh import make_mesh
+from sharding.rules import check_divisible, make_plan
+from training import config as config_lib, trainer
+from training.cli import CONFIGS_DIR, load_config_file, load_config_module
+
+CASES = [(name, variant)
+         for name in sorted(f for f in os.listdir(CONFIGS_DIR) if f.endswith('.py'))
+         for variant in load_config_module(name).VARIANTS]
+
+
+@pytest.mark.parametrize('name, variant', CASES)
+def test_config_builds_on_eight_devices(name, variant):
+  cfg = load_config_file(f'{name}:{variant}')
+  assert isinstance(cfg, config_lib.Config)
+  config_lib.validate(cfg, num_devices=8)
+  plan = make_plan(make_mesh(cfg.mesh), cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
+  shapes, axes = model.abstract_params(cfg.model), model.logical_axes(cfg.model)
+  for rules in (plan.params, plan.grads, plan.opt_state):
+    check_divisible(plan, rules, shapes, axes)
+  assert jax.tree.structure(shapes) == jax.tree.structure(
+      axes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def test_unknown_variant_is_rejected():
+  with pytest.raises(ValueError, match='variants'):
+    load_config_file('gpt_64k.py:huge')
+
+
+def test_gpt_64k_is_a_long_context_billion_parameter_model():
+  cfg = load_config_file('gpt_64k.py')
+  assert 1.0e9 < model.count_params(cfg.model) < 1.4e9
+  assert cfg.data.seq_len == cfg.model.max_seq_len == 65_536
+  assert cfg.model.rope_scaling_factor * cfg.model.rope_original_max_len == 65_536
+  assert cfg.model.remat != 'none'
+
+
+def test_gpt_64k_smoke_keeps_structure_and_trains_on_cpu(tmp_path):
+  full, smoke = load_config_file('gpt_64k.py'), load_config_file('gpt_64k.py:smoke')
+  for field in ('tie_embeddings', 'remat', 'rope_scaling_factor'):
+    assert getattr(smoke.model, field) == getattr(full.model, field)
+  assert smoke.model.num_heads // smoke.model.num_kv_heads == \
+      full.model.num_heads // full.model.num_kv_heads
+  assert smoke.parallel.zero_stage == full.parallel.zero_stage
+  assert smoke.model.rope_scaling_factor * smoke.model.rope_original_max_len == \
+      smoke.data.seq_len
+  smoke.workdir, smoke.data.cache_dir = str(tmp_path), str(tmp_path / 'cache')
+  smoke.metrics.progress_bar = False
+  history = trainer.train(smoke)
+  assert [r['step'] for r in history] == list(range(1, smoke.steps + 1))
+  assert all(r['loss'] == r['loss'] and r['loss'] < 10 for r in history)

@@ -1,0 +1,88 @@
+"""Per-device memory and collectives of the compiled train step, per ZeRO/TP preset."""
+
+import dataclasses
+import math
+
+import jax
+import pytest
+
+import model
+from sharding import hlo
+from sharding.mesh import MeshConfig, make_mesh
+from sharding.rules import make_plan
+from tests.test_parallel import random_batch, tiny_config
+from training import optimizer, state
+
+
+def compile_step(cfg, mesh_cfg, zero, sp=False, devices=None):
+  plan = make_plan(make_mesh(mesh_cfg, devices), zero, sp)
+  tx = optimizer.make_optimizer(cfg.optim, 10)
+  step = state.make_train_step(cfg, plan, tx, optimizer.lr_schedule(cfg.optim, 10))
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=plan.batch_sharding())
+           for k, v in random_batch(cfg).items()}
+  compiled = step.lower(state.abstract_state(cfg, plan, tx), batch).compile()
+  return hlo.inspect_compiled(compiled), plan, tx
+
+
+def param_bytes(cfg) -> int:
+  return sum(math.prod(s.shape) * s.dtype.itemsize
+             for s in jax.tree.leaves(model.abstract_params(cfg.model)))
+
+
+def test_zero3_argument_memory_falls_as_one_over_n():
+  cfg = tiny_config()
+  args = {n: compile_step(cfg, MeshConfig(data=1, fsdp=n), 3, devices=jax.devices()[:n])[0]
+          .argument_bytes for n in (1, 2, 4, 8)}
+  for n in (2, 4, 8):
+    assert abs(args[n] * n / args[1] - 1) < 0.10, args
+
+
+def test_zero1_shards_only_optimizer_state():
+  cfg = tiny_config()
+  report, plan, tx = compile_step(cfg, MeshConfig(data=1, fsdp=8), 1)
+  shardings = state.state_shardings(cfg, plan, tx)
+  param_specs = [s.spec for s in jax.tree.leaves(shardings.params)]
+  assert all('fsdp' not in tuple(spec) for spec in param_specs)
+  adam = [s for s in jax.tree.leaves(shardings.opt_state) if len(s.spec) > 0]
+  assert len(adam) == 2 * len(param_specs)   # mu and nu
+  assert all('fsdp' in tuple(s.spec) for s in adam)
+  # Whole params plus Adam's two moments split eight ways (+ the tiny batch).
+  expected = param_bytes(cfg) * (1 + 2 / 8)
+  assert abs(report.argument_bytes / expected - 1) < 0.10, (report.argument_bytes, expected)
+
+
+def test_data_parallel_all_reduces_gradients_once():
+  cfg = tiny_config()
+  report = compile_step(cfg, MeshConfig(data=8), 0)[0]
+  reduced = report.bytes_of('all-reduce', 'reduce-scatter')
+  assert param_bytes(cfg) <= reduced < 1.05 * param_bytes(cfg) + 4096, report.summary()
+  assert report.bytes_of('all-gather') == 0, report.summary()
+
+
+def test_fsdp_all_gathers_weights_per_layer():
+  cfg = tiny_config()
+  report = compile_step(cfg, MeshConfig(data=1, fsdp=8), 3)[0]
+  layer_bytes = param_bytes(cfg) / cfg.model.num_layers   # roughly: layers dominate
+  gathers = report.collectives['all-gather']
+  # Weights are gathered inside the scan: forward and again in backward.
+  assert gathers.count >= 2 * cfg.model.num_layers, report.summary()
+  assert gathers.bytes >= (2 * cfg.model.num_layers - 1) * layer_bytes * 0.5, report.summary()
+
+
+@pytest.mark.parametrize('sp', [False, True])
+def test_tensor_parallel_reduces_per_layer(sp):
+  """Adding layers adds at least two activation reductions per layer (attention, mlp)."""
+  reports = {}
+  for layers in (2, 4):
+    cfg = tiny_config()
+    cfg.model = dataclasses.replace(cfg.model, num_layers=layers)
+    reports[layers] = compile_step(cfg, MeshConfig(data=2, tensor=4), 0, sp)[0]
+  cfg = tiny_config()
+  # One activation [batch/2, seq, embed] in float32 per reduction.
+  act_bytes = cfg.data.batch_size // 2 * cfg.data.seq_len * cfg.model.embed_dim * 4
+  reduce_kinds = ('all-reduce', 'reduce-scatter')
+  extra = reports[4].bytes_of(*reduce_kinds) - reports[2].bytes_of(*reduce_kinds)
+  # Forward only would be 2 per layer; backward adds at least as many again.
+  per_layer = extra / 2 / act_bytes
+  factor = 1 / 4 if sp else 1   # sequence parallel: each reduce-scatter keeps a quarter
+  assert per_layer >= 2 * factor, (per_layer, reports[4].summary())

@@ -1,0 +1,97 @@
+"""Train state, its shardings under a plan, and the jitted train step."""
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+import model
+from sharding.rules import ShardingPlan
+from training.config import Config
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def state_shardings(cfg: Config, plan: ShardingPlan, tx) -> TrainState:
+  """Where each leaf of the train state lives: params, then optimizer copies of them."""
+  axes = model.logical_axes(cfg.model)
+  abstract = jax.eval_shape(tx.init, model.abstract_params(cfg.model))
+  opt_shardings = plan.tree(plan.opt_state, axes)
+  opt_state = optax.tree_map_params(
+      tx, lambda _, s: s, abstract, opt_shardings,
+      transform_non_params=lambda _: plan.replicated())
+  return TrainState(step=plan.replicated(), params=plan.tree(plan.params, axes),
+                    opt_state=opt_state)
+
+
+def abstract_state(cfg: Config, plan: ShardingPlan, tx) -> TrainState:
+  """ShapeDtypeStructs carrying shardings: a restore target for any mesh."""
+  shardings = state_shardings(cfg, plan, tx)
+  shapes = jax.eval_shape(lambda: _new_state(cfg, tx, jax.random.key(0)))
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, shardings)
+
+
+def _new_state(cfg: Config, tx, key) -> TrainState:
+  params = model.init_params(cfg.model, key)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
+def init_state(cfg: Config, plan: ShardingPlan, tx) -> TrainState:
+  """Fresh state, created directly in its sharded layout."""
+  init = jax.jit(lambda key: _new_state(cfg, tx, key),
+                 out_shardings=state_shardings(cfg, plan, tx))
+  return init(jax.random.key(cfg.seed))
+
+
+def loss_and_grads(params, batch: dict, cfg: Config, plan: ShardingPlan | None):
+  """Mean token loss and its gradients over the batch, in `grad_accum` microbatches."""
+  weight = jnp.maximum(jnp.sum(batch['weights'].astype(jnp.float32)), 1.0)
+  grad_fn = jax.value_and_grad(model.summed_nll)
+  accum = cfg.optim.grad_accum
+  if accum == 1:
+    total, grads = grad_fn(params, batch, cfg.model, plan)
+  else:
+    # Microbatch i takes rows i, i+accum, ...: each stays spread over every batch shard.
+    micro = jax.tree.map(
+        lambda x: jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1),
+        batch)
+    grad_sh = None if plan is None else plan.tree(plan.grads, model.logical_axes(cfg.model))
+
+    def body(carry, mb):
+      total, grads = grad_fn(params, mb, cfg.model, plan)
+      acc = jax.tree.map(jnp.add, carry[1], grads)
+      if grad_sh is not None:
+        acc = jax.lax.with_sharding_constraint(acc, grad_sh)
+      return (carry[0] + total, acc), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (total, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
+  return total / weight, jax.tree.map(lambda g: g / weight, grads)
+
+
+def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
+  """jit(state, batch) -> (state, metrics); the state buffer is donated."""
+  shardings = state_shardings(cfg, plan, tx)
+  grad_shardings = plan.tree(plan.grads, model.logical_axes(cfg.model))
+
+  def step(state: TrainState, batch: dict):
+    loss, grads = loss_and_grads(state.params, batch, cfg, plan)
+    # ZeRO-2/3: the constraint turns the gradient all-reduce into a reduce-scatter.
+    grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    params = jax.lax.with_sharding_constraint(params, shardings.params)
+    metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads), 'lr': schedule(state.step)}
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  batch_sh = plan.batch_sharding()
+  return jax.jit(step, in_shardings=(shardings, batch_sh),
+                 out_shardings=(shardings, plan.replicated()), donate_argnums=0)

@@ -1,0 +1,188 @@
+"""The train loop: set up mesh, state, data and checkpoints; step; log; save; sample."""
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from rich.console import Console
+
+import model
+from sharding.mesh import make_mesh
+from sharding.rules import ShardingPlan, check_divisible, make_plan
+from training import checkpoint, config as config_lib, data, metrics, optimizer, sample, state
+
+console = Console(stderr=True)
+
+# Which config field sets each logical axis's size (for divisibility errors).
+_FIELD_OF_AXIS = {
+    'vocab': 'model.vocab_size', 'embed': 'model.embed_dim', 'heads': 'model.num_heads',
+    'kv_heads': 'model.num_kv_heads', 'mlp': 'model.mlp_dim', 'layers': 'model.num_layers',
+}
+
+
+class ConfigError(ValueError):
+  """A config that cannot run; the message names the field and the fix."""
+
+
+@dataclasses.dataclass
+class Trainer:
+  cfg: config_lib.Config
+  plan: ShardingPlan
+  tx: object
+  schedule: object
+  ckpt: checkpoint.Checkpointer
+  data_iter: object
+  tokenizer: object
+  is_main: bool
+
+
+def setup(cfg: config_lib.Config) -> Trainer:
+  """Everything a run needs, each config problem reported before any device work."""
+  try:
+    config_lib.validate(cfg, jax.device_count(), jax.process_count())
+    info = data.data_info(cfg.data)
+    if info.vocab_size > cfg.model.vocab_size:
+      raise ValueError(f'model.vocab_size={cfg.model.vocab_size} is smaller than the '
+                       f'tokenizer vocabulary ({info.vocab_size}): raise it.')
+    plan = make_plan(make_mesh(cfg.mesh), cfg.parallel.zero_stage,
+                     cfg.parallel.sequence_parallel)
+    shapes, axes = model.abstract_params(cfg.model), model.logical_axes(cfg.model)
+    for rules in (plan.params, plan.grads, plan.opt_state):
+      check_divisible(plan, rules, shapes, axes, _FIELD_OF_AXIS)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+  is_main = jax.process_index() == 0
+  if is_main:
+    os.makedirs(cfg.workdir, exist_ok=True)
+    with open(os.path.join(cfg.workdir, 'config.json'), 'w') as f:
+      f.write(config_lib.to_json(cfg))
+  tx = optimizer.make_optimizer(cfg.optim, cfg.steps)
+  data_iter = data.make_train_iterator(cfg.data, seed=cfg.seed,
+                                       process_index=jax.process_index(),
+                                       process_count=jax.process_count())
+  ckpt = checkpoint.Checkpointer(os.path.join(cfg.workdir, 'checkpoints'), cfg.checkpoint)
+  return Trainer(cfg, plan, tx, optimizer.lr_schedule(cfg.optim, cfg.steps), ckpt,
+                 data_iter, info.tokenizer, is_main)
+
+
+def restore_or_init(t: Trainer):
+  """(state, step): the newest intact checkpoint, data position included, or a fresh start."""
+  target = state.abstract_state(t.cfg, t.plan, t.tx)
+  restored = t.ckpt.restore_latest(target)
+  if restored is None:
+    return state.init_state(t.cfg, t.plan, t.tx), 0
+  train_state, meta = restored
+  if meta.get('data_setup') != data_setup(t.cfg):
+    console.print('[yellow]warning: data files, data config, seed or process count changed '
+                  'since this checkpoint; the data iterator restarts from its saved index '
+                  'on the new data.[/]')
+  t.data_iter.set_state(meta['data'])
+  console.print(f'resumed from step {meta["step"]} in {t.ckpt.directory}')
+  return train_state, int(meta['step'])
+
+
+def data_setup(cfg: config_lib.Config) -> dict:
+  """What the saved data position depends on."""
+  return {'data': dataclasses.asdict(cfg.data), 'seed': cfg.seed,
+          'processes': jax.process_count()}
+
+
+def global_batch(t: Trainer, local: dict) -> dict:
+  sharding = t.plan.batch_sharding()
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+          for k, v in local.items()}
+
+
+def compile_step(t: Trainer, train_state, batch):
+  start = time.perf_counter()
+  step_fn = state.make_train_step(t.cfg, t.plan, t.tx, t.schedule)
+  compiled = step_fn.lower(train_state, batch).compile()
+  mem = compiled.memory_analysis()
+  if t.is_main and mem is not None:
+    console.print(f'compiled train step in {time.perf_counter() - start:.1f}s; per device: '
+                  f'arguments {mem.argument_size_in_bytes / 2**20:.1f} MiB, temporaries '
+                  f'{mem.temp_size_in_bytes / 2**20:.1f} MiB')
+  return compiled
+
+
+def run_loop(t: Trainer, train_state, start: int) -> tuple[object, list[dict]]:
+  cfg = t.cfg
+  tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+  flops_per_step = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
+  peak = metrics.peak_flops_per_device(cfg.metrics)
+  logger = metrics.MetricsLogger(cfg.workdir, cfg.metrics, start_step=start,
+                                 total_steps=cfg.steps, enabled=t.is_main)
+  history, step_fn, step = [], None, start
+  try:
+    while step < cfg.steps:
+      tic = time.perf_counter()
+      batch = global_batch(t, next(t.data_iter))
+      if step_fn is None:
+        step_fn = compile_step(t, train_state, batch)
+        tic = time.perf_counter()   # compile time stays out of step_time_s
+      train_state, out = step_fn(train_state, batch)
+      out = {k: float(v) for k, v in jax.device_get(out).items()}
+      step += 1
+      elapsed = time.perf_counter() - tic
+      record = _record(step, out, elapsed, tokens_per_step, flops_per_step, peak)
+      history.append(record)
+      if step % cfg.metrics.log_every == 0 or step == cfg.steps:
+        logger.log(record)
+      if step % cfg.checkpoint.every_steps == 0 or step == cfg.steps:
+        save(t, step, train_state)
+  except KeyboardInterrupt:
+    # Keep what was trained: the state after the last finished step is intact.
+    if step > start and step not in t.ckpt.steps():
+      save(t, step, train_state)
+    raise
+  finally:
+    logger.close()
+    t.ckpt.wait()
+  return train_state, history
+
+
+def save(t: Trainer, step: int, train_state) -> None:
+  extra = {'data': t.data_iter.get_state(), 'data_setup': data_setup(t.cfg)}
+  t.ckpt.save(step, train_state, extra)
+
+
+def _record(step, out, elapsed, tokens_per_step, flops_per_step, peak) -> dict:
+  mfu = None
+  if peak:
+    mfu = flops_per_step / elapsed / (peak * jax.device_count())
+  return {'step': step, 'loss': out['loss'], 'grad_norm': out['grad_norm'], 'lr': out['lr'],
+          'tokens_per_sec': tokens_per_step / elapsed, 'step_time_s': elapsed, 'mfu': mfu}
+
+
+def print_sample(t: Trainer, params) -> str:
+  cfg = t.cfg.sample
+  prompt = t.tokenizer.encode(cfg.prompt)
+  ids = sample.generate(params, t.cfg.model, prompt, cfg.num_tokens, cfg.temperature,
+                        seed=t.cfg.seed)
+  text = t.tokenizer.decode(ids)
+  if t.is_main:
+    console.rule('sample')
+    console.print(cfg.prompt + text, markup=False, highlight=False)
+    console.rule()
+  return text
+
+
+def train(cfg: config_lib.Config) -> list[dict]:
+  """Trains cfg.steps steps (resuming from cfg.workdir) and returns the per-step records."""
+  t = setup(cfg)
+  train_state, start = restore_or_init(t)
+  if t.is_main:
+    console.print(f'{model.count_params(cfg.model) / 1e6:.2f}M parameters on mesh '
+                  f'{dict(t.plan.mesh.shape)}, ZeRO-{cfg.parallel.zero_stage}; steps '
+                  f'{start} -> {cfg.steps}; workdir {os.path.abspath(cfg.workdir)}')
+  train_state, history = run_loop(t, train_state, start)
+  if history and t.is_main:
+    console.print(json.dumps({k: history[-1][k] for k in ('step', 'loss')}))
+  if cfg.sample.num_tokens > 0:
+    print_sample(t, train_state.params)
+  t.ckpt.close()
+  t.data_iter.close()
+  return history
