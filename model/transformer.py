@@ -133,9 +133,10 @@ def attention_mask(segment_ids: jax.Array | None, t: int) -> jax.Array:
   return causal & same_doc
 
 
-def attention_xla(q, k, v, mask):
+def attention_xla(q, k, v, segment_ids):
   """Grouped-query attention without repeating K/V: q [b,t,h,e], k/v [b,s,k,e]."""
   b, t, h, e = q.shape
+  mask = attention_mask(segment_ids, t)
   groups = h // k.shape[2]
   q = q.reshape(b, t, k.shape[2], groups, e)
   scores = jnp.einsum('btkge,bske->bkgts', q, k, preferred_element_type=jnp.float32)
@@ -146,12 +147,16 @@ def attention_xla(q, k, v, mask):
   return out.reshape(b, t, h, e)
 
 
-def attention_cudnn(q, k, v, mask):
-  # cuDNN's fused kernel on GPU; it does the grouped-query broadcast itself.
-  return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation='cudnn')
+def attention_cudnn(q, k, v, segment_ids):
+  # cuDNN's fused kernel on GPU; it does the grouped-query broadcast itself. Packed
+  # documents need a dense [b, 1, t, s] mask: fine for short sequences only.
+  if segment_ids is None:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation='cudnn')
+  mask = attention_mask(segment_ids, q.shape[1])[:, None]
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation='cudnn')
 
 
-def attention(x, layer, cfg: ModelConfig, positions, mask, inv_freq, plan):
+def attention(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan):
   dtype = x.dtype
   q = jnp.einsum('btd,dhe->bthe', x, layer['wq'].astype(dtype))
   k = jnp.einsum('btd,dke->btke', x, layer['wk'].astype(dtype))
@@ -160,9 +165,9 @@ def attention(x, layer, cfg: ModelConfig, positions, mask, inv_freq, plan):
   k = constrain(apply_rope(k, positions, inv_freq), ('batch', 'act_seq', 'act_kv_heads', None), plan)
   v = constrain(v, ('batch', 'act_seq', 'act_kv_heads', None), plan)
   if cfg.attention_impl == 'xla':
-    out = attention_xla(q, k, v, mask)
+    out = attention_xla(q, k, v, segment_ids)
   elif cfg.attention_impl == 'cudnn':
-    out = attention_cudnn(q, k, v, mask)
+    out = attention_cudnn(q, k, v, segment_ids)
   else:
     raise NotImplementedError(
         f'model.attention_impl={cfg.attention_impl!r}: the Pallas flash-attention kernel is '
@@ -180,10 +185,10 @@ def mlp(x, layer, plan):
   return jnp.einsum('btf,fd->btd', hidden, layer['w_down'].astype(dtype))
 
 
-def block(x, layer, cfg: ModelConfig, positions, mask, inv_freq, plan):
+def block(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan):
   with jax.named_scope('attention'):
     h = rms_norm(x, layer['attn_norm'], cfg.norm_eps)
-    x = constrain(x + attention(h, layer, cfg, positions, mask, inv_freq, plan), RESIDUAL, plan)
+    x = constrain(x + attention(h, layer, cfg, positions, segment_ids, inv_freq, plan), RESIDUAL, plan)
   with jax.named_scope('mlp'):
     h = rms_norm(x, layer['mlp_norm'], cfg.norm_eps)
     x = constrain(x + mlp(h, layer, plan), RESIDUAL, plan)
@@ -208,13 +213,12 @@ def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
   b, t = tokens.shape
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  mask = attention_mask(segment_ids, t)
   inv_freq = rope_inv_freq(cfg)
   x = params['embed'].astype(cfg.dtype)[tokens]
   x = constrain(x, RESIDUAL, plan)
 
   def body(x, layer):
-    return block(x, layer, cfg, positions, mask, inv_freq, plan), None
+    return block(x, layer, cfg, positions, segment_ids, inv_freq, plan), None
 
   x, _ = jax.lax.scan(_remat(body, cfg.remat), x, params['layers'])
   return rms_norm(x, params['final_norm'], cfg.norm_eps)
