@@ -1,0 +1,1 @@
+"""Training: config, data, optimizer, checkpoints and the train loop."""
