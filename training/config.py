@@ -10,7 +10,7 @@ import json
 import os
 
 from model.config import ModelConfig
-from sharding.mesh import MeshConfig
+from sharding.mesh import MeshConfig, mesh_shape
 
 
 @dataclasses.dataclass
@@ -85,7 +85,6 @@ class Config:
 
 def validate(cfg: Config, num_devices: int, process_count: int = 1) -> None:
   """Checks what can be checked before touching a device; errors name field and fix."""
-  from sharding.mesh import mesh_shape  # pylint: disable=import-outside-toplevel
   cfg.model.validate()
   sizes = mesh_shape(cfg.mesh, num_devices)
   if cfg.parallel.zero_stage not in (0, 1, 2, 3):
