@@ -99,3 +99,10 @@ def test_bad_input_fails_with_a_clear_message(args, expected, tmp_path):
   assert result.returncode != 0
   assert expected in result.stderr, result.stderr[-2000:]
   assert 'Traceback' not in result.stderr, result.stderr[-2000:]
+
+
+def test_dimension_that_does_not_split_names_the_field(tmp_path, cache_dir):
+  cfg = tiny(tmp_path, cache_dir, model__embed_dim=36, model__head_dim=16,
+             mesh__data=1, mesh__fsdp=8, parallel__zero_stage=3)
+  with pytest.raises(trainer.ConfigError, match=r'model\.embed_dim divisible by 8'):
+    trainer.setup(cfg)
