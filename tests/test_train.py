@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import model
 from training import checkpoint, trainer
 from training.cli import load_config_file
 
@@ -34,7 +35,8 @@ def tiny(workdir, cache_dir, **overrides):
 
 
 def test_training_lowers_loss_and_writes_run_files(tmp_path, cache_dir):
-  history = trainer.train(tiny(tmp_path, cache_dir))
+  cfg = tiny(tmp_path, cache_dir, metrics__peak_tflops_per_device=0.5)
+  history = trainer.train(cfg)
   losses = [r['loss'] for r in history]
   assert len(losses) == 20
   assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 1.0, losses
@@ -44,6 +46,12 @@ def test_training_lowers_loss_and_writes_run_files(tmp_path, cache_dir):
   assert json.load(open(tmp_path / 'config.json'))['model']['num_layers'] == 2
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['10', '20']
   assert any(f.startswith('events') for f in os.listdir(tmp_path / 'tensorboard'))
+  # MFU: analytic model FLOPs per step over the configured peak of all devices.
+  tokens = cfg.data.batch_size * cfg.data.seq_len
+  step_flops = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+  for r in lines:
+    assert r['tokens_per_sec'] == pytest.approx(tokens / r['step_time_s'])
+    assert r['mfu'] == pytest.approx(step_flops / r['step_time_s'] / (0.5e12 * jax.device_count()))
 
 
 def test_resume_continues_exactly(tmp_path, cache_dir):
