@@ -1,0 +1,207 @@
+"""Pallas flash attention (interpret mode on CPU) against its pure-jnp reference.
+
+Shapes are chosen to catch index-map mistakes that the interpreter hides by clamping
+block indices: unequal query/kv heads, lengths that are not block multiples, and outputs
+poisoned with NaN so that an unwritten block shows.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import transformer
+from pallas_kernels import flash_attention as fa
+
+
+def _inputs(seed, b, t, s, hq, hkv, d, dtype):
+  rng = np.random.default_rng(seed)
+  q, k, v = (jnp.asarray(rng.normal(size=shape), dtype)
+             for shape in ((b, t, hq, d), (b, s, hkv, d), (b, s, hkv, d)))
+  return rng, q, k, v
+
+
+def _packed_segments(rng, b, t):
+  """Random packed documents: ids rise by one at each (random) document start."""
+  return jnp.asarray(np.cumsum(rng.random((b, t)) < 0.15, axis=1), jnp.int32)
+
+
+def _rel_err(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def _assert_close(got, want, tol, what):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert got.shape == want.shape, what
+  assert not np.isnan(got).any(), f'{what}: NaN'
+  # lse is -inf exactly where a query sees no key; compare the rest numerically.
+  finite = np.isfinite(want)
+  np.testing.assert_array_equal(np.isfinite(got), finite, err_msg=what)
+  assert _rel_err(got[finite], want[finite]) < tol, (what, _rel_err(got[finite], want[finite]))
+
+
+def _check_against_reference(seed, b, t, s, hq, hkv, d, dtype, causal, segments, window,
+                             blocks):
+  rng, q, k, v = _inputs(seed, b, t, s, hq, hkv, d, dtype)
+  seg = None
+  if segments == 'packed':
+    seg = _packed_segments(rng, b, t)
+  elif segments == 'pair':
+    seg = (jnp.asarray(rng.integers(0, 3, (b, t)), jnp.int32),
+           jnp.asarray(rng.integers(0, 3, (b, s)), jnp.int32))
+  opts = dict(causal=causal, segment_ids=seg, sliding_window=window, return_lse=True)
+  kernel = lambda q, k, v: fa.flash_attention(q, k, v, block_q=blocks[0],
+                                              block_k=blocks[1], **opts)
+  ref = lambda q, k, v: fa.flash_attention_reference(q, k, v, **opts)
+  # Cotangents for both outputs: the lse one exercises dS += dlse * P.
+  cot = (jnp.asarray(rng.normal(size=q.shape), dtype),
+         jnp.asarray(rng.normal(size=(b, hq, t)), jnp.float32))
+  # One jit for both sides: eager dispatch would compile every small op separately.
+  got, want = jax.jit(lambda *args: (_value_and_vjp(kernel, *args),
+                                     _value_and_vjp(ref, *args)))(q, k, v, cot)
+  assert got[0].dtype == q.dtype and got[1].dtype == jnp.float32
+  assert got[1].shape == (b, hq, t)
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  for name, g, w in zip(('out', 'lse', 'dq', 'dk', 'dv'), got, want):
+    assert g.dtype == w.dtype, name
+    _assert_close(g, w, tol, name)
+
+
+def _value_and_vjp(fn, q, k, v, cot):
+  (out, lse), vjp = jax.vjp(fn, q, k, v)
+  return (out, lse, *vjp(cot))
+
+
+# b, t, s, hq, hkv, d, dtype, causal, segments, window, (block_q, block_k)
+CASES = {
+    'causal_gqa4to1_ragged': (2, 37, 37, 4, 1, 32, jnp.float32, True, None, None, (16, 16)),
+    'causal_gqa6to2_window': (1, 64, 64, 6, 2, 16, jnp.float32, True, None, 18, (16, 32)),
+    'causal_mha_packed': (2, 48, 48, 4, 4, 64, jnp.float32, True, 'packed', None, (32, 16)),
+    'causal_packed_window': (2, 80, 80, 4, 2, 32, jnp.float32, True, 'packed', 13, (16, 16)),
+    'window_of_one': (1, 24, 24, 4, 2, 16, jnp.float32, True, None, 1, (16, 16)),
+    'cross_pair_segments': (1, 33, 50, 6, 2, 32, jnp.float32, False, 'pair', None, (16, 16)),
+    'noncausal_padded_keys': (2, 37, 37, 4, 1, 16, jnp.float32, False, None, None, (16, 32)),
+    'head_dim_24': (1, 20, 29, 2, 1, 24, jnp.float32, False, None, None, (16, 16)),
+    'length_one': (2, 1, 1, 2, 1, 16, jnp.float32, True, None, None, (None, None)),
+    'head_dim_128_default_blocks': (1, 20, 20, 2, 1, 128, jnp.float32, True, None, None,
+                                    (None, None)),
+    'bf16_gqa_packed_window': (2, 37, 37, 6, 2, 64, jnp.bfloat16, True, 'packed', 9,
+                               (16, 16)),
+    'bf16_cross': (1, 29, 45, 4, 1, 32, jnp.bfloat16, False, None, None, (16, 16)),
+}
+
+
+@pytest.mark.parametrize('case', CASES.values(), ids=CASES.keys())
+def test_matches_reference(case):
+  _check_against_reference(0, *case)
+
+
+def test_empty_sequence():
+  _, q, k, v = _inputs(0, 2, 0, 0, 4, 2, 16, jnp.float32)
+  f = lambda q, k, v: fa.flash_attention(q, k, v, return_lse=True)
+  (out, lse), vjp = jax.vjp(f, q, k, v)
+  assert out.shape == (2, 0, 4, 16) and lse.shape == (2, 4, 0)
+  dq, dk, dv = vjp((out, lse))
+  assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_queries_without_keys_give_zero_and_minus_inf():
+  rng, q, k, v = _inputs(1, 1, 21, 18, 2, 1, 16, jnp.float32)
+  # Query ids include 3, which no key has: those rows see nothing.
+  q_seg = jnp.asarray(rng.integers(0, 4, (1, 21)), jnp.int32).at[0, :4].set(3)
+  kv_seg = jnp.asarray(rng.integers(0, 3, (1, 18)), jnp.int32)
+  opts = dict(causal=False, segment_ids=(q_seg, kv_seg), return_lse=True)
+  kernel = lambda q, k, v: fa.flash_attention(q, k, v, block_q=16, block_k=16, **opts)
+  ref = lambda q, k, v: fa.flash_attention_reference(q, k, v, **opts)
+  cot = (jnp.ones_like(q), jnp.ones((1, 2, 21), jnp.float32))
+  got, want = jax.jit(lambda *args: (_value_and_vjp(kernel, *args),
+                                     _value_and_vjp(ref, *args)))(q, k, v, cot)
+  out, lse = got[:2]
+  empty = np.asarray(q_seg[0] == 3)
+  assert np.all(np.asarray(out)[0, empty] == 0) and np.all(np.isneginf(lse[0][:, empty]))
+  assert np.isfinite(lse[0][:, ~empty]).all()
+  for name, g, w in zip(('out', 'lse', 'dq', 'dk', 'dv'), got, want):
+    _assert_close(g, w, 1e-5, name)
+  out, lse = fa.flash_attention(q, k[:, :0], v[:, :0], causal=False, return_lse=True)
+  assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(lse))
+
+
+def test_every_output_element_is_written():
+  # GQA 6/2 and T=37 with 16-blocks: a head or block index map that is off would
+  # leave some block NaN here (the interpreter clamps, so it could not fail loudly).
+  rng, q, k, v = _inputs(2, 2, 37, 37, 6, 2, 32, jnp.float32)
+  seg = _packed_segments(rng, 2, 37)
+  cot = (jnp.ones_like(q), jnp.ones((2, 6, 37), jnp.float32))
+
+  def run(poison):
+    f = lambda q, k, v: fa.flash_attention(
+        q, k, v, segment_ids=seg, sliding_window=11, return_lse=True, block_q=16,
+        block_k=16, _poison_outputs=poison)
+    return jax.jit(lambda *args: _value_and_vjp(f, *args))(q, k, v, cot)
+
+  for name, poisoned, clean in zip(('out', 'lse', 'dq', 'dk', 'dv'), run(True), run(False)):
+    assert np.isfinite(poisoned).all(), name
+    np.testing.assert_array_equal(poisoned, clean, err_msg=name)
+
+
+def test_poison_shows_an_unwritten_output(monkeypatch):
+  # The check above is only worth something if a kernel that skips its stores fails it.
+  monkeypatch.setattr(fa, '_fwd_kernel', lambda *refs, cfg: None)
+  _, q, k, v = _inputs(3, 1, 16, 16, 2, 1, 16, jnp.float32)
+  out = fa.flash_attention(q, k, v, block_q=16, block_k=16, _poison_outputs=True)
+  assert np.isnan(out).all()
+
+
+@pytest.mark.parametrize('t, block_q, block_k, window', [
+    (80, 16, 16, None), (80, 32, 16, None), (80, 16, 64, None), (37, 16, 32, None),
+    (80, 16, 16, 13), (80, 32, 16, 1), (80, 16, 32, 40), (64, 64, 16, 20),
+    (80, 16, 16, 2), (80, 32, 16, 34), (80, 16, 32, 18)])
+def test_block_ranges_are_exactly_the_visible_blocks(t, block_q, block_k, window):
+  # Causal skipping must bound the loops, not only mask: a block outside the range has
+  # no visible pair, and every block inside has at least one.
+  # Padded as flash_attention pads: queries and keys may get different padded lengths.
+  nq, nk = -(-t // block_q), -(-t // block_k)
+  cfg = fa._make_config(jnp.zeros((1, t, 1, 16)), jnp.zeros((1, t, 1, 16)),
+                        True, window, 1.0, block_q, block_k, True, False)
+  rows, cols = np.arange(nq * block_q)[:, None], np.arange(nk * block_k)[None, :]
+  visible = (cols <= rows) & (cols > rows - (window or 10**6))
+  blocks = visible.reshape(nq, block_q, nk, block_k).any(axis=(1, 3))
+  for i in range(nq):
+    lo, hi = fa._kv_block_range(i, block_q, block_k, nk, cfg)
+    assert list(range(int(lo), int(hi))) == list(np.flatnonzero(blocks[i])), ('kv', i)
+  for j in range(nk):
+    lo, hi = fa._q_block_range(j, block_q, block_k, nq, cfg)
+    assert list(range(int(lo), int(hi))) == list(np.flatnonzero(blocks[:, j])), ('q', j)
+
+
+def test_model_layout_jitted_with_gradients():
+  # As model/transformer.py's attention() calls it: q [b,t,h,e], k/v [b,s,k,e], packed ids.
+  rng, q, k, v = _inputs(4, 2, 40, 40, 4, 2, 16, jnp.float32)
+  seg = _packed_segments(rng, 2, 40)
+  cot = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+  def loss(attn):
+    return jax.jit(jax.value_and_grad(
+        lambda q, k, v: jnp.sum(attn(q, k, v) * cot), argnums=(0, 1, 2)))
+
+  value, grads = loss(lambda q, k, v: fa.flash_attention(q, k, v, segment_ids=seg))(q, k, v)
+  ref_value, ref_grads = loss(
+      lambda q, k, v: transformer.attention_xla(q, k, v, seg))(q, k, v)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  for got, want in zip(grads, ref_grads):
+    _assert_close(got, want, 1e-5, 'grad')
+
+
+@pytest.mark.parametrize('shapes, kwargs, match', [
+    (((1, 8, 2, 16), (1, 12, 2, 16)), {}, 'causal=True needs as many queries as keys'),
+    (((1, 8, 3, 16), (1, 8, 2, 16)), {}, 'multiple of kv heads'),
+    (((1, 8, 2, 16), (1, 8, 2, 16)), dict(causal=False, sliding_window=4), 'causal=True'),
+    (((1, 8, 2, 16), (1, 8, 2, 16)), dict(block_q=24), 'power of two'),
+    (((1, 8, 2, 16), (1, 12, 2, 16)), dict(causal=False, segment_ids=np.zeros((1, 8))),
+     'pair'),
+])
+def test_rejects_bad_arguments(shapes, kwargs, match):
+  q, k = jnp.zeros(shapes[0]), jnp.zeros(shapes[1])
+  with pytest.raises(ValueError, match=match):
+    fa.flash_attention(q, k, k, **kwargs)
