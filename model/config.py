@@ -50,9 +50,6 @@ class ModelConfig:
         raise ValueError(msg)
     need(self.attention_impl in ATTENTION_IMPLS,
          f'model.attention_impl={self.attention_impl!r}: choose one of {ATTENTION_IMPLS}.')
-    need(self.attention_impl != 'pallas',
-         "model.attention_impl='pallas': the Pallas flash-attention kernel is not built "
-         "yet; use 'xla' or 'cudnn'.")
     need(self.remat in REMAT_POLICIES,
          f'model.remat={self.remat!r}: choose one of {REMAT_POLICIES}.')
     for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads'):

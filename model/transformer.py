@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
+from pallas_kernels.flash_attention import flash_attention
 from sharding.rules import ShardingPlan, constrain
 
 Params = dict[str, Any]
@@ -156,6 +157,25 @@ def attention_cudnn(q, k, v, segment_ids):
   return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation='cudnn')
 
 
+def attention_pallas(q, k, v, segment_ids, plan):
+  """The Pallas flash kernel, run per shard: a pallas_call is opaque to the partitioner."""
+  if plan is None:
+    return flash_attention(q, k, v, causal=True, segment_ids=segment_ids)
+  spec = plan.activations.spec
+  q_spec = spec(('batch', 'act_seq', 'act_heads', None))
+  kv_spec = spec(('batch', 'act_seq', 'act_kv_heads', None))
+  args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
+  if segment_ids is not None:
+    args.append(segment_ids)
+    specs.append(spec(('batch', 'act_seq')))
+
+  def local(q, k, v, segment_ids=None):
+    return flash_attention(q, k, v, causal=True, segment_ids=segment_ids)
+
+  return jax.shard_map(local, mesh=plan.mesh, in_specs=tuple(specs), out_specs=q_spec,
+                       check_vma=False)(*args)
+
+
 def attention(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan):
   dtype = x.dtype
   q = jnp.einsum('btd,dhe->bthe', x, layer['wq'].astype(dtype))
@@ -169,9 +189,7 @@ def attention(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan
   elif cfg.attention_impl == 'cudnn':
     out = attention_cudnn(q, k, v, segment_ids)
   else:
-    raise NotImplementedError(
-        f'model.attention_impl={cfg.attention_impl!r}: the Pallas flash-attention kernel is '
-        "not built yet; use 'xla' or 'cudnn'.")
+    out = attention_pallas(q, k, v, segment_ids, plan)
   return jnp.einsum('bthe,hed->btd', out, layer['wo'].astype(dtype))
 
 

@@ -1,12 +1,15 @@
 """Attention implementations agree; the cuDNN call is checked on CPU through the same
 `jax.nn.dot_product_attention` entry point with its portable implementation."""
 
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
 from model import transformer
+from sharding.mesh import MeshConfig
+from tests.test_parallel import rel_err, sharded_loss_and_grads, tiny_config
 
 
 def qkv(seed, b=2, t=12, h=8, k=2, e=16):
@@ -34,7 +37,12 @@ def test_cudnn_wiring_matches_xla(monkeypatch, packed):
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_pallas_is_refused_until_built():
-  from model.config import ModelConfig  # pylint: disable=import-outside-toplevel
-  with pytest.raises(ValueError, match="attention_impl='pallas'"):
-    ModelConfig(attention_impl='pallas').validate()
+def test_model_with_pallas_matches_xla_sharded():
+  """attention_impl='pallas' (shard_map over batch and heads) equals 'xla': loss and grads."""
+  cfg = tiny_config()
+  mesh_cfg = MeshConfig(data=1, fsdp=2, tensor=4)
+  loss, grads = sharded_loss_and_grads(cfg, mesh_cfg, 3, True)
+  cfg.model = dataclasses.replace(cfg.model, attention_impl='pallas')
+  p_loss, p_grads = sharded_loss_and_grads(cfg, mesh_cfg, 3, True)
+  assert rel_err(p_loss, loss) < 1e-5
+  assert max(jax.tree.leaves(jax.tree.map(rel_err, p_grads, grads))) < 1e-5

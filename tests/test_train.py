@@ -65,6 +65,15 @@ def test_resume_continues_exactly(tmp_path, cache_dir):
                              [r['loss'] for r in full], rtol=1e-6)
 
 
+def test_pallas_attention_trains_like_xla(tmp_path, cache_dir):
+  losses = {}
+  for impl in ('xla', 'pallas'):
+    cfg = tiny(tmp_path / impl, cache_dir, steps=4, sample__num_tokens=0)
+    cfg.model.attention_impl = impl
+    losses[impl] = [r['loss'] for r in trainer.train(cfg)]
+  np.testing.assert_allclose(losses['pallas'], losses['xla'], rtol=1e-5)
+
+
 def test_damaged_checkpoint_falls_back_to_previous(tmp_path, cache_dir):
   cfg = tiny(tmp_path, cache_dir, steps=4, checkpoint__every_steps=2, sample__num_tokens=0)
   trainer.train(cfg)
