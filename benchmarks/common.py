@@ -4,6 +4,8 @@ import datetime
 import json
 import os
 import platform
+import statistics
+import time
 
 import jax
 
@@ -27,3 +29,15 @@ def write_result(name: str, payload: dict) -> str:
   with open(path, 'w') as f:
     json.dump({'environment': environment(), **payload}, f, indent=2)
   return path
+
+
+def median_time(fn, *args, iters: int = 20, warmup: int = 3) -> float:
+  """Median wall seconds of fn(*args), synchronized; compile and first runs excluded."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)

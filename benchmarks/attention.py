@@ -1,0 +1,110 @@
+"""Causal attention forward and backward TFLOP/s: our Pallas kernel vs cuDNN vs XLA.
+
+  python -m benchmarks.attention            # GPU: 8K, 16K, 64K tokens; MHA and GQA 32/8
+  python -m benchmarks.attention --smoke    # CPU: tiny shapes, interpret mode (no timing claims)
+
+bf16, head_dim 128, 64K tokens per batch (batch = 65536 / seq_len). FLOPs count the
+causal half only: forward 4*B*T*T*Hq*D/2, backward 2.5x that. Writes
+benchmarks/results/attention_<device>.json and prints a table with ratios to cuDNN
+(targets: forward >= 0.9x, backward >= 0.85x).
+"""
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import median_time, write_result
+from pallas_kernels.flash_attention import flash_attention
+
+TOKENS = 65_536
+
+
+def implementations(smoke: bool) -> dict:
+  impls = {'pallas': functools.partial(flash_attention, causal=True)}
+  if not smoke:
+    impls['cudnn'] = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                       implementation='cudnn')
+  impls['xla'] = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                   implementation='xla')
+  return impls
+
+
+def inputs(key, b, t, hq, hkv, d, dtype):
+  kq, kk, kv, kg = jax.random.split(key, 4)
+  return (jax.random.normal(kq, (b, t, hq, d), dtype), jax.random.normal(kk, (b, t, hkv, d), dtype),
+          jax.random.normal(kv, (b, t, hkv, d), dtype), jax.random.normal(kg, (b, t, hq, d), dtype))
+
+
+def measure(fn, q, k, v, do, iters) -> tuple[float, float]:
+  """(forward seconds, backward-only seconds)."""
+  fwd = jax.jit(fn)
+  fwd_s = median_time(fwd, q, k, v, iters=iters)
+  _, vjp = jax.vjp(fn, q, k, v)
+  bwd = jax.jit(lambda vjp, do: vjp(do))
+  bwd_s = median_time(bwd, vjp, do, iters=iters)
+  return fwd_s, bwd_s
+
+
+def run_case(impls, b, t, hq, hkv, d, dtype, iters) -> list[dict]:
+  q, k, v, do = inputs(jax.random.key(t + hkv), b, t, hq, hkv, d, dtype)
+  fwd_flops = 4 * b * t * t * hq * d / 2
+  rows = []
+  for name, fn in impls.items():
+    row = {'impl': name, 'batch': b, 'seq_len': t, 'q_heads': hq, 'kv_heads': hkv,
+           'head_dim': d, 'dtype': jnp.dtype(dtype).name}
+    try:
+      fwd_s, bwd_s = measure(fn, q, k, v, do, iters)
+      row.update(fwd_ms=fwd_s * 1e3, bwd_ms=bwd_s * 1e3, fwd_tflops=fwd_flops / fwd_s / 1e12,
+                 bwd_tflops=2.5 * fwd_flops / bwd_s / 1e12)
+    except Exception as e:  # pylint: disable=broad-except
+      row['error'] = f'{type(e).__name__}: {str(e)[:200]}'   # e.g. XLA out of memory at 64K
+    rows.append(row)
+  return rows
+
+
+def add_ratios(rows):
+  cudnn = {(r['seq_len'], r['kv_heads']): r for r in rows if r['impl'] == 'cudnn'}
+  for r in rows:
+    ref = cudnn.get((r['seq_len'], r['kv_heads']))
+    if ref and 'error' not in r and 'error' not in ref:
+      r['fwd_vs_cudnn'] = r['fwd_tflops'] / ref['fwd_tflops']
+      r['bwd_vs_cudnn'] = r['bwd_tflops'] / ref['bwd_tflops']
+
+
+def print_table(rows):
+  print(f"{'impl':8}{'T':>7}{'Hkv':>5}{'fwd TF/s':>10}{'bwd TF/s':>10}{'fwd/cuDNN':>11}{'bwd/cuDNN':>11}")
+  for r in rows:
+    if 'error' in r:
+      print(f"{r['impl']:8}{r['seq_len']:>7}{r['kv_heads']:>5}  {r['error'][:60]}")
+      continue
+    ratios = ''.join(f"{r[k]:>11.2f}" if k in r else f"{'':>11}"
+                     for k in ('fwd_vs_cudnn', 'bwd_vs_cudnn'))
+    print(f"{r['impl']:8}{r['seq_len']:>7}{r['kv_heads']:>5}{r['fwd_tflops']:>10.1f}"
+          f"{r['bwd_tflops']:>10.1f}{ratios}")
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--smoke', action='store_true', help='tiny CPU run; writes nothing')
+  parser.add_argument('--iters', type=int, default=20)
+  args = parser.parse_args(argv)
+  if args.smoke:
+    cases, d, dtype, iters = [(2, 64, 4, 4), (2, 64, 4, 2)], 32, jnp.float32, 1
+  else:
+    cases = [(TOKENS // t, t, 32, hkv) for t in (8192, 16384, 65536) for hkv in (32, 8)]
+    d, dtype, iters = 128, jnp.bfloat16, args.iters
+  rows = []
+  for b, t, hq, hkv in cases:
+    rows += run_case(implementations(args.smoke), b, t, hq, hkv, d, dtype, iters)
+  add_ratios(rows)
+  print_table(rows)
+  if not args.smoke:
+    print(write_result(f'attention_{jax.devices()[0].device_kind.replace(" ", "_")}',
+                       {'rows': rows}))
+  return rows
+
+
+if __name__ == '__main__':
+  main()
