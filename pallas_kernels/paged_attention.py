@@ -1,0 +1,377 @@
+"""Ragged paged attention for serving: a Pallas kernel and a pure-jnp reference.
+
+One call attends a mixed batch: decode tokens (one query each) and prefill chunks (many
+queries) of up to `max_seqs` sequences, concatenated along the token axis of `q`. Each
+sequence's keys and values live in fixed-size pages of a shared pool, listed in order by
+its row of `page_indices`:
+
+    q [T, Hq, D]      | seq 0 (q_len 1) | seq 1 (q_len 5)         | seq 2 (q_len 1) | pad |
+                      ^ cu_q_lens[0]    ^ cu_q_lens[1]            ^ cu_q_lens[2]    ^ cu_q_lens[3]
+    page_indices[1] = [7, 2, 9, ...]   ->  K/V of seq 1 = pool[7] ++ pool[2] ++ pool[9] ...
+                                                            (first kv_lens[1] positions)
+
+The new tokens sit at the end of their sequence: query i of a sequence with q_len queries
+and kv_len cached tokens (the new ones included) is at position kv_len - q_len + i and
+sees keys at positions <= that.
+
+Kernel: grid (sequence, kv head, kv split). A program takes every q head of its kv head's
+group and every query token of its sequence (in blocks of `block_q` tokens), and walks its
+split's page blocks, gathering pages through the page table; each page block is loaded
+once per q block for the whole head group, never once per q head. Each split writes a
+normalized partial output and its log-sum-exp; `_merge_splits` combines them.
+
+Written in the portable Pallas style (pallas_call, grid, BlockSpecs, masked loads and
+stores, fori_loop) for the Triton backend on GPU; on CPU it runs in interpret mode.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # jax 0.10: masked load/store moved from pl.load/pl.store to the Triton namespace.
+  from jax.experimental.pallas import triton as _plgpu
+  _masked_load = lambda ref, idx, **kw: _plgpu.load(ref.at[idx], **kw)
+  _masked_store = lambda ref, idx, val, **kw: _plgpu.store(ref.at[idx], val, **kw)
+except (ImportError, AttributeError):  # pragma: no cover - older jax
+  _masked_load, _masked_store = pl.load, pl.store  # pylint: disable=no-member
+
+# Finite, so a fully masked row gives exp(mask - mask) = 1 instead of NaN; those
+# probabilities are then zeroed explicitly.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_TARGET_PROGRAMS = 264   # two waves over an H100's 132 SMs
+_MIN_SPLIT_TOKENS = 256  # a shorter split costs more in the merge than it wins
+_MAX_SPLITS = 16
+_SPLIT_BYTES = 256 << 20  # cap on the float32 per-split outputs of a prefill-heavy batch
+_BLOCK_K_TOKENS = 64     # keys per page block when pages_per_block is None
+_BLOCK_ROWS = 64         # q rows (tokens x heads of a group) per block
+_MIN_DOT_ROWS = 16       # Triton's tl.dot needs M, N and K >= 16
+
+
+# ----------------------------------------------------------------------------- reference
+
+def paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+                              num_seqs, *, sm_scale=None, num_kv_splits=None,
+                              pages_per_block=None, interpret=None):
+  """Float32 jnp version of `paged_attention` (splits/blocks/interpret are ignored).
+
+  Gathers every token's whole sequence of K/V from the pages, so it needs
+  O(T * pages_per_seq * page_size) memory: for tests and small batches only.
+  """
+  del num_kv_splits, pages_per_block, interpret
+  _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
+  t, hq, d = q.shape
+  _, page_size, hkv, _ = k_pages.shape
+  scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+  seq, pos, live = _token_layout(t, kv_lens, cu_q_lens, num_seqs)
+  max_len = page_indices.shape[1] * page_size
+  keys_of = lambda pages: pages[page_indices].reshape(-1, max_len, hkv, d)  # [S, L, Hkv, D]
+  key_pos = jnp.arange(max_len)
+  # Positions past a sequence's end may hold any junk (NaN included): zero them.
+  in_seq = key_pos[None, :] < kv_lens[:, None]                           # [S, L]
+  k = jnp.where(in_seq[..., None, None], keys_of(k_pages).astype(jnp.float32), 0)[seq]
+  v = jnp.where(in_seq[..., None, None], keys_of(v_pages).astype(jnp.float32), 0)[seq]
+  qg = q.astype(jnp.float32).reshape(t, hkv, hq // hkv, d)
+  scores = jnp.einsum('tkgd,tskd->tkgs', qg, k) * scale
+  visible = (key_pos[None, :] <= pos[:, None]) & live[:, None]          # [T, L]
+  scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum('tkgs,tskd->tkgd', probs, v).reshape(t, hq, d)
+  return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
+
+
+def _token_layout(t, kv_lens, cu_q_lens, num_seqs):
+  """Per query row: its sequence, its absolute position, and whether it is live."""
+  num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
+  rows = jnp.arange(t, dtype=jnp.int32)
+  # Entries past num_seqs may be stale junk: hide them from the search.
+  cu_live = jnp.where(jnp.arange(cu_q_lens.shape[0]) <= num_seqs, cu_q_lens,
+                      jnp.iinfo(jnp.int32).max)
+  seq = jnp.searchsorted(cu_live, rows, side='right').astype(jnp.int32) - 1
+  seq = jnp.clip(seq, 0, kv_lens.shape[0] - 1)
+  q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+  pos = kv_lens[seq] - q_len + (rows - cu_q_lens[seq])
+  live = rows < cu_q_lens[num_seqs]
+  return seq, pos, live
+
+
+# --------------------------------------------------------------------------------- kernel
+
+def _paged_attention_kernel(
+    num_seqs_ref,    # [1] int32
+    kv_lens_ref,     # [max_seqs] int32
+    cu_q_lens_ref,   # [max_seqs + 1] int32
+    page_row_ref,    # [pages_per_seq] int32: this sequence's page table row
+    q_ref,           # [T, G, D]: the G q heads of this kv head
+    k_ref,           # [P, page_size, D]: this kv head of every page
+    v_ref,           # [P, page_size, D]
+    *out_refs,       # (aliased inputs, only when poisoned), o [T, G, D] f32, lse [T, G] f32
+    block_q, pages_per_block, num_kv_splits, sm_scale):
+  o_ref, lse_ref = out_refs[-2:]
+  # Program ids are read here, outside any control flow: interpret mode resolves them
+  # only at the kernel's top level.
+  s, split = pl.program_id(0), pl.program_id(2)
+
+  @pl.when(s < num_seqs_ref[0])
+  def _():
+    q_start = cu_q_lens_ref[s]
+    seq = _SeqInfo(q_start=q_start, q_len=cu_q_lens_ref[s + 1] - q_start,
+                   kv_len=kv_lens_ref[s], page_size=k_ref.shape[1],
+                   pages_per_block=pages_per_block)
+    lo, hi = _split_range(seq, split, num_kv_splits)
+    attend = functools.partial(_attend_q_block, seq=seq, block_lo=lo, block_hi=hi,
+                               refs=(page_row_ref, q_ref, k_ref, v_ref, o_ref, lse_ref),
+                               block_q=block_q, sm_scale=sm_scale)
+    # Every q block is visited even when the split holds no keys for it: that writes
+    # o = 0 and lse = -inf, which the merge needs.
+    def q_block(i, carry):
+      attend(i)
+      return carry
+    lax.fori_loop(0, pl.cdiv(seq.q_len, block_q), q_block, 0)
+
+
+class _SeqInfo:
+  """Scalars of the sequence a program works on (traced values)."""
+
+  def __init__(self, *, q_start, q_len, kv_len, page_size, pages_per_block):
+    self.q_start, self.q_len, self.kv_len = q_start, q_len, kv_len
+    self.page_size, self.pages_per_block = page_size, pages_per_block
+    self.block_k = page_size * pages_per_block
+    self.num_pages = pl.cdiv(kv_len, page_size)
+    self.num_blocks = pl.cdiv(kv_len, self.block_k)
+
+
+def _split_range(seq, split, num_kv_splits):
+  # Splits divide this sequence's own page blocks (not the padded table), so a short
+  # sequence keeps all its keys in split 0 and its later splits are empty.
+  per_split = pl.cdiv(seq.num_blocks, num_kv_splits)
+  lo = jnp.minimum(split * per_split, seq.num_blocks)
+  return lo, jnp.minimum(lo + per_split, seq.num_blocks)
+
+
+def _attend_q_block(qb, *, seq, block_lo, block_hi, refs, block_q, sm_scale):
+  """Online softmax of one block of query tokens (all G heads) over the split's keys."""
+  page_row_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+  _, groups, d = q_ref.shape
+  rows = block_q * groups
+  tok = qb * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+  tok_ok = tok < seq.q_len
+  q_rows = pl.ds(seq.q_start + qb * block_q, block_q)
+  # Masked: the block's tail belongs to the next sequence or runs past T.
+  q = _masked_load(q_ref, (q_rows,), mask=tok_ok[:, None, None], other=0)
+  q = q.reshape(rows, d)
+  # Row r is token r // G, head r % G (the layout of q's [block_q, G, D] block).
+  q_pos = seq.kv_len - seq.q_len + qb * block_q + (
+      lax.broadcasted_iota(jnp.int32, (rows,), 0) // groups)
+  # Causal: no key past the block's last live query is needed.
+  last_pos = seq.kv_len - seq.q_len + jnp.minimum((qb + 1) * block_q, seq.q_len) - 1
+  hi = jnp.minimum(block_hi, last_pos // seq.block_k + 1)
+  carry = (jnp.full((rows,), _MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
+           jnp.zeros((rows, d), jnp.float32))
+  body = functools.partial(_attend_page_block, q=q, q_pos=q_pos, seq=seq,
+                           refs=(page_row_ref, k_ref, v_ref), sm_scale=sm_scale)
+  m, l, acc = lax.fori_loop(block_lo, jnp.maximum(hi, block_lo), body, carry)
+  # l == 0: no visible key in this split; o = 0 and lse = -inf give it weight 0.
+  has_keys = l > 0
+  out = acc / jnp.where(has_keys, l, 1.0)[:, None]
+  lse = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)), -jnp.inf)
+  _masked_store(o_ref, (q_rows,), out.reshape(block_q, groups, d).astype(o_ref.dtype),
+                mask=tok_ok[:, None, None])
+  _masked_store(lse_ref, (q_rows,), lse.reshape(block_q, groups), mask=tok_ok[:, None])
+
+
+def _attend_page_block(blk, carry, *, q, q_pos, seq, refs, sm_scale):
+  """One flash-attention step over page block `blk` of the sequence."""
+  page_row_ref, k_ref, v_ref = refs
+  m_prev, l_prev, acc_prev = carry
+  ppb, d = seq.pages_per_block, q.shape[-1]
+  slot = blk * ppb + lax.broadcasted_iota(jnp.int32, (ppb,), 0)
+  slot_ok = slot < seq.num_pages
+  # Table slots past the sequence's last page hold junk ids: read page 0 instead.
+  page_ids = _masked_load(page_row_ref, (pl.ds(blk * ppb, ppb),), mask=slot_ok, other=0)
+  page_ids = jnp.where(slot_ok, page_ids, 0)
+  k = k_ref[page_ids].reshape(seq.block_k, d)   # gather: [ppb, page_size, D] -> [block_k, D]
+  v = v_ref[page_ids].reshape(seq.block_k, d)
+  k_pos = blk * seq.block_k + lax.broadcasted_iota(jnp.int32, (seq.block_k,), 0)
+  k_ok = k_pos < seq.kv_len
+  # A page's tail past kv_len (and page 0 above) may hold NaN. NaN scores are replaced
+  # by the mask below, but p = 0 times a NaN value is NaN in p @ v: zero those values.
+  v = jnp.where(k_ok[:, None], v, jnp.zeros_like(v))
+  precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # no TF32
+  scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32) * sm_scale
+  visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+  scores = jnp.where(visible, scores, _MASK_VALUE)
+  m = jnp.maximum(m_prev, scores.max(axis=1))
+  p = jnp.where(visible, jnp.exp(scores - m[:, None]), 0.0)
+  alpha = jnp.exp(m_prev - m)
+  pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                       preferred_element_type=jnp.float32)
+  return m, alpha * l_prev + p.sum(axis=1), alpha[:, None] * acc_prev + pv
+
+
+# -------------------------------------------------------------------------------- wrapper
+
+def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                    sm_scale=None, num_kv_splits=None, pages_per_block=None, interpret=None,
+                    _block_q=None, _poison=None):
+  """Ragged paged attention; returns out [T, Hq, D] in q's dtype.
+
+  q [T, Hq, D]; k_pages, v_pages [P, page_size, Hkv, D]; kv_lens [max_seqs] (cached tokens
+  including the new ones, >= that sequence's q_len); page_indices [max_seqs, pages_per_seq];
+  cu_q_lens [max_seqs + 1] (non-decreasing up to cu_q_lens[num_seqs] <= T; entries past
+  num_seqs, like kv_lens and page_indices rows of dead sequences, are never read);
+  num_seqs [1] or [].
+  Rows at or past cu_q_lens[num_seqs] are padding: their output is exactly 0 (even if
+  their q is NaN). `_block_q` and `_poison` (a fill value for the per-split outputs before
+  the kernel runs, to prove every live element gets written) are for tests.
+  """
+  _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
+  t, hq, d = q.shape
+  _, page_size, hkv, _ = k_pages.shape
+  max_seqs, pages_per_seq = page_indices.shape
+  kv_lens, cu_q_lens, page_indices = (
+      jnp.asarray(x, jnp.int32) for x in (kv_lens, cu_q_lens, page_indices))
+  num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(1)
+  if interpret is None:
+    interpret = jax.default_backend() == 'cpu'
+  ppb = pages_per_block
+  if ppb is None:
+    ppb = _choose_pages_per_block(page_size, pages_per_seq)
+  splits = num_kv_splits
+  if splits is None:
+    splits = _choose_num_kv_splits(max_seqs, hkv, pages_per_seq * page_size, ppb * page_size,
+                                   out_bytes=t * hq * d * 4)
+  block_q = _choose_block_q(t, hq // hkv) if _block_q is None else _block_q
+  _check_tiling(splits, ppb, block_q, interpret, hq // hkv, d, page_size)
+  kernel = functools.partial(
+      _paged_attention_kernel, block_q=block_q, pages_per_block=ppb, num_kv_splits=splits,
+      sm_scale=1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale))
+  args = (num_seqs, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages)
+  o, lse = _call_kernel(kernel, args, grid=(max_seqs, hkv, splits), poison=_poison,
+                        interpret=interpret)
+  out = _merge_splits(o, lse)
+  live = jnp.arange(t) < cu_q_lens[num_seqs[0]]
+  return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
+
+
+def _call_kernel(kernel, args, *, grid, poison, interpret):
+  """pallas_call over (sequence, kv head, split); returns o [K, T, Hq, D], lse [K, T, Hq]."""
+  num_seqs, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages = args
+  t, hq, d = q.shape
+  num_pages, page_size, hkv, _ = k_pages.shape
+  groups, splits = hq // hkv, grid[2]
+  whole = lambda x: pl.BlockSpec(x.shape, lambda s, h, k: (0,) * x.ndim)
+  pages = pl.BlockSpec((num_pages, page_size, None, d), lambda s, h, k: (0, 0, h, 0))
+  in_specs = [
+      whole(num_seqs), whole(kv_lens), whole(cu_q_lens),
+      pl.BlockSpec((None, page_indices.shape[1]), lambda s, h, k: (s, 0)),
+      pl.BlockSpec((t, groups, d), lambda s, h, k: (0, h, 0)),
+      pages, pages]
+  out_specs = [pl.BlockSpec((None, t, groups, d), lambda s, h, k: (k, 0, h, 0)),
+               pl.BlockSpec((None, t, groups), lambda s, h, k: (k, 0, h))]
+  # One split needs no merge, so it writes the final dtype (half the bytes for bf16).
+  out_dtype = q.dtype if splits == 1 else jnp.float32
+  out_shape = [jax.ShapeDtypeStruct((splits, t, hq, d), out_dtype),
+               jax.ShapeDtypeStruct((splits, t, hq), jnp.float32)]
+  aliases = {}
+  if poison is not None:
+    args += tuple(jnp.full(s.shape, poison, s.dtype) for s in out_shape)
+    in_specs += out_specs
+    aliases = {len(args) - 2: 0, len(args) - 1: 1}
+  return pl.pallas_call(
+      kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      input_output_aliases=aliases, interpret=interpret, name='ragged_paged_attention',
+      compiler_params=_gpu_params(),
+  )(*args)
+
+
+def _merge_splits(o, lse):
+  """Combine per-split outputs o [K, T, Hq, D] by their log-sum-exps lse [K, T, Hq]."""
+  if o.shape[0] == 1:
+    return o[0]
+  top = lse.max(axis=0)
+  # A row with no keys in any split (padding only) has top = -inf; keep it finite.
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = jnp.exp(lse - top)                                              # [K, T, Hq]
+  return (w[..., None] * o).sum(axis=0) / jnp.maximum(w.sum(axis=0), 1e-30)[..., None]
+
+
+# ------------------------------------------------------------------ static choices, checks
+
+def _gpu_params():
+  # Untuned starting point for H100; ignored in interpret mode.
+  try:
+    return _plgpu.CompilerParams(num_warps=4, num_stages=2)
+  except (NameError, AttributeError):  # pragma: no cover - no Triton namespace
+    return None
+
+
+def _choose_pages_per_block(page_size, pages_per_seq):
+  ppb = max(1, _BLOCK_K_TOKENS // page_size)
+  return min(ppb, pl.next_power_of_2(pages_per_seq))
+
+
+def _choose_num_kv_splits(max_seqs, num_kv_heads, max_kv_len, block_k, out_bytes=0):
+  """Splits from static shapes: more when few (sequence, kv head) programs face long
+  contexts; few when the batch has many tokens (each split holds a float32 copy of out)."""
+  programs = max_seqs * num_kv_heads
+  wanted = pl.cdiv(_TARGET_PROGRAMS, programs)
+  worth = max(1, max_kv_len // max(_MIN_SPLIT_TOKENS, block_k))
+  affordable = max(1, _SPLIT_BYTES // max(out_bytes, 1))
+  return max(1, min(wanted, worth, affordable, _MAX_SPLITS))
+
+
+def _choose_block_q(t, groups):
+  # A block's q rows are block_q tokens x G heads; decode-only batches need few tokens.
+  block_q = min(max(1, _BLOCK_ROWS // groups), pl.next_power_of_2(t))
+  return max(block_q, pl.cdiv(_MIN_DOT_ROWS, groups))
+
+
+def _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens):
+  if q.ndim != 3 or k_pages.ndim != 4:
+    raise ValueError(f'paged_attention: q must be [T, Hq, D] and k_pages '
+                     f'[P, page_size, Hkv, D]; got q {q.shape}, k_pages {k_pages.shape}.')
+  if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+    raise ValueError(f'paged_attention: k_pages {k_pages.shape} {k_pages.dtype} and v_pages '
+                     f'{v_pages.shape} {v_pages.dtype} must match.')
+  if q.shape[2] != k_pages.shape[3]:
+    raise ValueError(f'paged_attention: head_dim of q ({q.shape[2]}) != head_dim of pages '
+                     f'({k_pages.shape[3]}).')
+  if q.shape[1] % k_pages.shape[2]:
+    raise ValueError(f'paged_attention: q heads ({q.shape[1]}) must be a multiple of kv '
+                     f'heads ({k_pages.shape[2]}).')
+  if not (jnp.issubdtype(q.dtype, jnp.floating) and jnp.issubdtype(k_pages.dtype, jnp.floating)):
+    raise TypeError(f'paged_attention: q and pages must be floating; got {q.dtype}, '
+                    f'{k_pages.dtype}.')
+  _check_int_arrays(kv_lens, page_indices, cu_q_lens)
+
+
+def _check_int_arrays(kv_lens, page_indices, cu_q_lens):
+  for name, x, ndim in (('kv_lens', kv_lens, 1), ('page_indices', page_indices, 2),
+                        ('cu_q_lens', cu_q_lens, 1)):
+    if jnp.ndim(x) != ndim or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+      raise TypeError(f'paged_attention: {name} must be a rank-{ndim} integer array; got '
+                      f'shape {jnp.shape(x)} dtype {jnp.result_type(x)}.')
+  max_seqs = page_indices.shape[0]
+  if kv_lens.shape != (max_seqs,) or cu_q_lens.shape != (max_seqs + 1,):
+    raise ValueError(f'paged_attention: with page_indices {page_indices.shape}, kv_lens must '
+                     f'be [{max_seqs}] and cu_q_lens [{max_seqs + 1}]; got {kv_lens.shape}, '
+                     f'{cu_q_lens.shape}.')
+
+
+def _check_tiling(splits, ppb, block_q, interpret, groups, d, page_size):
+  if min(splits, ppb, block_q) < 1:
+    raise ValueError(f'paged_attention: num_kv_splits={splits}, pages_per_block={ppb} and '
+                     f'block_q={block_q} must be >= 1.')
+  if interpret:
+    return
+  # Triton tensors need power-of-2 sizes, and tl.dot needs every dimension >= 16.
+  for name, n in (('q heads per kv head * block_q', groups * block_q), ('head_dim', d),
+                  ('page_size * pages_per_block', page_size * ppb)):
+    if n & (n - 1) or n < _MIN_DOT_ROWS:
+      raise ValueError(f'paged_attention on GPU (Triton): {name} = {n} must be a power of 2 '
+                       f'and >= {_MIN_DOT_ROWS}.')

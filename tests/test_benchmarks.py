@@ -1,0 +1,17 @@
+"""The GPU benchmark scripts run end to end (CPU smoke mode: tiny shapes, interpret)."""
+
+import math
+
+from benchmarks import attention, paged_decode
+
+
+def test_attention_benchmark_smoke():
+  rows = attention.main(['--smoke'])
+  assert {r['impl'] for r in rows} == {'pallas', 'xla'}
+  assert all('error' not in r and math.isfinite(r['fwd_tflops']) for r in rows), rows
+
+
+def test_paged_decode_benchmark_smoke():
+  rows = paged_decode.main(['--smoke'])
+  assert len(rows) == 2
+  assert all(r['bandwidth_gbs'] > 0 and math.isfinite(r['fraction_of_copy']) for r in rows)

@@ -1,0 +1,215 @@
+"""Ragged paged attention: the Pallas kernel (interpret mode) against the jnp reference.
+
+Cases are built from a list of (q_len, kv_len) per live sequence. Pages are drawn from a
+shuffled pool, so a kernel that reads pages by slot rather than through the table fails.
+With `poison=True` every page no live sequence owns, every page tail past a sequence's
+end, every junk table slot's page and every padding row of q holds NaN: a live output that
+touches any of them is NaN. Dead sequence slots always carry junk kv_lens, page rows and
+cu_q_lens entries: a kernel that does not ignore them overwrites live rows.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_attention as pa
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+@dataclasses.dataclass
+class Case:
+  args: tuple          # q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs
+  live_rows: int       # cu_q_lens[num_seqs]
+
+
+def make_case(seqs, *, hq=4, hkv=2, d=16, page_size=4, max_seqs=None, pages_per_seq=None,
+              num_pages=None, t=None, share_prefix=0, poison=True, dtype=jnp.float32,
+              seed=0):
+  """seqs: [(q_len, kv_len)] of the live sequences; share_prefix: full pages seq 1 shares
+  with seq 0 (same page ids, so same K/V)."""
+  rng = np.random.default_rng(seed)
+  max_seqs = max_seqs or len(seqs)
+  need = [math.ceil(kv / page_size) for _, kv in seqs]
+  pages_per_seq = pages_per_seq or max(need) + 1
+  num_pages = num_pages or sum(need) + 5
+  t = t or sum(q for q, _ in seqs) + 3
+  pool = list(rng.permutation(num_pages))
+  table = rng.integers(0, num_pages, (max_seqs, pages_per_seq))   # junk by default
+  for s, n in enumerate(need):
+    shared = share_prefix if s == 1 else 0
+    table[s, :shared] = table[0, :shared]
+    table[s, shared:n] = [pool.pop() for _ in range(n - shared)]
+  kv_lens = rng.integers(0, pages_per_seq * page_size, max_seqs)  # junk for dead sequences
+  kv_lens[:len(seqs)] = [kv for _, kv in seqs]
+  cu = np.zeros(max_seqs + 1, np.int64)
+  cu[1:len(seqs) + 1] = np.cumsum([q for q, _ in seqs])
+  cu[len(seqs) + 1:] = rng.integers(0, t, max_seqs - len(seqs))   # stale junk: dead slots
+  q = rng.normal(size=(t, hq, d))
+  kv = rng.normal(size=(2, num_pages, page_size, hkv, d))
+  if poison:
+    q[cu[len(seqs)]:] = np.nan
+    kv = np.where(_owned(table, kv_lens, len(seqs), num_pages, page_size)[..., None, None],
+                  kv, np.nan)
+  cast = lambda x: jnp.asarray(x, dtype)
+  args = (cast(q), cast(kv[0]), cast(kv[1]), jnp.asarray(kv_lens, jnp.int32),
+          jnp.asarray(table, jnp.int32), jnp.asarray(cu, jnp.int32),
+          jnp.asarray([len(seqs)], jnp.int32))
+  return Case(args, int(cu[len(seqs)]))
+
+
+def _owned(table, kv_lens, live, num_pages, page_size):
+  """[P, page_size] bool: slots holding a live sequence's token."""
+  owned = np.zeros((num_pages, page_size), bool)
+  for s in range(live):
+    for pos in range(kv_lens[s]):
+      owned[table[s, pos // page_size], pos % page_size] = True
+  return owned
+
+
+def rel_err(out, ref):
+  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  return np.abs(out - ref).max() / np.abs(ref).max()
+
+
+def check(case, dtype=jnp.float32, **kwargs):
+  out = pa.paged_attention(*case.args, **kwargs)
+  ref = pa.paged_attention_reference(*case.args)
+  assert out.shape == case.args[0].shape and out.dtype == case.args[0].dtype
+  live = np.asarray(out[:case.live_rows], np.float32)
+  assert np.isfinite(live).all(), 'a live output is NaN: unwritten or read a poisoned page'
+  assert rel_err(out, ref) < TOL[dtype], rel_err(out, ref)
+  np.testing.assert_array_equal(np.asarray(out[case.live_rows:], np.float32), 0)
+  return out
+
+
+MIXED = [(1, 9), (5, 13), (12, 12), (1, 1), (7, 30)]   # decode, chunk, whole prompt, ...
+
+
+# ----------------------------------------------------------------------------- reference
+
+def test_reference_matches_dense_causal_attention():
+  """The reference on one whole-prompt sequence is plain causal attention (numpy)."""
+  case = make_case([(10, 10)], hq=4, hkv=2, max_seqs=1, t=10, poison=False, seed=1)
+  q, kp, vp, _, table, _, _ = (np.asarray(a) for a in case.args)
+  k = kp[table[0]].reshape(-1, 2, 16)[:10]
+  v = vp[table[0]].reshape(-1, 2, 16)[:10]
+  kk, vv = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)   # q head h uses kv head h // 2
+  s = np.einsum('thd,shd->hts', q, kk) / 4.0
+  s = np.where(np.tril(np.ones((10, 10), bool)), s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  want = np.einsum('hts,shd->thd', p / p.sum(-1, keepdims=True), vv)
+  np.testing.assert_allclose(pa.paged_attention_reference(*case.args), want, rtol=1e-5,
+                             atol=1e-6)
+
+
+# --------------------------------------------------------------------- kernel vs reference
+
+@pytest.mark.parametrize('hq,hkv', [(8, 2), (4, 4)])
+def test_mixed_batch_with_padding(hq, hkv):
+  # 5 live of 7 sequences; chunks longer than block_q span several q blocks; pages
+  # shuffled; kv lengths ending mid-page; NaN padding rows, page tails and free pages.
+  case = make_case(MIXED, hq=hq, hkv=hkv, max_seqs=7, seed=hq)
+  check(case, num_kv_splits=2, pages_per_block=2, _block_q=4)
+
+
+def test_shared_prefix_pages():
+  case = make_case([(3, 19), (2, 22), (1, 6)], share_prefix=4, seed=3)
+  table = np.asarray(case.args[4])
+  assert (table[0, :4] == table[1, :4]).all()
+  check(case, num_kv_splits=1, pages_per_block=1)
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_splits_agree_and_long_context(dtype):
+  """200-token context with splits 1, 2, 3: same answer (to fp32 rounding), all correct."""
+  case = make_case([(1, 200), (9, 200), (4, 37)], hq=8, hkv=2, d=32, page_size=8,
+                   dtype=dtype, seed=4)
+  outs = [check(case, dtype, num_kv_splits=k, pages_per_block=2) for k in (1, 2, 3)]
+  for out in outs[1:]:
+    assert rel_err(out, outs[0]) < TOL[dtype]
+
+
+def test_bf16_mixed_batch():
+  case = make_case(MIXED, hq=8, hkv=2, max_seqs=6, dtype=jnp.bfloat16, seed=5)
+  check(case, jnp.bfloat16, num_kv_splits=3, pages_per_block=1)
+
+
+def test_automatic_choices_and_sm_scale():
+  case = make_case(MIXED, d=32, page_size=8, seed=6)
+  out = pa.paged_attention(*case.args, sm_scale=0.3)
+  ref = pa.paged_attention_reference(*case.args, sm_scale=0.3)
+  assert rel_err(out, ref) < 1e-5
+  # Few sequences with long contexts get splits; many sequences or short contexts do not.
+  assert pa._choose_num_kv_splits(2, 2, 8192, 64) > 4
+  assert pa._choose_num_kv_splits(256, 8, 8192, 64) == 1
+  assert pa._choose_num_kv_splits(2, 2, 128, 64) == 1
+  # ... and a prefill-heavy batch does not pay for K float32 copies of a big output.
+  assert pa._choose_num_kv_splits(2, 2, 8192, 64, out_bytes=1 << 30) == 1
+
+
+# -------------------------------------------------------------------- written, gathered
+
+def test_every_live_output_is_written():
+  """Per-split outputs and log-sum-exps start as NaN (aliased in); live rows come out
+  finite and equal to the unpoisoned run, so every split wrote every live row."""
+  case = make_case(MIXED, hq=8, hkv=2, max_seqs=6, seed=7)
+  kwargs = dict(num_kv_splits=3, pages_per_block=1, _block_q=4)
+  clean = check(case, **kwargs)
+  poisoned = check(case, _poison=np.nan, **kwargs)
+  np.testing.assert_array_equal(poisoned, clean)
+
+
+def test_pages_gathered_through_table():
+  """Same inputs with the pool permuted (table remapped) give the same output; the NaN
+  in unowned pages proves nothing outside the table is read."""
+  case = make_case(MIXED, seed=8)
+  q, kp, vp, kv_lens, table, cu, n = case.args
+  perm = np.random.default_rng(0).permutation(kp.shape[0])
+  inv = np.argsort(perm)
+  moved = (q, kp[perm], vp[perm], kv_lens, jnp.asarray(inv[np.asarray(table)], jnp.int32),
+           cu, n[0])   # num_seqs as a scalar this time
+  kwargs = dict(num_kv_splits=2, pages_per_block=2)
+  np.testing.assert_allclose(pa.paged_attention(*moved, **kwargs),
+                             check(case, **kwargs), rtol=1e-6, atol=1e-6)
+
+
+def test_jit_one_compile_many_layouts():
+  """Ragged structure is data: one jitted function serves different batches."""
+  fn = jax.jit(lambda *a: pa.paged_attention(*a, num_kv_splits=2, pages_per_block=2))
+  for seed, seqs in enumerate([[(1, 30), (6, 6), (2, 17)], [(8, 8), (1, 3)]]):
+    case = make_case(seqs, max_seqs=4, pages_per_seq=9, num_pages=20, t=12, seed=seed)
+    out = fn(*case.args)
+    assert rel_err(out, pa.paged_attention_reference(*case.args)) < 1e-5
+  assert fn._cache_size() == 1
+
+
+# ---------------------------------------------------------------------------- arg checks
+
+@pytest.mark.parametrize('change,match', [
+    (lambda a: (a[0][:, :3],) + a[1:], 'multiple of kv'),
+    (lambda a: (a[0][None],) + a[1:], r'\[T, Hq, D\]'),
+    (lambda a: (a[0].astype(jnp.int32),) + a[1:], 'floating'),
+    (lambda a: a[:3] + (a[3].astype(jnp.float32),) + a[4:], 'kv_lens'),
+    (lambda a: a[:5] + (a[5][:-1],) + a[6:], 'cu_q_lens'),
+])
+def test_static_errors(change, match):
+  case = make_case([(2, 5)], seed=9)
+  with pytest.raises((ValueError, TypeError), match=match):
+    pa.paged_attention(*change(case.args))
+
+
+def test_bad_tiling_refused():
+  case = make_case([(2, 5)], seed=9)
+  with pytest.raises(ValueError, match='must be >= 1'):
+    pa.paged_attention(*case.args, num_kv_splits=0)
+
+
+def test_gpu_tiling_refused_before_lowering():
+  case = make_case([(2, 5)], seed=9)   # page_size 4 x 1 page: a 4-key block, too small
+  with pytest.raises(ValueError, match='page_size \\* pages_per_block = 4'):
+    pa.paged_attention(*case.args, pages_per_block=1, interpret=False)
