@@ -2,8 +2,11 @@
 
 Llama-3.2-1B shape (16 layers, 2048 wide, 32 query / 8 KV heads, tied embeddings), RoPE
 theta 500k scaled 8x from an 8K original context, full remat, chunked loss, ZeRO-3.
-Attention uses cuDNN until the Pallas flash kernel lands; cuDNN takes no per-token
-segment mask at this length, so documents are not packed with segment ids.
+Attention uses cuDNN (the Pallas flash kernel has not been verified on a GPU yet); cuDNN
+takes no per-token segment mask at this length, so documents are not packed (plain
+causal attention, no segment ids). Point data.tokenizer / data.train_files at a real
+tokenizer and corpus for a real run; the defaults (byte tokenizer, stdlib corpus) only
+make the config runnable anywhere.
 
 Variants: '' (the real run, GPU), 'smoke' (same structure, tiny sizes, runs on CPU).
 """

@@ -36,8 +36,14 @@ try:  # jax 0.10: masked load/store moved from pl.load/pl.store to the Triton na
   from jax.experimental.pallas import triton as _plgpu
   _masked_load = lambda ref, idx, **kw: _plgpu.load(ref.at[idx], **kw)
   _masked_store = lambda ref, idx, val, **kw: _plgpu.store(ref.at[idx], val, **kw)
-except (ImportError, AttributeError):  # pragma: no cover - older jax
-  _masked_load, _masked_store = pl.load, pl.store  # pylint: disable=no-member
+except (ImportError, AttributeError):  # pragma: no cover - older or newer jax
+  # Older jax has pl.load/pl.store; if neither exists the module still imports and the
+  # kernel fails at call time, naming what is missing.
+  def _missing(*args, **kwargs):
+    raise NotImplementedError('this jax has neither pallas.triton.load/store nor '
+                              'pl.load/pl.store: the paged attention kernel needs one.')
+  _masked_load = getattr(pl, 'load', _missing)
+  _masked_store = getattr(pl, 'store', _missing)
 
 # Finite, so a fully masked row gives exp(mask - mask) = 1 instead of NaN; those
 # probabilities are then zeroed explicitly.

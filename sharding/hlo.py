@@ -323,6 +323,8 @@ def _dot_flops(ins: _Instr, comp: _Comp) -> float:
   elif ins.opcode == 'custom-call':
     # GPU cuBLAS GEMMs carry their dimension numbers in backend_config.
     contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+    if contracting is None:
+      return 0.0   # a kernel (Triton, cuDNN attention): its FLOPs are not in the HLO
   else:
     return 0.0
   if not ins.operands or not _arrays(ins.shape):

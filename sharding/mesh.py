@@ -33,17 +33,18 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
     raise ValueError(f'mesh axes {free} are all -1; at most one may take the remaining '
                      'devices. Give the others explicit sizes.')
   fixed = math.prod(s for s in sizes.values() if s != -1)
+  named = ' x '.join(f'mesh.{a}={s}' for a, s in sizes.items() if s > 1) or 'all axes 1'
   if free:
     if num_devices % fixed:
       raise ValueError(
-          f'the fixed mesh axes multiply to {fixed}, which does not divide the '
-          f'{num_devices} devices, so mesh.{free[0]}=-1 cannot take the rest. '
-          f'Choose sizes whose product divides {num_devices}.')
+          f'{named} (product {fixed}) does not divide the {num_devices} devices, so '
+          f'mesh.{free[0]}=-1 cannot take the rest. Choose sizes whose product divides '
+          f'{num_devices}.')
     sizes[free[0]] = num_devices // fixed
   elif fixed != num_devices:
     raise ValueError(
-        f'the mesh axes multiply to {fixed} but there are {num_devices} devices. '
-        f'Set one axis to -1 (e.g. --config.mesh.data=-1) or make the product {num_devices}.')
+        f'{named} multiply to {fixed} but there are {num_devices} devices. Set one axis '
+        f'to -1 (e.g. --config.mesh.data=-1) or make the product {num_devices}.')
   return sizes
 
 

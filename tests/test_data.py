@@ -254,7 +254,7 @@ def test_no_packing_gives_plain_features(corpus_files):
   pattern, _ = corpus_files
   (b,) = take(make_cfg(pattern, pack_documents=False), 1)
   assert (b['inputs'] == BYTE_EOS).any()
-  np.testing.assert_array_equal(b['segment_ids'], np.ones((4, 16)))
+  assert 'segment_ids' not in b   # the model then attends plain-causally
   np.testing.assert_array_equal(b['positions'], np.tile(np.arange(16), (4, 1)))
   np.testing.assert_array_equal(b['weights'], np.ones((4, 16)))
 
@@ -338,7 +338,7 @@ def test_files_must_match_the_tokenizer(corpus_files, tmp_path):
 def test_data_info(corpus_files):
   info = data.data_info(make_cfg(corpus_files[0]))
   assert (info.vocab_size, info.eos_id) == (257, BYTE_EOS)
-  assert data.eos_id_for(make_cfg('')) == BYTE_EOS
+  assert data.data_info(make_cfg('')).eos_id == BYTE_EOS
 
 
 def test_too_little_data(tmp_path):

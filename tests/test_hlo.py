@@ -232,3 +232,17 @@ ENTRY %main (a: bf16[4,8], b: bf16[8,3], c: f32[5]) -> f32[4,3] {
   flops, coll = hlo.analyze_hlo(text)
   assert flops == 2 * 4 * 3 * 8
   assert coll['all-reduce'].bytes == 4 * 8 * np.dtype(jnp.bfloat16).itemsize + 5 * F32
+
+
+def test_kernel_custom_calls_are_not_costed_as_flops():
+  text = """\
+ENTRY %main (a: f32[64,64], b: f32[64,32]) -> (f32[64,64], f32[64,32]) {
+  %a = f32[64,64]{1,0} parameter(0)
+  %b = f32[64,32]{1,0} parameter(1)
+  %k = f32[64,64]{1,0} custom-call(f32[64,64]{1,0} %a), custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"flash"}
+  %g = (f32[64,32]{1,0}, s8[1024]{0}) custom-call(f32[64,64]{1,0} %a, f32[64,32]{1,0} %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  ROOT %t = (f32[64,64]{1,0}, f32[64,32]{1,0}) tuple(%k, %g)
+}
+"""
+  flops, _ = hlo.analyze_hlo(text)
+  assert flops == 2 * 64 * 32 * 64   # the GEMM only; the Triton kernel is opaque

@@ -3,6 +3,7 @@ rejects bad input with a message naming what to fix."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -74,18 +75,44 @@ def test_pallas_attention_trains_like_xla(tmp_path, cache_dir):
   np.testing.assert_allclose(losses['pallas'], losses['xla'], rtol=1e-5)
 
 
+def flip_middle_bytes(step_dir):
+  for path in step_dir.rglob('*'):   # one byte in the middle of every array file
+    if path.is_file() and path.stat().st_size > 1000:
+      raw = bytearray(path.read_bytes())
+      raw[len(raw) // 2] ^= 0xFF
+      path.write_bytes(bytes(raw))
+
+
 def test_damaged_checkpoint_falls_back_to_previous(tmp_path, cache_dir):
-  cfg = tiny(tmp_path, cache_dir, steps=4, checkpoint__every_steps=2, sample__num_tokens=0)
+  fixed = {'checkpoint__every_steps': 2, 'sample__num_tokens': 0, 'optim__decay_steps': 6}
+  full = trainer.train(tiny(tmp_path / 'full', cache_dir, steps=6, **fixed))
+  cfg = tiny(tmp_path / 'run', cache_dir, steps=4, **fixed)
   trainer.train(cfg)
-  newest = tmp_path / 'checkpoints' / '4' / 'state'
-  data_files = [p for p in newest.rglob('*') if p.is_file() and p.stat().st_size > 1000]
-  for path in data_files:   # flip one byte in the middle of every array file
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    path.write_bytes(bytes(raw))
-  t = trainer.setup(cfg)
-  _, step = trainer.restore_or_init(t)
-  assert step == 2
+  flip_middle_bytes(tmp_path / 'run' / 'checkpoints' / '4' / 'state')
+  cfg.steps = 6
+  rest = trainer.train(cfg)   # falls back to step 2, drops 4, retrains 3..6
+  assert [r['step'] for r in rest] == [3, 4, 5, 6]
+  np.testing.assert_allclose([r['loss'] for r in rest], [r['loss'] for r in full[2:]],
+                             rtol=1e-6)
+
+
+def test_unrestorable_checkpoints_stop_the_run(tmp_path, cache_dir):
+  cfg = tiny(tmp_path, cache_dir, steps=2, checkpoint__every_steps=2, sample__num_tokens=0)
+  trainer.train(cfg)
+  cfg.model.embed_dim, cfg.steps = 32, 4   # a different model in the same workdir
+  with pytest.raises(checkpoint.CheckpointError, match='no checkpoint .* can be restored'):
+    trainer.train(cfg)
+
+
+def test_resume_onto_another_mesh(tmp_path, cache_dir):
+  """Checkpoint under DP over 8, continue under FSDP 4 x TP 2 (ZeRO-3): same losses."""
+  fixed = {'optim__decay_steps': 8, 'checkpoint__every_steps': 4, 'sample__num_tokens': 0}
+  full = trainer.train(tiny(tmp_path / 'full', cache_dir, steps=8, **fixed))
+  trainer.train(tiny(tmp_path / 'run', cache_dir, steps=4, **fixed))
+  rest = trainer.train(tiny(tmp_path / 'run', cache_dir, steps=8, mesh__data=1, mesh__fsdp=4,
+                            mesh__tensor=2, parallel__zero_stage=3, **fixed))
+  np.testing.assert_allclose([r['loss'] for r in rest], [r['loss'] for r in full[4:]],
+                             rtol=1e-5)
 
 
 def test_checksum_sees_one_flipped_bit_and_ignores_the_mesh():
@@ -106,7 +133,7 @@ def run_cli(*args):
 
 @pytest.mark.parametrize('args, expected', [
     (['--config.model.nonexistent=1'], "unknown config field 'nonexistent'"),
-    (['--config.mesh.tensor=3'], 'mesh'),
+    (['--config.mesh.tensor=3'], 'mesh.tensor=3'),
     (['--config.model.num_heads=3'], 'model.num_heads'),
     (['--config.data.train_files=/no/such/dir/*.bin'], 'data.train_files'),
     (['--config.model.num_layers=two'], 'num_layers'),
@@ -116,6 +143,17 @@ def test_bad_input_fails_with_a_clear_message(args, expected, tmp_path):
   assert result.returncode != 0
   assert expected in result.stderr, result.stderr[-2000:]
   assert 'Traceback' not in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize('overrides, message', [
+    ({'parallel__zero_stage': 3}, 'mesh.fsdp=1'),
+    ({'mesh__data': 2, 'mesh__tensor': 4, 'data__seq_len': 30}, 'data.seq_len=30'),
+    ({'mesh__stage': 2, 'mesh__data': 4}, 'mesh.stage=2'),
+    ({'optim__grad_accum': 3}, 'optim.grad_accum=3'),
+])
+def test_config_that_cannot_run_names_the_field(tmp_path, cache_dir, overrides, message):
+  with pytest.raises(trainer.ConfigError, match=re.escape(message)):
+    trainer.setup(tiny(tmp_path, cache_dir, **overrides))
 
 
 def test_dimension_that_does_not_split_names_the_field(tmp_path, cache_dir):

@@ -18,6 +18,10 @@ log = logging.getLogger(__name__)
 _ITEMS = ('state', 'meta')
 
 
+class CheckpointError(RuntimeError):
+  """Checkpoints exist but none can be restored."""
+
+
 def _leaf_checksum(x: jax.Array) -> jax.Array:
   """Position-weighted sum of the raw bits mod 2^32: same value on any mesh."""
   bits = x.dtype.itemsize * 8
@@ -61,19 +65,41 @@ class Checkpointer:
     return sorted(self._manager.all_steps())
 
   def restore_latest(self, target):
-    """(state, meta) of the newest intact checkpoint, or None if there is none."""
+    """(state, meta) of the newest intact checkpoint, or None if the directory is empty.
+
+    Damaged steps newer than the one restored are deleted, so the run can save them
+    again. If steps exist but none restores (damaged, or saved by a different model or
+    optimizer), this raises rather than silently starting over.
+    """
+    damaged, last_error = [], None
     for step in reversed(self.steps()):
       try:
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        state, meta = self._restore(step, target)
+        if checksums(state) == list(meta['checksums']):
+          self._delete(damaged)
+          return state, meta
+        last_error = 'checksum mismatch'
       except Exception as e:  # pylint: disable=broad-except
-        log.warning('checkpoint %d could not be read (%s); trying an older one', step, e)
-        continue
-      if checksums(restored.state) != list(restored.meta['checksums']):
-        log.warning('checkpoint %d fails its checksum; trying an older one', step)
-        continue
-      return restored.state, restored.meta
+        last_error = f'{type(e).__name__}: {e}'
+      log.warning('checkpoint %d cannot be used (%s); trying an older one', step,
+                  str(last_error)[:300])
+      damaged.append(step)
+    if damaged:
+      raise CheckpointError(
+          f'no checkpoint in {self.directory} can be restored (newest error: '
+          f'{str(last_error)[:500]}). If the model or optimizer config changed, use a new '
+          'workdir; to start over, move the checkpoints directory away.')
     return None
+
+  def _restore(self, step: int, target):
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+    return restored.state, restored.meta
+
+  def _delete(self, steps: list[int]) -> None:
+    for step in steps:
+      log.warning('deleting damaged checkpoint %d', step)
+      self._manager.delete(step)
 
   def wait(self) -> None:
     self._manager.wait_until_finished()

@@ -9,7 +9,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from training import trainer
+from training import checkpoint, trainer
 from training.config import Config
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -71,18 +71,19 @@ def check_overrides(argv: list[str], root: type = Config) -> None:
         break
 
 
-def _main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments {argv[1:]}; use --config.FIELD=VALUE.')
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)   # orbax logs every file it writes at INFO
-  try:
-    trainer.train(_CONFIG.value)
-  except (trainer.ConfigError, FileNotFoundError) as e:
-    sys.exit(f'error: {e}')
-
-
-def run() -> None:
+def run(job=trainer.train) -> None:
+  """Parses `--config=...` and its overrides, then calls job(config) with clean errors."""
   sys.argv = resolve_config_argv(sys.argv)
   check_overrides(sys.argv[1:])
-  app.run(_main)
+
+  def main(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f'unexpected arguments {argv[1:]}; use --config.FIELD=VALUE.')
+    if not flags.FLAGS['verbosity'].present:
+      logging.set_verbosity(logging.WARNING)   # orbax logs every file it writes at INFO
+    try:
+      job(_CONFIG.value)
+    except (trainer.ConfigError, checkpoint.CheckpointError, FileNotFoundError) as e:
+      sys.exit(f'error: {e}')
+
+  app.run(main)

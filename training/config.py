@@ -89,6 +89,16 @@ def validate(cfg: Config, num_devices: int, process_count: int = 1) -> None:
   sizes = mesh_shape(cfg.mesh, num_devices)
   if cfg.parallel.zero_stage not in (0, 1, 2, 3):
     raise ValueError(f'parallel.zero_stage={cfg.parallel.zero_stage}: choose 0, 1, 2 or 3.')
+  if cfg.parallel.zero_stage and sizes['fsdp'] == 1:
+    raise ValueError(
+        f'parallel.zero_stage={cfg.parallel.zero_stage} shards over the fsdp mesh axis, but '
+        'mesh.fsdp=1: set e.g. --config.mesh.fsdp=-1 --config.mesh.data=1.')
+  seq_shards = sizes['context'] * (sizes['tensor'] if cfg.parallel.sequence_parallel else 1)
+  if cfg.data.seq_len % seq_shards:
+    raise ValueError(
+        f'data.seq_len={cfg.data.seq_len} does not split over the {seq_shards} sequence '
+        'shards (mesh.context x mesh.tensor with parallel.sequence_parallel): choose a '
+        f'multiple of {seq_shards}.')
   if cfg.steps < 0:
     raise ValueError(f'steps={cfg.steps} must be >= 0.')
   for name in ('num_heads', 'num_kv_heads'):

@@ -205,8 +205,8 @@ def window_features(window: np.ndarray, *, eos_id: int, pack: bool) -> dict[str,
   inputs, targets = window[:-1], window[1:]
   t = np.arange(inputs.size, dtype=np.int32)
   if not pack:
-    ones = np.ones(inputs.size, np.int32)
-    return dict(inputs=inputs, targets=targets, segment_ids=ones, positions=t,
+    # No segment_ids: attention is plain causal (no [t, s] segment mask is built).
+    return dict(inputs=inputs, targets=targets, positions=t,
                 weights=np.ones(inputs.size, np.float32))
   is_eos = inputs == eos_id
   # The eos ends its document; the token after it starts the next segment.
@@ -236,10 +236,6 @@ def data_info(cfg: config_lib.DataConfig) -> DataInfo:
   for path in _dedupe_sidecars(config_lib.data_files(cfg)):
     _check_matches_tokenizer(path, read_metadata(path), tok)
   return DataInfo(tokenizer=tok, vocab_size=tok.vocab_size, eos_id=tok.eos_id)
-
-
-def eos_id_for(cfg: config_lib.DataConfig) -> int:
-  return data_info(cfg).eos_id
 
 
 def train_files(cfg: config_lib.DataConfig) -> list[str]:
@@ -326,7 +322,8 @@ def make_train_iterator(cfg: config_lib.DataConfig, *, seed: int, process_index:
   """An endless iterator of this process's batches; `get_state()` is JSON-serializable.
 
   Each batch is a dict of numpy arrays of shape [batch_size // process_count, seq_len]:
-  inputs, targets, segment_ids, positions (int32) and weights (float32). Call `close()`
+  inputs, targets, positions, segment_ids (int32; only with data.pack_documents) and
+  weights (float32). Call `close()`
   when done: with workers, batches not yet taken hold shared memory. A saved state only
   restores onto the same files, cfg, seed, process layout and worker_count.
   """

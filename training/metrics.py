@@ -24,10 +24,11 @@ PEAK_FLOPS = {
 def peak_flops_per_device(cfg: MetricsConfig, device=None) -> float | None:
   if cfg.peak_tflops_per_device > 0:
     return cfg.peak_tflops_per_device * 1e12
-  kind = (device or jax.devices()[0]).device_kind
-  for name, peak in PEAK_FLOPS.items():
-    if name.lower() in kind.lower():
-      return peak
+  kind = (device or jax.devices()[0]).device_kind.lower()
+  # Longest name first: 'L40S' must not be read as 'L4'.
+  for name in sorted(PEAK_FLOPS, key=len, reverse=True):
+    if name.lower() in kind:
+      return PEAK_FLOPS[name]
   log.warning('peak FLOP/s of device kind %r unknown: MFU not reported. Set '
               '--config.metrics.peak_tflops_per_device to report it.', kind)
   return None

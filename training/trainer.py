@@ -52,6 +52,9 @@ def setup(cfg: config_lib.Config) -> Trainer:
     shapes, axes = model.abstract_params(cfg.model), model.logical_axes(cfg.model)
     for rules in (plan.params, plan.grads, plan.opt_state):
       check_divisible(plan, rules, shapes, axes, _FIELD_OF_AXIS)
+    data_iter = data.make_train_iterator(cfg.data, seed=cfg.seed,
+                                         process_index=jax.process_index(),
+                                         process_count=jax.process_count())
   except ValueError as e:
     raise ConfigError(str(e)) from e
   is_main = jax.process_index() == 0
@@ -60,9 +63,6 @@ def setup(cfg: config_lib.Config) -> Trainer:
     with open(os.path.join(cfg.workdir, 'config.json'), 'w') as f:
       f.write(config_lib.to_json(cfg))
   tx = optimizer.make_optimizer(cfg.optim, cfg.steps)
-  data_iter = data.make_train_iterator(cfg.data, seed=cfg.seed,
-                                       process_index=jax.process_index(),
-                                       process_count=jax.process_count())
   ckpt = checkpoint.Checkpointer(os.path.join(cfg.workdir, 'checkpoints'), cfg.checkpoint)
   return Trainer(cfg, plan, tx, optimizer.lr_schedule(cfg.optim, cfg.steps), ckpt,
                  data_iter, info.tokenizer, is_main)
