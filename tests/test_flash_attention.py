@@ -100,7 +100,7 @@ def random_cases(n, seed=7):
   rng = np.random.default_rng(seed)
   cases = {}
   for i in range(n):
-    causal = bool(rng.integers(2))
+    causal = i % 2 == 0
     t = int(rng.integers(1, 70))
     s = t if causal else int(rng.integers(1, 70))
     hkv, group = int(rng.choice([1, 2])), int(rng.choice([1, 2, 3]))
