@@ -124,6 +124,9 @@ def validate(cfg: Config, num_devices: int, process_count: int = 1) -> None:
   if cfg.data.seq_len > cfg.model.max_seq_len:
     raise ValueError(f'data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len='
                      f'{cfg.model.max_seq_len}: raise model.max_seq_len.')
+  if not 0 <= cfg.sample.num_tokens < cfg.model.max_seq_len:
+    raise ValueError(f'sample.num_tokens={cfg.sample.num_tokens} must be in [0, '
+                     f'model.max_seq_len={cfg.model.max_seq_len}).')
   if cfg.checkpoint.every_steps < 1 or cfg.checkpoint.keep < 1:
     raise ValueError('checkpoint.every_steps and checkpoint.keep must be >= 1.')
 
