@@ -4,6 +4,7 @@ rejects bad input with a message naming what to fix."""
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -161,3 +162,31 @@ def test_dimension_that_does_not_split_names_the_field(tmp_path, cache_dir):
              mesh__data=1, mesh__fsdp=8, parallel__zero_stage=3)
   with pytest.raises(trainer.ConfigError, match=r'model\.embed_dim divisible by 8'):
     trainer.setup(cfg)
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_train_like_one(tmp_path, cache_dir):
+  """2 processes x 4 CPU devices (gloo) = 1 process x 8 devices: per-process data
+  shards assemble the same global batch, so the losses agree."""
+  one = trainer.train(tiny(tmp_path / 'one', cache_dir, steps=4, sample__num_tokens=0))
+  args = ['--config=default.py:tiny', f'--config.workdir={tmp_path / "two"}',
+          f'--config.data.cache_dir={cache_dir}', '--config.steps=4',
+          '--config.sample.num_tokens=0', '--config.metrics.progress_bar=False',
+          f'--config.distributed.coordinator=127.0.0.1:{free_port()}',
+          '--config.distributed.num_processes=2']
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
+         'XLA_FLAGS': '--xla_force_host_platform_device_count=4'}
+  procs = [subprocess.Popen([sys.executable, 'train.py', *args,
+                             f'--config.distributed.process_id={i}'],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True) for i in range(2)]
+  outputs = [p.communicate(timeout=300)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+  two = [json.loads(l) for l in open(tmp_path / 'two' / 'metrics.jsonl')]
+  assert "'data': 8" in outputs[0]   # one mesh over both processes' devices
+  np.testing.assert_allclose([r['loss'] for r in two], [r['loss'] for r in one], rtol=1e-5)

@@ -10,6 +10,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from training import checkpoint, trainer
+from training import config as config_lib
 from training.config import Config
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -82,6 +83,7 @@ def run(job=trainer.train) -> None:
     if not flags.FLAGS['verbosity'].present:
       logging.set_verbosity(logging.WARNING)   # orbax logs every file it writes at INFO
     try:
+      config_lib.init_distributed(_CONFIG.value.distributed)
       job(_CONFIG.value)
     except (trainer.ConfigError, checkpoint.CheckpointError, FileNotFoundError) as e:
       sys.exit(f'error: {e}')

@@ -69,6 +69,14 @@ class SampleConfig:
 
 
 @dataclasses.dataclass
+class DistributedConfig:
+  """Multi-process runs: one process per host (or per GPU), joined before any device use."""
+  coordinator: str = ''     # '' single process; 'auto' (SLURM, Open MPI, ...); or HOST:PORT
+  num_processes: int = 1    # with HOST:PORT
+  process_id: int = 0       # with HOST:PORT
+
+
+@dataclasses.dataclass
 class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -78,9 +86,24 @@ class Config:
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
   sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
+  distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
   steps: int = 200
   workdir: str = 'runs/default'
   seed: int = 0
+
+
+def init_distributed(cfg: DistributedConfig) -> None:
+  """Joins the processes of a multi-process run; must precede any use of devices."""
+  if not cfg.coordinator:
+    return
+  import jax  # pylint: disable=import-outside-toplevel
+  # CPU processes exchange collectives through gloo (the default CPU backend has none).
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  if cfg.coordinator == 'auto':
+    jax.distributed.initialize()
+  else:
+    jax.distributed.initialize(coordinator_address=cfg.coordinator,
+                               num_processes=cfg.num_processes, process_id=cfg.process_id)
 
 
 def validate(cfg: Config, num_devices: int, process_count: int = 1) -> None:
