@@ -26,6 +26,11 @@ def cache_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp('corpus'))
 
 
+def run_cli(*args):
+  return subprocess.run([sys.executable, 'train.py', *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+
+
 def tiny(workdir, cache_dir, **overrides):
   cfg = load_config_file('default.py:tiny')
   cfg.workdir, cfg.data.cache_dir = str(workdir), cache_dir
@@ -67,12 +72,16 @@ def test_resume_continues_exactly(tmp_path, cache_dir):
                              [r['loss'] for r in full], rtol=1e-6)
 
 
-def test_pallas_attention_trains_like_xla(tmp_path, cache_dir):
+def test_train_py_with_pallas_attention_matches_xla(tmp_path, cache_dir):
+  """`python train.py --config.model.attention_impl=pallas` (interpret mode on CPU)."""
   losses = {}
   for impl in ('xla', 'pallas'):
-    cfg = tiny(tmp_path / impl, cache_dir, steps=4, sample__num_tokens=0)
-    cfg.model.attention_impl = impl
-    losses[impl] = [r['loss'] for r in trainer.train(cfg)]
+    result = run_cli('--config=default.py:tiny', f'--config.workdir={tmp_path / impl}',
+                     f'--config.data.cache_dir={cache_dir}', '--config.steps=4',
+                     '--config.sample.num_tokens=0', f'--config.model.attention_impl={impl}')
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses[impl] = [json.loads(l)['loss'] for l in open(tmp_path / impl / 'metrics.jsonl')]
+  assert len(losses['xla']) == 4
   np.testing.assert_allclose(losses['pallas'], losses['xla'], rtol=1e-5)
 
 
@@ -125,11 +134,6 @@ def test_checksum_sees_one_flipped_bit_and_ignores_the_mesh():
   mesh = jax.make_mesh((8,), ('d',), axis_types=(jax.sharding.AxisType.Auto,))
   sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('d')))
   assert checkpoint.checksums(tree) == checkpoint.checksums({**tree, 'w': sharded})
-
-
-def run_cli(*args):
-  return subprocess.run([sys.executable, 'train.py', *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=300, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
 
 
 @pytest.mark.parametrize('args, expected', [
