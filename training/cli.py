@@ -11,7 +11,6 @@ from ml_collections import config_flags
 
 from training import checkpoint, trainer
 from training import config as config_lib
-from training.config import Config
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            'configs')
@@ -47,14 +46,14 @@ def load_config_module(name: str):
   return module
 
 
-def load_config_file(spec: str) -> Config:
+def load_config_file(spec: str) -> config_lib.Config:
   """`NAME.py[:variant]` -> its Config, as `--config=` would load it."""
   name, has_variant, variant = spec.partition(':')
   module = load_config_module(name)
   return module.get_config(variant) if has_variant else module.get_config()
 
 
-def check_overrides(argv: list[str], root: type = Config) -> None:
+def check_overrides(argv: list[str], root: type = config_lib.Config) -> None:
   """Exits naming the field when `--config.a.b=v` names a field the config lacks."""
   for arg in argv:
     match = re.match(r'--?config\.([\w.]+)', arg)

@@ -9,6 +9,8 @@ import glob
 import json
 import os
 
+import jax
+
 from model.config import ModelConfig
 from sharding.mesh import MeshConfig, mesh_shape
 
@@ -96,7 +98,6 @@ def init_distributed(cfg: DistributedConfig) -> None:
   """Joins the processes of a multi-process run; must precede any use of devices."""
   if not cfg.coordinator:
     return
-  import jax  # pylint: disable=import-outside-toplevel
   # CPU processes exchange collectives through gloo (the default CPU backend has none).
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   if cfg.coordinator == 'auto':
