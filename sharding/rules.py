@@ -60,6 +60,10 @@ class Rules:
       out.append(mesh_axes)
     return PartitionSpec(*out)
 
+  def mesh_axes(self) -> set[str]:
+    """Every mesh axis some logical axis is mapped onto."""
+    return {m for v in self.table.values() for m in _as_tuple(v)}
+
   def with_overrides(self, name: str, **entries: MeshAxes) -> 'Rules':
     return Rules(name, {**self.table, **entries})
 

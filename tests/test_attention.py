@@ -46,3 +46,16 @@ def test_model_with_pallas_matches_xla_sharded():
   p_loss, p_grads = sharded_loss_and_grads(cfg, mesh_cfg, 3, True)
   assert rel_err(p_loss, loss) < 1e-5
   assert max(jax.tree.leaves(jax.tree.map(rel_err, p_grads, grads))) < 1e-5
+
+
+def test_pallas_under_per_shard_grad_accumulation():
+  """The kernel's shard_map also runs inside the vmapped ZeRO-1 microbatch loop."""
+  cfg = tiny_config()
+  cfg.data.batch_size = 32
+  ref_loss, ref_grads = sharded_loss_and_grads(cfg, MeshConfig(data=1), 0, False,
+                                               jax.devices()[:1])
+  cfg.optim.grad_accum = 4
+  cfg.model = dataclasses.replace(cfg.model, attention_impl='pallas')
+  loss, grads = sharded_loss_and_grads(cfg, MeshConfig(data=2, fsdp=2, tensor=2), 1, True)
+  assert rel_err(loss, ref_loss) < 1e-5
+  assert max(jax.tree.leaves(jax.tree.map(rel_err, grads, ref_grads))) < 1e-5

@@ -75,6 +75,17 @@ def test_zero2_shards_gradients_that_zero1_keeps_whole():
       (zero1.temp_bytes, zero2.temp_bytes)
 
 
+@pytest.mark.parametrize('zero', [0, 1])
+def test_grad_accumulation_reduces_gradients_once(zero):
+  """ZeRO-0/1 with 4 microbatches: partial gradients stay on their shard until the end."""
+  cfg = tiny_config()
+  cfg.data.batch_size, cfg.optim.grad_accum = 32, 4
+  mesh = MeshConfig(data=8) if zero == 0 else MeshConfig(data=1, fsdp=8)
+  report = compile_step(cfg, mesh, zero)[0]
+  reduced = report.bytes_of('all-reduce', 'reduce-scatter')
+  assert reduced < 1.1 * param_bytes(cfg) + 4096, report.summary()
+
+
 def test_fsdp_all_gathers_weights_per_layer():
   """Each extra layer adds its own weight gathers (forward and backward), inside the scan."""
   reports = {l: compile_step(with_layers(l), MeshConfig(data=1, fsdp=8), 3)[0] for l in (2, 4)}

@@ -81,14 +81,22 @@ def test_loss_and_grads_match_single_device(name, reference):
   assert worst < 1e-5, errs
 
 
-def test_grad_accumulation_matches_one_batch():
-  """4 microbatches of 8 over 4 batch shards (the layout the trainer runs) = one batch of 32."""
+ACCUM_LAYOUTS = {
+    'zero2_fsdp2_tp2_sp': (MeshConfig(data=2, fsdp=2, tensor=2), 2, True),
+    'dp8_per_shard': (MeshConfig(data=8), 0, False),
+    'zero1_dp2_fsdp2_tp2_sp_per_shard': (MeshConfig(data=2, fsdp=2, tensor=2), 1, True),
+}
+
+
+@pytest.mark.parametrize('name', ACCUM_LAYOUTS)
+def test_grad_accumulation_matches_one_batch(name):
+  """4 microbatches of 8 (over every batch shard, as the trainer runs) = one batch of 32."""
   cfg = tiny_config()
   cfg.data.batch_size = 32
   ref_loss, ref_grads = sharded_loss_and_grads(cfg, MeshConfig(data=1), 0, False,
                                                jax.devices()[:1])
   cfg.optim.grad_accum = 4
-  loss, grads = sharded_loss_and_grads(cfg, MeshConfig(data=2, fsdp=2, tensor=2), 2, True)
+  loss, grads = sharded_loss_and_grads(cfg, *ACCUM_LAYOUTS[name])
   assert rel_err(loss, ref_loss) < 1e-5
   assert max(jax.tree.leaves(jax.tree.map(rel_err, grads, ref_grads))) < 1e-5
 

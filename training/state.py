@@ -1,5 +1,6 @@
 """Train state, its shardings under a plan, and the jitted train step."""
 
+import dataclasses
 from typing import Any
 
 import flax.struct
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 import model
-from sharding.rules import ShardingPlan
+from sharding.rules import BATCH_AXES, ShardingPlan
 from training.config import Config
 
 
@@ -54,27 +55,65 @@ def init_state(cfg: Config, plan: ShardingPlan, tx) -> TrainState:
 def loss_and_grads(params, batch: dict, cfg: Config, plan: ShardingPlan | None):
   """Mean token loss and its gradients over the batch, in `grad_accum` microbatches."""
   weight = jnp.maximum(jnp.sum(batch['weights'].astype(jnp.float32)), 1.0)
-  grad_fn = jax.value_and_grad(model.summed_nll)
   accum = cfg.optim.grad_accum
   if accum == 1:
-    total, grads = grad_fn(params, batch, cfg.model, plan)
+    total, grads = jax.value_and_grad(model.summed_nll)(params, batch, cfg.model, plan)
   else:
     # Microbatch i takes rows i, i+accum, ...: each stays spread over every batch shard.
     micro = jax.tree.map(
         lambda x: jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1),
         batch)
-    grad_sh = None if plan is None else plan.tree(plan.grads, model.logical_axes(cfg.model))
-
-    def body(carry, mb):
-      total, grads = grad_fn(params, mb, cfg.model, plan)
-      acc = jax.tree.map(jnp.add, carry[1], grads)
-      if grad_sh is not None:
-        acc = jax.lax.with_sharding_constraint(acc, grad_sh)
-      return (carry[0] + total, acc), None
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    (total, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
+    accumulate = _accumulate_per_shard if _grads_replicated(plan) else _accumulate_sharded
+    total, grads = accumulate(params, micro, cfg, plan)
   return total / weight, jax.tree.map(lambda g: g / weight, grads)
+
+
+def _grads_replicated(plan: ShardingPlan | None) -> bool:
+  """ZeRO-0/1: gradients end up whole on every batch shard."""
+  return plan is not None and not set(BATCH_AXES) & plan.grads.mesh_axes()
+
+
+def _accumulate_sharded(params, micro, cfg: Config, plan):
+  """ZeRO-2/3 (or no plan): each microbatch's gradient is reduce-scattered as it comes."""
+  grad_fn = jax.value_and_grad(model.summed_nll)
+  grad_sh = None if plan is None else plan.tree(plan.grads, model.logical_axes(cfg.model))
+
+  def body(carry, mb):
+    total, grads = grad_fn(params, mb, cfg.model, plan)
+    acc = jax.tree.map(jnp.add, carry[1], grads)
+    if grad_sh is not None:
+      acc = jax.lax.with_sharding_constraint(acc, grad_sh)
+    return (carry[0] + total, acc), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  (total, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
+  return total, grads
+
+
+def _accumulate_per_shard(params, micro, cfg: Config, plan: ShardingPlan):
+  """ZeRO-0/1: each batch shard sums its own microbatch gradients, reduced once at the end.
+
+  The gradient is vmapped over a leading batch-shard axis mapped onto (data, fsdp), so a
+  microbatch's partial gradient stays on its shard instead of being all-reduced.
+  """
+  shards = plan.mesh.shape['data'] * plan.mesh.shape['fsdp']
+  local = dataclasses.replace(
+      plan, activations=plan.activations.with_overrides('per_shard', batch=None))
+  grad_fn = jax.vmap(lambda p, mb: jax.value_and_grad(model.summed_nll)(p, mb, cfg.model, local),
+                     in_axes=(None, 0), spmd_axis_name=BATCH_AXES)
+  carry_sh = plan.tree(plan.grads.with_overrides('per_shard', shard=BATCH_AXES),
+                       jax.tree.map(lambda a: ('shard', *a), model.logical_axes(cfg.model),
+                                    is_leaf=lambda x: isinstance(x, tuple)))
+
+  def body(carry, mb):
+    mb = jax.tree.map(lambda x: x.reshape(shards, x.shape[0] // shards, *x.shape[1:]), mb)
+    total, grads = grad_fn(params, mb)
+    acc = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, carry[1], grads), carry_sh)
+    return (carry[0] + total, acc), None
+
+  zeros = jax.tree.map(lambda p: jnp.zeros((shards, *p.shape), p.dtype), params)
+  (total, grads), _ = jax.lax.scan(body, (jnp.zeros((shards,), jnp.float32), zeros), micro)
+  return jnp.sum(total), jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)
 
 
 def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
