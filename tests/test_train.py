@@ -85,6 +85,37 @@ def test_train_py_with_pallas_attention_matches_xla(tmp_path, cache_dir):
   np.testing.assert_allclose(losses['pallas'], losses['xla'], rtol=1e-5)
 
 
+class InterruptAfter:
+  """A data iterator that raises KeyboardInterrupt (Ctrl-C) when asked for batch n+1."""
+
+  def __init__(self, it, n):
+    self.it, self.left = it, n
+
+  def __next__(self):
+    if self.left == 0:
+      raise KeyboardInterrupt
+    self.left -= 1
+    return next(self.it)
+
+  def __getattr__(self, name):
+    return getattr(self.it, name)
+
+
+def test_ctrl_c_saves_the_last_step_and_resume_continues(tmp_path, cache_dir, monkeypatch):
+  fixed = {'optim__decay_steps': 6, 'checkpoint__every_steps': 100, 'sample__num_tokens': 0}
+  full = trainer.train(tiny(tmp_path / 'full', cache_dir, steps=6, **fixed))
+  real = trainer.data.make_train_iterator
+  with monkeypatch.context() as m:
+    m.setattr(trainer.data, 'make_train_iterator',
+              lambda *a, **k: InterruptAfter(real(*a, **k), 3))
+    with pytest.raises(KeyboardInterrupt):
+      trainer.train(tiny(tmp_path / 'run', cache_dir, steps=6, **fixed))
+  assert os.listdir(tmp_path / 'run' / 'checkpoints') == ['3']
+  rest = trainer.train(tiny(tmp_path / 'run', cache_dir, steps=6, **fixed))
+  np.testing.assert_allclose([r['loss'] for r in rest], [r['loss'] for r in full[3:]],
+                             rtol=1e-6)
+
+
 def flip_middle_bytes(step_dir):
   for path in step_dir.rglob('*'):   # one byte in the middle of every array file
     if path.is_file() and path.stat().st_size > 1000:

@@ -116,6 +116,7 @@ def run_loop(t: Trainer, train_state, start: int) -> tuple[object, list[dict]]:
   logger = metrics.MetricsLogger(cfg.workdir, cfg.metrics, start_step=start,
                                  total_steps=cfg.steps, enabled=t.is_main)
   history, step_fn, step = [], None, start
+  data_state = t.data_iter.get_state()   # the data position matching `train_state`
   try:
     while step < cfg.steps:
       tic = time.perf_counter()
@@ -125,18 +126,16 @@ def run_loop(t: Trainer, train_state, start: int) -> tuple[object, list[dict]]:
         tic = time.perf_counter()   # compile time stays out of step_time_s
       train_state, out = step_fn(train_state, batch)
       out = {k: float(v) for k, v in jax.device_get(out).items()}
-      step += 1
-      elapsed = time.perf_counter() - tic
-      record = _record(step, out, elapsed, tokens_per_step, flops_per_step, peak)
+      step, data_state = step + 1, t.data_iter.get_state()
+      record = _record(step, out, time.perf_counter() - tic, tokens_per_step, flops_per_step,
+                       peak)
       history.append(record)
       if step % cfg.metrics.log_every == 0 or step == cfg.steps:
         logger.log(record)
       if step % cfg.checkpoint.every_steps == 0 or step == cfg.steps:
-        save(t, step, train_state)
+        save(t, step, train_state, data_state)
   except KeyboardInterrupt:
-    # Keep what was trained: the state after the last finished step is intact.
-    if step > start and step not in t.ckpt.steps():
-      save(t, step, train_state)
+    _save_on_interrupt(t, step, start, train_state, data_state)
     raise
   finally:
     logger.close()
@@ -144,9 +143,20 @@ def run_loop(t: Trainer, train_state, start: int) -> tuple[object, list[dict]]:
   return train_state, history
 
 
-def save(t: Trainer, step: int, train_state) -> None:
-  extra = {'data': t.data_iter.get_state(), 'data_setup': data_setup(t.cfg)}
-  t.ckpt.save(step, train_state, extra)
+def _save_on_interrupt(t: Trainer, step: int, start: int, train_state, data_state) -> None:
+  """Keeps what was trained; a state donated to an interrupted step is gone, though."""
+  if step == start or step in t.ckpt.steps():
+    return
+  if any(x.is_deleted() for x in jax.tree.leaves(train_state)):
+    console.print(f'[yellow]interrupted inside step {step + 1}: its input state was '
+                  'donated, nothing more to save[/]')
+    return
+  save(t, step, train_state, data_state)
+  console.print(f'saved step {step} before stopping')
+
+
+def save(t: Trainer, step: int, train_state, data_state: dict) -> None:
+  t.ckpt.save(step, train_state, {'data': data_state, 'data_setup': data_setup(t.cfg)})
 
 
 def _record(step, out, elapsed, tokens_per_step, flops_per_step, peak) -> dict:
