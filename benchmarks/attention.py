@@ -74,7 +74,8 @@ def add_ratios(rows):
 
 
 def print_table(rows):
-  print(f"{'impl':8}{'T':>7}{'Hkv':>5}{'fwd TF/s':>10}{'bwd TF/s':>10}{'fwd/cuDNN':>11}{'bwd/cuDNN':>11}")
+  print(f"{'impl':8}{'T':>7}{'Hkv':>5}{'fwd TF/s':>10}{'bwd TF/s':>10}"
+        f"{'fwd/cuDNN':>11}{'bwd/cuDNN':>11}")
   for r in rows:
     if 'error' in r:
       print(f"{r['impl']:8}{r['seq_len']:>7}{r['kv_heads']:>5}  {r['error'][:60]}")

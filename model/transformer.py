@@ -181,9 +181,11 @@ def attention(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan
   q = jnp.einsum('btd,dhe->bthe', x, layer['wq'].astype(dtype))
   k = jnp.einsum('btd,dke->btke', x, layer['wk'].astype(dtype))
   v = jnp.einsum('btd,dke->btke', x, layer['wv'].astype(dtype))
-  q = constrain(apply_rope(q, positions, inv_freq), ('batch', 'act_seq', 'act_heads', None), plan)
-  k = constrain(apply_rope(k, positions, inv_freq), ('batch', 'act_seq', 'act_kv_heads', None), plan)
-  v = constrain(v, ('batch', 'act_seq', 'act_kv_heads', None), plan)
+  q_axes = ('batch', 'act_seq', 'act_heads', None)
+  kv_axes = ('batch', 'act_seq', 'act_kv_heads', None)
+  q = constrain(apply_rope(q, positions, inv_freq), q_axes, plan)
+  k = constrain(apply_rope(k, positions, inv_freq), kv_axes, plan)
+  v = constrain(v, kv_axes, plan)
   if cfg.attention_impl == 'xla':
     out = attention_xla(q, k, v, segment_ids)
   elif cfg.attention_impl == 'cudnn':
@@ -206,7 +208,8 @@ def mlp(x, layer, plan):
 def block(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan):
   with jax.named_scope('attention'):
     h = rms_norm(x, layer['attn_norm'], cfg.norm_eps)
-    x = constrain(x + attention(h, layer, cfg, positions, segment_ids, inv_freq, plan), RESIDUAL, plan)
+    h = attention(h, layer, cfg, positions, segment_ids, inv_freq, plan)
+    x = constrain(x + h, RESIDUAL, plan)
   with jax.named_scope('mlp'):
     h = rms_norm(x, layer['mlp_norm'], cfg.norm_eps)
     x = constrain(x + mlp(h, layer, plan), RESIDUAL, plan)
