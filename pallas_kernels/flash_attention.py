@@ -424,16 +424,20 @@ def _no_keys_result(q, return_lse):
 def _make_config(q, k, causal, window, scale, block_q, block_k, interpret, poison):
   _, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
+  if interpret is None:
+    interpret = jax.default_backend() == 'cpu'
   default_q, default_k = (128, 64) if d <= 128 else (64, 32)
+  # Backward tiles hold two fp32 accumulators per program: keep them smaller.
+  bwd_cap = 64 if d <= 128 else 32
+  if q.dtype == jnp.float32 and not interpret:
+    # fp32 dots run on FMA units with operands in registers: Triton's sm_90 code for
+    # 128x64 tiles spills ~10 KB per thread, 64x32 none (benchmarks.kernel_resources).
+    default_q, default_k, bwd_cap = min(default_q, 64), min(default_k, 32), 32
   block_q = block_q or _fit_block(default_q, t)
   block_k = block_k or _fit_block(default_k, s)
   for name, block in (('block_q', block_q), ('block_k', block_k)):
     if block < 16 or block & (block - 1):
       raise ValueError(f'{name}={block} must be a power of two >= 16.')
-  # Backward tiles hold two fp32 accumulators per program: keep them smaller.
-  bwd_cap = 64 if d <= 128 else 32
-  if interpret is None:
-    interpret = jax.default_backend() == 'cpu'
   return _Config(
       causal=causal, window=None if window is None else int(window), scale=scale,
       block_q=block_q, block_k=block_k, block_q_bwd=min(block_q, bwd_cap),
