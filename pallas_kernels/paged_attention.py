@@ -20,6 +20,9 @@ split's page blocks, gathering pages through the page table; each page block is 
 once per q block for the whole head group, never once per q head. Each split writes a
 normalized partial output and its log-sum-exp; `_merge_splits` combines them.
 
+A head group that is not a power of two (7 q heads per kv head, say) is zero-padded to
+one for the kernel, whose tiles must be powers of two on GPU, and sliced back after.
+
 Written in the portable Pallas style (pallas_call, grid, BlockSpecs, masked loads and
 stores, fori_loop) for the Triton backend on GPU; on CPU it runs in interpret mode.
 """
@@ -242,6 +245,14 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   kv_lens, cu_q_lens, page_indices = (
       jnp.asarray(x, jnp.int32) for x in (kv_lens, cu_q_lens, page_indices))
   num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(1)
+  groups = hq // hkv
+  padded_groups = pl.next_power_of_2(groups)
+  if padded_groups != groups:
+    # Triton tiles need power-of-2 sizes, and a q block holds a whole head group: give each
+    # group zero heads up to the next power of two (Qwen2.5-7B has 7), dropped after.
+    q = jnp.pad(q.reshape(t, hkv, groups, d),
+                ((0, 0), (0, 0), (0, padded_groups - groups), (0, 0)))
+    q = q.reshape(t, hkv * padded_groups, d)
   if interpret is None:
     interpret = jax.default_backend() == 'cpu'
   ppb = pages_per_block
@@ -251,8 +262,8 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   if splits is None:
     splits = _choose_num_kv_splits(max_seqs, hkv, pages_per_seq * page_size, ppb * page_size,
                                    out_bytes=t * hq * d * 4)
-  block_q = _choose_block_q(t, hq // hkv) if _block_q is None else _block_q
-  _check_tiling(splits, ppb, block_q, interpret, hq // hkv, d, page_size)
+  block_q = _choose_block_q(t, padded_groups) if _block_q is None else _block_q
+  _check_tiling(splits, ppb, block_q, interpret, padded_groups, d, page_size)
   kernel = functools.partial(
       _paged_attention_kernel, block_q=block_q, pages_per_block=ppb, num_kv_splits=splits,
       sm_scale=1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale))
@@ -260,6 +271,8 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   o, lse = _call_kernel(kernel, args, grid=(max_seqs, hkv, splits), poison=_poison,
                         interpret=interpret)
   out = _merge_splits(o, lse)
+  if padded_groups != groups:
+    out = out.reshape(t, hkv, padded_groups, d)[:, :, :groups].reshape(t, hq, d)
   live = jnp.arange(t) < cu_q_lens[num_seqs[0]]
   return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
 
@@ -376,7 +389,7 @@ def _check_tiling(splits, ppb, block_q, interpret, groups, d, page_size):
   if interpret:
     return
   # Triton tensors need power-of-2 sizes, and tl.dot needs every dimension >= 16.
-  for name, n in (('q heads per kv head * block_q', groups * block_q), ('head_dim', d),
+  for name, n in (('block_q * q heads per kv head (rounded up to 2^n)', groups * block_q), ('head_dim', d),
                   ('page_size * pages_per_block', page_size * ppb)):
     if n & (n - 1) or n < _MIN_DOT_ROWS:
       raise ValueError(f'paged_attention on GPU (Triton): {name} = {n} must be a power of 2 '

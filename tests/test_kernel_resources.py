@@ -56,10 +56,12 @@ def test_flash_attention_fp32_picks_tiles_that_do_not_spill():
   assert dkv.stack_bytes < 1024, dkv
 
 
-@pytest.mark.parametrize('batch, context, q_tokens', [(8, 4096, None), (64, 8192, None),
-                                                      (16, 1024, 200)])
-def test_paged_attention_compiles_without_spills(batch, context, q_tokens):
-  fn, args = kr.paged_case(batch, context, q_tokens=q_tokens)
+@pytest.mark.parametrize('batch, context, q_tokens, q_heads, kv_heads', [
+    (8, 4096, None, 32, 8), (64, 8192, None, 32, 8), (16, 1024, 200, 32, 8),
+    (16, 1024, 40, 28, 4)])   # 7 q heads per kv head: padded to 8
+def test_paged_attention_compiles_without_spills(batch, context, q_tokens, q_heads, kv_heads):
+  fn, args = kr.paged_case(batch, context, q_tokens=q_tokens, q_heads=q_heads,
+                           kv_heads=kv_heads)
   [res] = _compile(fn, args)
   assert res.name == 'ragged_paged_attention'
   _assert_fits(res)

@@ -109,7 +109,7 @@ def test_reference_matches_dense_causal_attention():
 
 # --------------------------------------------------------------------- kernel vs reference
 
-@pytest.mark.parametrize('hq,hkv', [(8, 2), (4, 4)])
+@pytest.mark.parametrize('hq,hkv', [(8, 2), (4, 4), (6, 2), (7, 1)])
 def test_mixed_batch_with_padding(hq, hkv):
   # 5 live of 7 sequences; chunks longer than block_q span several q blocks; pages
   # shuffled; kv lengths ending mid-page; NaN padding rows, page tails and free pages.
