@@ -21,7 +21,8 @@ from pallas_kernels.paged_attention import paged_attention
 
 def copy_bandwidth(num_bytes: int, iters: int) -> float:
   x = jnp.ones((num_bytes // 2,), jnp.bfloat16)
-  seconds = median_time(jax.jit(lambda x: x + jnp.ones((), x.dtype)), x, iters=iters)
+  seconds = median_time(jax.jit(lambda x: x + jnp.ones((), x.dtype)), x, iters=iters,
+                        inner=4)
   return 2 * num_bytes / seconds
 
 
@@ -46,7 +47,7 @@ def run_case(batch, context, hq, hkv, d, page, dtype, iters) -> dict:
   kv_bytes = 2 * batch * context * hkv * d * jnp.dtype(dtype).itemsize
   row = {'batch': batch, 'context': context, 'q_heads': hq, 'kv_heads': hkv, 'head_dim': d,
          'page_size': page, 'dtype': jnp.dtype(dtype).name, 'kv_bytes': kv_bytes}
-  seconds = median_time(jax.jit(paged_attention), *args, iters=iters)
+  seconds = median_time(jax.jit(paged_attention), *args, iters=iters, inner=20)
   row.update(time_us=seconds * 1e6, bandwidth_gbs=kv_bytes / seconds / 1e9)
   return row
 

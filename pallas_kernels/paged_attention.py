@@ -84,11 +84,12 @@ def paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_l
   k = jnp.where(in_seq[..., None, None], keys_of(k_pages).astype(jnp.float32), 0)[seq]
   v = jnp.where(in_seq[..., None, None], keys_of(v_pages).astype(jnp.float32), 0)[seq]
   qg = q.astype(jnp.float32).reshape(t, hkv, hq // hkv, d)
-  scores = jnp.einsum('tkgd,tskd->tkgs', qg, k) * scale
+  hi = jax.lax.Precision.HIGHEST   # no TF32 on GPU: this is the reference
+  scores = jnp.einsum('tkgd,tskd->tkgs', qg, k, precision=hi) * scale
   visible = (key_pos[None, :] <= pos[:, None]) & live[:, None]          # [T, L]
   scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum('tkgs,tskd->tkgd', probs, v).reshape(t, hq, d)
+  out = jnp.einsum('tkgs,tskd->tkgd', probs, v, precision=hi).reshape(t, hq, d)
   return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
 
 

@@ -6,7 +6,10 @@ import pathlib
 import jax
 
 jax.config.update('jax_num_cpu_devices', 8)
-jax.config.update('jax_platforms', 'cpu')
+# MESHLM_TEST_GPU=1 keeps the GPU for the kernel tests (benchmarks/gpu_session.sh); the
+# rest of the suite needs the 8 simulated CPU devices.
+if not os.environ.get('MESHLM_TEST_GPU'):
+  jax.config.update('jax_platforms', 'cpu')
 _CACHE = pathlib.Path(os.environ.get('MESHLM_TEST_CACHE',
                                      pathlib.Path(__file__).parent.parent / '.pytest_cache' / 'jax'))
 jax.config.update('jax_compilation_cache_dir', str(_CACHE))

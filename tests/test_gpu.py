@@ -1,0 +1,67 @@
+"""The kernels compiled on a GPU (not interpreted) against their references, and the cuDNN
+attention path for real, at production-like shapes.
+
+These run only where jax's default backend is a GPU:
+`MESHLM_TEST_GPU=1 python -m pytest tests/test_gpu.py tests/test_flash_attention.py`
+(benchmarks/gpu_session.sh does this). Without a GPU, everything here is skipped. The same
+kernels are checked in interpret mode on CPU by test_flash_attention.py and
+test_paged_attention.py, and compiled for sm_90 by test_kernel_resources.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import transformer
+from tests.test_flash_attention import _check_against_reference
+from tests.test_paged_attention import MIXED, check, make_case
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != 'gpu',
+    reason='needs a GPU: run with MESHLM_TEST_GPU=1 on a machine that has one')
+
+
+# b, t, s, hq, hkv, d, dtype, causal, segments, window, blocks (None: the defaults)
+FLASH = {
+    'bf16_d128_gqa_causal': (1, 1024, 1024, 32, 8, 128, jnp.bfloat16, True, None, None),
+    'bf16_d128_mha_ragged': (2, 1000, 1000, 8, 8, 128, jnp.bfloat16, True, None, None),
+    'bf16_d64_packed': (2, 512, 512, 8, 2, 64, jnp.bfloat16, True, 'packed', None),
+    'bf16_d256_window': (1, 768, 768, 4, 2, 256, jnp.bfloat16, True, None, 200),
+    'fp32_d128_full_cross': (1, 300, 520, 4, 2, 128, jnp.float32, False, 'pair', None),
+    'fp32_d80_padded_dim': (1, 256, 256, 6, 2, 80, jnp.float32, True, 'packed', 64),
+}
+
+
+@pytest.mark.parametrize('case', FLASH, ids=list(FLASH))
+def test_flash_attention_compiled(case):
+  b, t, s, hq, hkv, d, dtype, causal, segments, window = FLASH[case]
+  _check_against_reference(3, b, t, s, hq, hkv, d, dtype, causal, segments, window,
+                           (None, None))
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('hq, hkv', [(32, 8), (28, 4), (8, 8)])
+def test_paged_attention_compiled(hq, hkv, dtype):
+  # GPU tiles need power-of-2 blocks of >= 16 keys: pages of 16, default tiling.
+  seqs = MIXED + [(1, 700), (40, 1500)]
+  case = make_case(seqs, hq=hq, hkv=hkv, d=128, page_size=16, max_seqs=9, dtype=dtype,
+                   seed=hq + hkv)
+  check(case, dtype)
+  check(case, dtype, num_kv_splits=4)
+
+
+@pytest.mark.parametrize('packed', [False, True])
+def test_cudnn_attention_matches_xla(packed):
+  rng = np.random.default_rng(int(packed))
+  b, t, hq, hkv, d = 2, 512, 8, 2, 128
+  q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.bfloat16)
+             for h in (hq, hkv, hkv))
+  seg = None
+  if packed:
+    seg = jnp.asarray(np.cumsum(rng.random((b, t)) < 0.01, axis=1) + 1, jnp.int32)
+  out = jax.jit(transformer.attention_cudnn)(q, k, v, seg)
+  ref = jax.jit(transformer.attention_xla)(q.astype(jnp.float32), k.astype(jnp.float32),
+                                           v.astype(jnp.float32), seg)
+  err = np.abs(np.asarray(out, np.float32) - np.asarray(ref)).max() / np.abs(ref).max()
+  assert out.dtype == jnp.bfloat16 and err < 2e-2, err
