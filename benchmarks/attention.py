@@ -2,6 +2,7 @@
 
   python -m benchmarks.attention            # GPU: 8K, 16K, 64K tokens; MHA and GQA 32/8
   python -m benchmarks.attention --smoke    # CPU: tiny shapes, interpret mode (no timing claims)
+  python -m benchmarks.attention --tiles    # GPU: our kernel's tile choices at 8K, side by side
 
 bf16, head_dim 128, 64K tokens per batch (batch = 65536 / seq_len). FLOPs count the
 causal half only: forward 4*B*T*T*Hq*D/2, backward 2.5x that. Writes
@@ -64,6 +65,26 @@ def run_case(impls, b, t, hq, hkv, d, dtype, iters) -> list[dict]:
   return rows
 
 
+# (block_q, block_k, block_q_bwd, block_k_bwd, num_warps, num_stages). The first is the
+# default at head_dim 128. Each fits sm_90's shared memory; three stages or four warps
+# spill a little in dk/dv (tests/test_kernel_resources.py, benchmarks.kernel_resources).
+TILES = [(128, 64, 64, 64, 8, 2), (128, 64, 64, 64, 8, 3), (128, 128, 64, 64, 8, 2),
+         (128, 128, 64, 64, 8, 3), (128, 64, 128, 64, 8, 2), (128, 128, 128, 64, 8, 2),
+         (64, 64, 64, 64, 4, 2), (64, 128, 64, 64, 4, 2)]
+TILE_NAMES = ('block_q', 'block_k', 'block_q_bwd', 'block_k_bwd', 'num_warps', 'num_stages')
+
+
+def run_tiles(tiles, b, t, hq, hkv, d, dtype, iters) -> list[dict]:
+  """Our kernel alone under each tile choice; the table shows which to make the default."""
+  rows = []
+  for tile in tiles:
+    kwargs = dict(zip(TILE_NAMES, tile))
+    impl = {'pallas': functools.partial(flash_attention, causal=True, **kwargs)}
+    for row in run_case(impl, b, t, hq, hkv, d, dtype, iters):
+      rows.append({**row, 'tiles': kwargs})
+  return rows
+
+
 def add_ratios(rows):
   cudnn = {(r['seq_len'], r['kv_heads']): r for r in rows if r['impl'] == 'cudnn'}
   for r in rows:
@@ -90,7 +111,11 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--smoke', action='store_true', help='tiny CPU run; writes nothing')
   parser.add_argument('--iters', type=int, default=20)
+  parser.add_argument('--tiles', action='store_true',
+                      help='time our kernel under each tile choice in TILES (8K tokens)')
   args = parser.parse_args(argv)
+  if args.tiles:
+    return main_tiles(args)
   if args.smoke:
     cases, d, dtype, iters = [(2, 64, 4, 4), (2, 64, 4, 2)], 32, jnp.float32, 1
   else:
@@ -103,6 +128,28 @@ def main(argv=None):
   print_table(rows)
   if not args.smoke:
     print(write_result(f'attention_{jax.devices()[0].device_kind.replace(" ", "_")}',
+                       {'rows': rows}))
+  return rows
+
+
+def main_tiles(args):
+  if args.smoke:
+    cases, tiles, d, dtype, iters = [(1, 64, 4, 2)], [(16, 32, 32, 16, 4, 2)], 32, jnp.float32, 1
+  else:
+    cases = [(TOKENS // 8192, 8192, 32, hkv) for hkv in (32, 8)]
+    tiles, d, dtype, iters = TILES, 128, jnp.bfloat16, args.iters
+  rows = []
+  for b, t, hq, hkv in cases:
+    rows += run_tiles(tiles, b, t, hq, hkv, d, dtype, iters)
+  print(f"{'tiles (bq bk bq_bwd bk_bwd warps stages)':42}{'Hkv':>5}{'fwd TF/s':>10}"
+        f"{'bwd TF/s':>10}")
+  for r in rows:
+    label = ' '.join(str(v) for v in r['tiles'].values())
+    numbers = (r['error'][:40] if 'error' in r else
+               f"{r['fwd_tflops']:>10.1f}{r['bwd_tflops']:>10.1f}")
+    print(f"{label:42}{r['kv_heads']:>5}{numbers}")
+  if not args.smoke:
+    print(write_result(f'attention_tiles_{jax.devices()[0].device_kind.replace(" ", "_")}',
                        {'rows': rows}))
   return rows
 

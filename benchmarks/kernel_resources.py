@@ -4,7 +4,7 @@
 
 Each kernel is lowered for CUDA on this host (`jit(f).trace(...).lower(
 lowering_platforms=('cuda',))`). Pallas turns it into Triton IR, carried in a
-`__gpu$xla.gpu.triton` custom call (jaxlib 0.10). That IR is compiled here with the
+`__gpu$xla.gpu.triton` custom call (jax 0.10 to 0.12). That IR is compiled here with the
 `triton` package (3.6, the version on the GPU machines) for sm_90a. Then ptxas and cuobjdump,
 both shipped in its wheel, report per kernel:
 
@@ -70,7 +70,13 @@ def triton_calls(fn, *args) -> list[TritonCall]:
   from jax._src.lib.mlir import ir
   from jax._src.lib.triton import dialect as tt_dialect
 
-  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=('cuda',))
+  # jax >= 0.11 reads the target GPU off a device; a host without one names it abstractly
+  # (jax 0.10 ignores this and targets sm_90 by itself).
+  gpu = jax.sharding.AbstractDevice(device_kind='NVIDIA H100', num_cores=None, platform='gpu')
+  mesh = jax.sharding.AbstractMesh((1,), ('x',), axis_types=(jax.sharding.AxisType.Auto,),
+                                   abstract_device=gpu)
+  with jax.sharding.use_abstract_mesh(mesh):
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=('cuda',))
   module = lowered.compiler_ir('stablehlo')
   ctx = mlir.make_ir_context()
   tt_dialect.register_dialect(ctx)
@@ -96,8 +102,8 @@ def triton_calls(fn, *args) -> list[TritonCall]:
   if not calls:
     raise RuntimeError(
         f'No {TRITON_CALL} custom call in the CUDA lowering. Either the kernels ran with '
-        f'interpret=True, or this jaxlib ({jax.lib.__version__}) lowers Pallas differently: '
-        'this tool reads the Triton IR that jaxlib 0.10 embeds in the custom call.')
+        f'interpret=True, or this jax ({jax.__version__}) lowers Pallas differently: this '
+        'tool reads the Triton IR that jax 0.10 to 0.12 embed in that custom call.')
   return calls
 
 

@@ -57,6 +57,7 @@ class _Config:
   mask_kv_padding: bool   # padded keys are not already excluded by the causal mask
   interpret: bool
   num_warps: int
+  num_stages: int
   poison: bool = False    # test only: outputs start as NaN, so unwritten blocks show
 
 
@@ -241,7 +242,7 @@ def _call(kernel, args, in_specs, out_shapes, out_specs, grid, cfg, name):
     args, in_specs = (*args, *junk), [*in_specs, *out_specs]
   params = None
   if plgpu is not None:
-    params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=2)
+    params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
   return pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shapes,
       input_output_aliases=aliases, interpret=cfg.interpret, compiler_params=params,
@@ -339,6 +340,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
                     return_lse=False, sm_scale=None, block_q=None, block_k=None,
+                    block_q_bwd=None, block_k_bwd=None, num_warps=None, num_stages=None,
                     interpret=None, _poison_outputs=False):
   """Flash attention with grouped-query heads; differentiable in q, k, v (and lse).
 
@@ -351,7 +353,13 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
     return_lse: also return lse [B, Hq, T] float32, the log-sum-exp of the scaled
       scores (-inf for a query that sees no key; its output is 0). Differentiable.
     sm_scale: score scale, default 1 / sqrt(D).
-    block_q, block_k: powers of two >= 16; defaults fit the sequence and head dim.
+    block_q, block_k: forward tiles, powers of two >= 16; defaults fit the sequence and
+      head dim.
+    block_q_bwd, block_k_bwd: backward tiles (both backward kernels), powers of two >= 16;
+      default: the forward tiles capped at 64 (32 for head_dim > 128).
+    num_warps, num_stages: Triton launch parameters on GPU (ignored when interpreted);
+      default 4 warps for head_dim <= 64, else 8; 2 pipeline stages.
+      `benchmarks.attention --tiles` times alternatives.
     interpret: run the Pallas interpreter; default: when the backend is CPU.
     _poison_outputs: test only; kernel outputs start as NaN so unwritten blocks show.
 
@@ -365,9 +373,11 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
   scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
   if b * t * s == 0:
     return _no_keys_result(q, return_lse)
-  cfg = _make_config(q, k, causal, sliding_window, scale, block_q, block_k, interpret,
-                     _poison_outputs)
-  t_pad, s_pad = _round_up(t, cfg.block_q), _round_up(s, cfg.block_k)
+  tiles = dict(block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd,
+               block_k_bwd=block_k_bwd, num_warps=num_warps, num_stages=num_stages)
+  cfg = _make_config(q, k, causal, sliding_window, scale, tiles, interpret, _poison_outputs)
+  t_pad = _round_up(t, max(cfg.block_q, cfg.block_q_bwd))
+  s_pad = _round_up(s, max(cfg.block_k, cfg.block_k_bwd))
   d_pad = max(16, pl.next_power_of_2(d))
   q, k, v = (_pad(x, {1: n, 3: d_pad}) for x, n in ((q, t_pad), (k, s_pad), (v, s_pad)))
   if q_seg is not None:
@@ -421,7 +431,7 @@ def _no_keys_result(q, return_lse):
   return (out, lse) if return_lse else out
 
 
-def _make_config(q, k, causal, window, scale, block_q, block_k, interpret, poison):
+def _make_config(q, k, causal, window, scale, tiles, interpret, poison):
   _, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   if interpret is None:
@@ -433,17 +443,22 @@ def _make_config(q, k, causal, window, scale, block_q, block_k, interpret, poiso
     # fp32 dots run on FMA units with operands in registers: Triton's sm_90 code for
     # 128x64 tiles spills ~10 KB per thread, 64x32 none (benchmarks.kernel_resources).
     default_q, default_k, bwd_cap = min(default_q, 64), min(default_k, 32), 32
-  block_q = block_q or _fit_block(default_q, t)
-  block_k = block_k or _fit_block(default_k, s)
-  for name, block in (('block_q', block_q), ('block_k', block_k)):
+  block_q = tiles.get('block_q') or _fit_block(default_q, t)
+  block_k = tiles.get('block_k') or _fit_block(default_k, s)
+  block_q_bwd = tiles.get('block_q_bwd') or min(block_q, bwd_cap)
+  block_k_bwd = tiles.get('block_k_bwd') or min(block_k, bwd_cap)
+  for name, block in (('block_q', block_q), ('block_k', block_k),
+                      ('block_q_bwd', block_q_bwd), ('block_k_bwd', block_k_bwd)):
     if block < 16 or block & (block - 1):
       raise ValueError(f'{name}={block} must be a power of two >= 16.')
+  num_warps = tiles.get('num_warps') or (4 if d <= 64 else 8)
+  num_stages = tiles.get('num_stages') or 2
   return _Config(
       causal=causal, window=None if window is None else int(window), scale=scale,
-      block_q=block_q, block_k=block_k, block_q_bwd=min(block_q, bwd_cap),
-      block_k_bwd=min(block_k, bwd_cap), groups=hq // hkv, kv_len=s,
-      mask_kv_padding=not causal and s % block_k != 0, interpret=bool(interpret),
-      num_warps=4 if d <= 64 else 8, poison=poison)
+      block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd,
+      groups=hq // hkv, kv_len=s,
+      mask_kv_padding=not causal and s % max(block_k, block_k_bwd) != 0,
+      interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages, poison=poison)
 
 
 def _fit_block(default, length):

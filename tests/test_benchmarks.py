@@ -15,3 +15,9 @@ def test_paged_decode_benchmark_smoke():
   rows = paged_decode.main(['--smoke'])
   assert len(rows) == 2
   assert all(r['bandwidth_gbs'] > 0 and math.isfinite(r['fraction_of_copy']) for r in rows)
+
+
+def test_attention_tile_sweep_smoke():
+  rows = attention.main(['--smoke', '--tiles'])
+  assert [r['tiles']['block_k_bwd'] for r in rows] == [16]
+  assert all('error' not in r and math.isfinite(r['bwd_tflops']) for r in rows), rows

@@ -52,8 +52,8 @@ def _check_against_reference(seed, b, t, s, hq, hkv, d, dtype, causal, segments,
            jnp.asarray(rng.integers(0, 3, (b, s)), jnp.int32))
   opts = dict(causal=causal, segment_ids=seg, sliding_window=window, return_lse=True)
   # Every output buffer starts as NaN (aliased in): an element no program writes fails.
-  kernel = lambda q, k, v: fa.flash_attention(q, k, v, block_q=blocks[0],
-                                              block_k=blocks[1], _poison_outputs=True, **opts)
+  tiles = dict(zip(('block_q', 'block_k', 'block_q_bwd', 'block_k_bwd'), blocks))
+  kernel = lambda q, k, v: fa.flash_attention(q, k, v, _poison_outputs=True, **tiles, **opts)
   ref = lambda q, k, v: fa.flash_attention_reference(q, k, v, **opts)
   # Cotangents for both outputs: the lse one exercises dS += dlse * P.
   cot = (jnp.asarray(rng.normal(size=q.shape), dtype),
@@ -74,7 +74,8 @@ def _value_and_vjp(fn, q, k, v, cot):
   return (out, lse, *vjp(cot))
 
 
-# b, t, s, hq, hkv, d, dtype, causal, segments, window, (block_q, block_k)
+# b, t, s, hq, hkv, d, dtype, causal, segments, window,
+# (block_q, block_k[, block_q_bwd, block_k_bwd])
 CASES = {
     'causal_gqa4to1_ragged': (2, 37, 37, 4, 1, 32, jnp.float32, True, None, None, (16, 16)),
     'causal_gqa6to2_window': (1, 64, 64, 6, 2, 16, jnp.float32, True, None, 18, (16, 32)),
@@ -90,6 +91,12 @@ CASES = {
     'bf16_gqa_packed_window': (2, 37, 37, 6, 2, 64, jnp.bfloat16, True, 'packed', 9,
                                (16, 16)),
     'bf16_cross': (1, 29, 45, 4, 1, 32, jnp.bfloat16, False, None, None, (16, 16)),
+    # Backward tiles set apart from the forward ones, larger: the padding follows the
+    # largest tile (48 keys pad to 64 only for the backward's 64-key tile).
+    'bwd_tiles_larger': (1, 70, 70, 4, 2, 32, jnp.float32, True, 'packed', 20,
+                         (16, 16, 32, 64)),
+    'bwd_tiles_pad_keys': (1, 37, 48, 2, 1, 16, jnp.float32, False, None, None,
+                           (32, 16, 16, 64)),
 }
 
 
@@ -189,7 +196,8 @@ def test_block_ranges_are_exactly_the_visible_blocks(t, block_q, block_k, window
   # Padded as flash_attention pads: queries and keys may get different padded lengths.
   nq, nk = -(-t // block_q), -(-t // block_k)
   cfg = fa._make_config(jnp.zeros((1, t, 1, 16)), jnp.zeros((1, t, 1, 16)),
-                        True, window, 1.0, block_q, block_k, True, False)
+                        True, window, 1.0, dict(block_q=block_q, block_k=block_k), True,
+                        False)
   rows, cols = np.arange(nq * block_q)[:, None], np.arange(nk * block_k)[None, :]
   visible = (cols <= rows) & (cols > rows - (window or 10**6))
   blocks = visible.reshape(nq, block_q, nk, block_k).any(axis=(1, 3))
@@ -224,6 +232,7 @@ def test_model_layout_jitted_with_gradients():
     (((1, 8, 3, 16), (1, 8, 2, 16)), {}, 'multiple of kv heads'),
     (((1, 8, 2, 16), (1, 8, 2, 16)), dict(causal=False, sliding_window=4), 'causal=True'),
     (((1, 8, 2, 16), (1, 8, 2, 16)), dict(block_q=24), 'power of two'),
+    (((1, 8, 2, 16), (1, 8, 2, 16)), dict(block_k_bwd=8), 'block_k_bwd=8 must be a power'),
     (((1, 8, 2, 16), (1, 12, 2, 16)), dict(causal=False, segment_ids=np.zeros((1, 8))),
      'pair'),
 ])

@@ -38,6 +38,21 @@ def test_flash_attention_bf16_d128_compiles_to_wgmma_without_spills(kv_heads):
     assert res.uses_wgmma and 'HMMA' not in res.mma, res
 
 
+def test_every_tile_choice_the_benchmark_sweeps_fits_shared_memory():
+  from benchmarks import attention
+  from pallas_kernels import flash_attention as fa
+  q = jax.ShapeDtypeStruct((1, 8192, 32, 128), jnp.bfloat16)
+  cfg = fa._make_config(q, q, True, None, 1.0, {}, False, False)
+  assert attention.TILES[0] == tuple(getattr(cfg, n) for n in attention.TILE_NAMES), (
+      'TILES[0] must be the default tiles, which the tests above check')
+  for tile in attention.TILES[1:]:
+    fn, args = kr.flash_case(1024, 8, 2, 128, causal=True,
+                             **dict(zip(attention.TILE_NAMES, tile)))
+    for res in _compile(fn, args):
+      assert res.shared_bytes <= kr.SHARED_LIMIT and res.uses_wgmma, (tile, res)
+      assert res.stack_bytes <= 512, (tile, res)
+
+
 @pytest.mark.parametrize('head_dim', [64, 256])
 def test_flash_attention_other_head_dims_compile_without_spills(head_dim):
   fn, args = kr.flash_case(1024, 8, 2, head_dim, causal=True, sliding_window=300)
