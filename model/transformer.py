@@ -257,6 +257,15 @@ def logits(params: Params, hidden: jax.Array, cfg: ModelConfig, plan=None) -> ja
   return constrain(out, ('batch', 'act_seq', 'act_vocab'), plan)
 
 
+def batch_shards(plan: ShardingPlan | None) -> int:
+  """How many ways the plan splits the batch of activations (1 without a plan)."""
+  if plan is None:
+    return 1
+  axes = plan.activations.table.get('batch') or ()
+  axes = (axes,) if isinstance(axes, str) else axes
+  return math.prod(plan.mesh.shape[a] for a in axes)
+
+
 # ----------------------------------------------------------------------------------- loss
 
 def _weighted_nll(logits_btv, targets, weights):
@@ -278,15 +287,28 @@ def summed_nll(params: Params, batch: dict, cfg: ModelConfig, plan=None) -> jax.
     raise ValueError(f'model.loss_chunk={chunk} must divide the sequence length {t}.')
 
   # Long sequences: never hold [b, t, vocab] logits; recompute each chunk's in backward.
-  @jax.checkpoint
-  def chunk_nll(h, tg, w):
-    return _weighted_nll(logits(params, h, cfg, plan), tg, w)
+  # Each batch shard gets its own copy of the head weights, laid out like the batch. The
+  # copies are gathered once, not per chunk. Their gradients stay per-shard partial sums
+  # over the chunks. The transpose of the broadcast reduces them once at the end, where
+  # a shared head would be reduced once per chunk. The cost: one whole fp32 head gradient
+  # (d x vocab / tensor) per device while the loss runs.
+  shards = batch_shards(plan)
+  head = output_weights(params, cfg)
+  head = constrain(jnp.broadcast_to(head, (shards, *head.shape)), ('batch', None, 'act_vocab'),
+                   plan)
 
-  def split(x):
-    return jnp.moveaxis(x.reshape(x.shape[0], t // chunk, chunk, *x.shape[2:]), 1, 0)
+  @jax.checkpoint
+  def chunk_nll(h, tg, wt, head):   # h [shards, b / shards, chunk, d]
+    out = jnp.einsum('sbcd,sdv->sbcv', h, head, preferred_element_type=jnp.float32)
+    out = constrain(out, ('batch', None, 'act_seq', 'act_vocab'), plan)
+    return _weighted_nll(out, tg, wt)
+
+  def split(x):   # [b, t, ...] -> [t / chunk, shards, b / shards, chunk, ...]
+    x = x.reshape(shards, x.shape[0] // shards, t // chunk, chunk, *x.shape[2:])
+    return jnp.moveaxis(x, 2, 0)
 
   def body(total, xs):
-    return total + chunk_nll(*xs), None
+    return total + chunk_nll(*xs, head), None
 
   total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
                           (split(hidden), split(targets), split(weights)))

@@ -390,8 +390,8 @@ def _check_tiling(splits, ppb, block_q, interpret, groups, d, page_size):
   if interpret:
     return
   # Triton tensors need power-of-2 sizes, and tl.dot needs every dimension >= 16.
-  for name, n in (('block_q * q heads per kv head (rounded up to 2^n)', groups * block_q), ('head_dim', d),
-                  ('page_size * pages_per_block', page_size * ppb)):
+  for name, n in (('block_q * q heads per kv head (rounded up to 2^n)', groups * block_q),
+                  ('head_dim', d), ('page_size * pages_per_block', page_size * ppb)):
     if n & (n - 1) or n < _MIN_DOT_ROWS:
       raise ValueError(f'paged_attention on GPU (Triton): {name} = {n} must be a power of 2 '
                        f'and >= {_MIN_DOT_ROWS}.')

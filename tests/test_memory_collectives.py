@@ -113,3 +113,19 @@ def test_tensor_parallel_reduces_per_layer(sp):
     assert (gathers[4] - gathers[2]) / 2 / act_bytes >= 2 * 0.99, gathers
   else:
     assert gathers[4] == gathers[2] == 0, gathers
+
+
+@pytest.mark.parametrize('mesh_cfg, zero', [(MeshConfig(data=2, tensor=4), 0),
+                                            (MeshConfig(data=1, fsdp=2, tensor=4), 3)])
+def test_chunked_loss_moves_the_head_once(mesh_cfg, zero):
+  """Four loss chunks cost no more collectives than one: the head is gathered once and
+  its gradient reduced once (a shared head was gathered and reduced per chunk)."""
+  cfg = tiny_config()
+  cfg.model = dataclasses.replace(cfg.model, vocab_size=4096)   # the head dominates
+  whole = compile_step(cfg, mesh_cfg, zero, True)[0]
+  cfg.model = dataclasses.replace(cfg.model, loss_chunk=4)
+  chunked = compile_step(cfg, mesh_cfg, zero, True)[0]
+  head_bytes = 4096 * cfg.model.embed_dim * 4 / 4   # fp32, vocab over tensor=4
+  for kinds in (('all-gather',), ('all-reduce', 'reduce-scatter')):
+    extra = chunked.bytes_of(*kinds) - whole.bytes_of(*kinds)
+    assert extra < 0.1 * head_bytes, (kinds, extra, head_bytes, chunked.summary())

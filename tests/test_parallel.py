@@ -1,5 +1,6 @@
 """One step on 8 simulated devices equals one device, for every parallel layout."""
 
+import dataclasses
 
 import jax
 import numpy as np
@@ -79,6 +80,21 @@ def test_loss_and_grads_match_single_device(name, reference):
   errs = jax.tree.map(rel_err, grads, ref_grads)
   worst = max(jax.tree.leaves(errs))
   assert worst < 1e-5, errs
+
+
+@pytest.mark.parametrize('name', ['dp8', 'fsdp2_tp4', 'tp4_sp_dp2'])
+@pytest.mark.parametrize('tied', [True, False])
+def test_chunked_loss_matches_single_device(name, tied):
+  """Chunked loss with per-batch-shard head copies equals the whole loss on one device."""
+  cfg = tiny_config()
+  cfg.model = dataclasses.replace(cfg.model, tie_embeddings=tied)
+  ref_loss, ref_grads = sharded_loss_and_grads(cfg, MeshConfig(data=1), 0, False,
+                                               jax.devices()[:1])
+  cfg.model = dataclasses.replace(cfg.model, loss_chunk=4)
+  loss, grads = sharded_loss_and_grads(cfg, *PRESETS[name])
+  assert rel_err(loss, ref_loss) < 1e-5
+  errs = jax.tree.map(rel_err, grads, ref_grads)
+  assert max(jax.tree.leaves(errs)) < 1e-5, errs
 
 
 ACCUM_LAYOUTS = {
