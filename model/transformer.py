@@ -229,14 +229,24 @@ def _remat(fn, policy: str):
 
 def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
             positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-            plan: ShardingPlan | None = None) -> jax.Array:
-  """Final hidden states [b, t, d] for tokens [b, t]."""
+            plan: ShardingPlan | None = None, embed: jax.Array | None = None) -> jax.Array:
+  """Final hidden states [b, t, d] for tokens [b, t].
+
+  `embed` replaces params['embed'] for the lookup: [v, d], or [shards, v, d] holding one
+  copy per batch shard (shard i looks up rows i*b/shards onwards of the batch).
+  """
   b, t = tokens.shape
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   inv_freq = rope_inv_freq(cfg)
-  x = params['embed'].astype(cfg.dtype)[tokens]
-  x = constrain(x, RESIDUAL, plan)
+  table = params['embed'] if embed is None else embed
+  if table.ndim == 2:
+    x = table[tokens]
+  else:
+    shards = table.shape[0]
+    x = jax.vmap(lambda rows, tok: rows[tok])(table, tokens.reshape(shards, b // shards, t))
+    x = x.reshape(b, t, -1)
+  x = constrain(x.astype(cfg.dtype), RESIDUAL, plan)
 
   def body(x, layer):
     return block(x, layer, cfg, positions, segment_ids, inv_freq, plan), None
@@ -257,6 +267,11 @@ def logits(params: Params, hidden: jax.Array, cfg: ModelConfig, plan=None) -> ja
   return constrain(out, ('batch', 'act_seq', 'act_vocab'), plan)
 
 
+def _per_shard(w, shards, axes, plan):
+  """w broadcast to [shards, *w.shape], the copies laid out like the batch."""
+  return constrain(jnp.broadcast_to(w, (shards, *w.shape)), ('batch', *axes), plan)
+
+
 def batch_shards(plan: ShardingPlan | None) -> int:
   """How many ways the plan splits the batch of activations (1 without a plan)."""
   if plan is None:
@@ -275,33 +290,43 @@ def _weighted_nll(logits_btv, targets, weights):
 
 
 def summed_nll(params: Params, batch: dict, cfg: ModelConfig, plan=None) -> jax.Array:
-  """Sum over tokens of weight * negative log-likelihood (float32)."""
+  """Sum over tokens of weight * negative log-likelihood (float32).
+
+  The weights that touch the vocabulary enter as one copy per batch shard, laid out like
+  the batch (on each device, the gathered weights it would use anyway). Their gradients
+  are then per-shard partial sums until the transpose of that copy reduces them, once:
+  - a tied table's two uses, the lookup and the head, add up before the reduction (a
+    shared table was reduced twice);
+  - with loss chunks, the head is gathered once and its gradient reduced once (a shared
+    head was gathered and reduced once per chunk).
+  The copies keep the master dtype and are cast where used, so gradients add up in fp32.
+  The cost is a whole fp32 gradient of those weights (vocab x d / tensor) per device
+  while the step runs, which ZeRO-0/1 hold anyway.
+  """
+  shards = batch_shards(plan)
+  embed = None
+  if cfg.tie_embeddings:
+    embed = _per_shard(params['embed'], shards, ('act_vocab', None), plan)
+    head = jnp.swapaxes(embed, 1, 2)                                     # [shards, d, v]
+  else:
+    head = _per_shard(params['lm_head'], shards, (None, 'act_vocab'), plan)
   hidden = forward(params, batch['inputs'], cfg, positions=batch.get('positions'),
-                   segment_ids=batch.get('segment_ids'), plan=plan)
+                   segment_ids=batch.get('segment_ids'), plan=plan, embed=embed)
   targets, weights = batch['targets'], batch['weights'].astype(jnp.float32)
-  chunk = cfg.loss_chunk
   t = hidden.shape[1]
-  if not chunk or chunk >= t:
-    return _weighted_nll(logits(params, hidden, cfg, plan), targets, weights)
+  chunk = cfg.loss_chunk if 0 < cfg.loss_chunk < t else t
   if t % chunk:
     raise ValueError(f'model.loss_chunk={chunk} must divide the sequence length {t}.')
 
-  # Long sequences: never hold [b, t, vocab] logits; recompute each chunk's in backward.
-  # Each batch shard gets its own copy of the head weights, laid out like the batch. The
-  # copies are gathered once, not per chunk. Their gradients stay per-shard partial sums
-  # over the chunks. The transpose of the broadcast reduces them once at the end, where
-  # a shared head would be reduced once per chunk. The cost: one whole fp32 head gradient
-  # (d x vocab / tensor) per device while the loss runs.
-  shards = batch_shards(plan)
-  head = output_weights(params, cfg)
-  head = constrain(jnp.broadcast_to(head, (shards, *head.shape)), ('batch', None, 'act_vocab'),
-                   plan)
-
-  @jax.checkpoint
   def chunk_nll(h, tg, wt, head):   # h [shards, b / shards, chunk, d]
-    out = jnp.einsum('sbcd,sdv->sbcv', h, head, preferred_element_type=jnp.float32)
+    out = jnp.einsum('sbcd,sdv->sbcv', h, head.astype(h.dtype),
+                     preferred_element_type=jnp.float32)
     out = constrain(out, ('batch', None, 'act_seq', 'act_vocab'), plan)
     return _weighted_nll(out, tg, wt)
+
+  if chunk < t:
+    # Long sequences: never hold [b, t, vocab] logits; recompute each chunk's in backward.
+    chunk_nll = jax.checkpoint(chunk_nll)
 
   def split(x):   # [b, t, ...] -> [t / chunk, shards, b / shards, chunk, ...]
     x = x.reshape(shards, x.shape[0] // shards, t // chunk, chunk, *x.shape[2:])
