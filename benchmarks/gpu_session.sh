@@ -9,10 +9,11 @@
 #   attention     benchmarks.attention: ours vs cuDNN vs XLA, 8K/16K/64K        ~3 min
 #   tiles         benchmarks.attention --tiles: our tile choices at 8K          ~2 min
 #   paged_decode  benchmarks.paged_decode: 8x4K .. 256x8K vs copy bandwidth     ~1 min
+#   paged_tiles   benchmarks.paged_decode --tiles: the kernel's tile choices    ~1 min
 #
 # The device tool stops a command at 10 minutes, so split the stages over two calls:
 #   bash benchmarks/gpu_session.sh machine tests attention
-#   bash benchmarks/gpu_session.sh tiles paged_decode
+#   bash benchmarks/gpu_session.sh tiles paged_decode paged_tiles
 # A failing stage does not stop the next, so one call reports both failures and speed.
 # The times above are estimates, not measurements; each stage has its own time limit.
 set -uo pipefail
@@ -39,7 +40,10 @@ jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'" ;;
     attention) stage attention "${ATTENTION_LIMIT:-300}" "$PY" -m benchmarks.attention ;;
     tiles) stage tiles "${TILES_LIMIT:-240}" "$PY" -m benchmarks.attention --tiles ;;
     paged_decode) stage paged_decode "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode ;;
-    *) echo "unknown stage '$1': use machine, tests, attention, tiles or paged_decode"
+    paged_tiles) stage paged_tiles "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode \
+      --tiles ;;
+    *) echo "unknown stage '$1': use machine, tests, attention, tiles, paged_decode or \
+paged_tiles"
        return 2 ;;
   esac
   # The JSON results, where this stage wrote one (at most 8 files come back from $OUT).
@@ -48,7 +52,7 @@ jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'" ;;
   return 0
 }
 
-for name in "${@:-machine tests attention tiles paged_decode}"; do
+for name in "${@:-machine tests attention tiles paged_decode paged_tiles}"; do
   for one in $name; do run_stage "$one"; done
 done
 ls "$OUT"

@@ -173,7 +173,7 @@ def paged_case(batch, context, q_tokens=None, q_heads=32, kv_heads=8, head_dim=1
   args = (shape((q_tokens or batch, q_heads, head_dim), dtype), pages, pages,
           shape((batch,), jnp.int32), shape((batch, pages_per_seq), jnp.int32),
           shape((batch + 1,), jnp.int32), shape((1,), jnp.int32))
-  return lambda *a: paged_attention(*a, interpret=False), args
+  return lambda *a, **kw: paged_attention(*a, interpret=False, **kw), args
 
 
 def cases() -> dict:

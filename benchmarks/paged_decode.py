@@ -2,6 +2,7 @@
 
   python -m benchmarks.paged_decode           # GPU: batch x context 8x4K .. 256x8K
   python -m benchmarks.paged_decode --smoke   # CPU: tiny shapes, interpret mode
+  python -m benchmarks.paged_decode --tiles   # GPU: the kernel's tile choices side by side
 
 One query token per sequence, 32 query / 8 KV heads, head_dim 128, bf16, pages of 16
 tokens scattered randomly over the pool. Bandwidth = KV bytes read / time; the
@@ -10,6 +11,7 @@ Target: >= 75% of the copy bandwidth. Writes benchmarks/results/paged_decode_<de
 """
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,12 +44,18 @@ def decode_inputs(batch, context, hq, hkv, d, page, dtype, seed=0):
       jnp.asarray(cu_q_lens), jnp.asarray(num_seqs)
 
 
-def run_case(batch, context, hq, hkv, d, page, dtype, iters) -> dict:
+# (pages_per_block, num_warps, num_stages); the first is the default at pages of 16.
+TILES = [(4, 4, 2), (4, 4, 3), (4, 8, 2), (8, 4, 2), (8, 8, 2), (8, 4, 3), (2, 4, 3)]
+TILE_NAMES = ('pages_per_block', 'num_warps', 'num_stages')
+
+
+def run_case(batch, context, hq, hkv, d, page, dtype, iters, **kernel_kwargs) -> dict:
   args = decode_inputs(batch, context, hq, hkv, d, page, dtype)
   kv_bytes = 2 * batch * context * hkv * d * jnp.dtype(dtype).itemsize
   row = {'batch': batch, 'context': context, 'q_heads': hq, 'kv_heads': hkv, 'head_dim': d,
          'page_size': page, 'dtype': jnp.dtype(dtype).name, 'kv_bytes': kv_bytes}
-  seconds = median_time(jax.jit(paged_attention), *args, iters=iters, inner=20)
+  kernel = jax.jit(functools.partial(paged_attention, **kernel_kwargs))
+  seconds = median_time(kernel, *args, iters=iters, inner=20)
   row.update(time_us=seconds * 1e6, bandwidth_gbs=kv_bytes / seconds / 1e9)
   return row
 
@@ -56,25 +64,38 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--smoke', action='store_true', help='tiny CPU run; writes nothing')
   parser.add_argument('--iters', type=int, default=50)
+  parser.add_argument('--tiles', action='store_true',
+                      help='time each tile choice in TILES at 8x4K, 64x8K and 256x8K')
   args = parser.parse_args(argv)
   if args.smoke:
     cases, shape, iters = [(2, 64), (3, 32)], (4, 2, 16, 8, jnp.float32), 1
+    tiles = [(2, 4, 2)]
   else:
     cases = [(b, c) for c in (4096, 8192) for b in (8, 32, 64, 128, 256)]
-    shape, iters = (32, 8, 128, 16, jnp.bfloat16), args.iters
+    shape, iters, tiles = (32, 8, 128, 16, jnp.bfloat16), args.iters, TILES
+  if args.tiles:
+    cases = cases[:1] if args.smoke else [(8, 4096), (64, 8192), (256, 8192)]
+  else:
+    tiles = [()]   # the defaults
   copy_gbs = copy_bandwidth(2**30 if not args.smoke else 2**20, iters) / 1e9
-  rows = [run_case(b, c, *shape, iters) for b, c in cases]
+  rows = []
+  for tile in tiles:
+    kwargs = dict(zip(TILE_NAMES, tile))
+    for b, c in cases:
+      rows.append({**run_case(b, c, *shape, iters, **kwargs), 'tiles': kwargs})
   print(f'device-to-device copy: {copy_gbs:.0f} GB/s')
-  print(f"{'batch':>6}{'context':>9}{'us':>10}{'GB/s':>9}{'of copy':>9}")
+  print(f"{'tiles (ppb warps stages)':26}{'batch':>6}{'context':>9}{'us':>10}{'GB/s':>9}"
+        f"{'of copy':>9}")
   for r in rows:
     r['fraction_of_copy'] = r['bandwidth_gbs'] / copy_gbs
-    print(f"{r['batch']:>6}{r['context']:>9}{r['time_us']:>10.1f}{r['bandwidth_gbs']:>9.0f}"
-          f"{r['fraction_of_copy']:>9.2f}")
+    label = ' '.join(str(v) for v in r['tiles'].values()) or 'default'
+    print(f"{label:26}{r['batch']:>6}{r['context']:>9}{r['time_us']:>10.1f}"
+          f"{r['bandwidth_gbs']:>9.0f}{r['fraction_of_copy']:>9.2f}")
   if not args.smoke:
-    print(write_result(f'paged_decode_{jax.devices()[0].device_kind.replace(" ", "_")}',
+    name = 'paged_decode_tiles' if args.tiles else 'paged_decode'
+    print(write_result(f'{name}_{jax.devices()[0].device_kind.replace(" ", "_")}',
                        {'copy_bandwidth_gbs': copy_gbs, 'rows': rows}))
   return rows
-
 
 if __name__ == '__main__':
   main()

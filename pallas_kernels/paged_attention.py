@@ -226,8 +226,8 @@ def _attend_page_block(blk, carry, *, q, q_pos, seq, refs, sm_scale):
 # -------------------------------------------------------------------------------- wrapper
 
 def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                    sm_scale=None, num_kv_splits=None, pages_per_block=None, interpret=None,
-                    _block_q=None, _poison=None):
+                    sm_scale=None, num_kv_splits=None, pages_per_block=None, num_warps=None,
+                    num_stages=None, interpret=None, _block_q=None, _poison=None):
   """Ragged paged attention; returns out [T, Hq, D] in q's dtype.
 
   q [T, Hq, D]; k_pages, v_pages [P, page_size, Hkv, D]; kv_lens [max_seqs] (cached tokens
@@ -235,6 +235,9 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   cu_q_lens [max_seqs + 1] (non-decreasing up to cu_q_lens[num_seqs] <= T; entries past
   num_seqs, like kv_lens and page_indices rows of dead sequences, are never read);
   num_seqs [1] or [].
+  num_kv_splits, pages_per_block: default from the shapes; num_warps, num_stages: Triton
+  launch parameters on GPU (default 4 and 2; `benchmarks.paged_decode --tiles` times
+  alternatives), ignored when interpreted.
   Rows at or past cu_q_lens[num_seqs] are padding: their output is exactly 0 (even if
   their q is NaN). `_block_q` and `_poison` (a fill value for the per-split outputs before
   the kernel runs, to prove every live element gets written) are for tests.
@@ -270,7 +273,7 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
       sm_scale=1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale))
   args = (num_seqs, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages)
   o, lse = _call_kernel(kernel, args, grid=(max_seqs, hkv, splits), poison=_poison,
-                        interpret=interpret)
+                        interpret=interpret, gpu_params=(num_warps or 4, num_stages or 2))
   out = _merge_splits(o, lse)
   if padded_groups != groups:
     out = out.reshape(t, hkv, padded_groups, d)[:, :, :groups].reshape(t, hq, d)
@@ -278,7 +281,7 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
 
 
-def _call_kernel(kernel, args, *, grid, poison, interpret):
+def _call_kernel(kernel, args, *, grid, poison, interpret, gpu_params):
   """pallas_call over (sequence, kv head, split); returns o [K, T, Hq, D], lse [K, T, Hq]."""
   num_seqs, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages = args
   t, hq, d = q.shape
@@ -305,7 +308,7 @@ def _call_kernel(kernel, args, *, grid, poison, interpret):
   return pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       input_output_aliases=aliases, interpret=interpret, name='ragged_paged_attention',
-      compiler_params=_gpu_params(),
+      compiler_params=_gpu_params(*gpu_params),
   )(*args)
 
 
@@ -322,10 +325,10 @@ def _merge_splits(o, lse):
 
 # ------------------------------------------------------------------ static choices, checks
 
-def _gpu_params():
-  # Untuned starting point for H100; ignored in interpret mode.
+def _gpu_params(num_warps, num_stages):
+  # The defaults are an untuned starting point for H100; ignored in interpret mode.
   try:
-    return _plgpu.CompilerParams(num_warps=4, num_stages=2)
+    return _plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   except (NameError, AttributeError):  # pragma: no cover - no Triton namespace
     return None
 

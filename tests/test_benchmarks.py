@@ -21,3 +21,9 @@ def test_attention_tile_sweep_smoke():
   rows = attention.main(['--smoke', '--tiles'])
   assert [r['tiles']['block_k_bwd'] for r in rows] == [16]
   assert all('error' not in r and math.isfinite(r['bwd_tflops']) for r in rows), rows
+
+
+def test_paged_decode_tile_sweep_smoke():
+  rows = paged_decode.main(['--smoke', '--tiles'])
+  assert [r['tiles'] for r in rows] == [dict(pages_per_block=2, num_warps=4, num_stages=2)]
+  assert rows[0]['bandwidth_gbs'] > 0

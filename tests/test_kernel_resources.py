@@ -83,6 +83,19 @@ def test_paged_attention_compiles_without_spills(batch, context, q_tokens, q_hea
   assert res.mma, res
 
 
+def test_every_paged_tile_choice_the_benchmark_sweeps_fits():
+  from benchmarks import paged_decode
+  from pallas_kernels import paged_attention as pa
+  assert paged_decode.TILES[0] == (pa._choose_pages_per_block(16, 8192 // 16), 4, 2), (
+      'the first entry must be the defaults')
+  for tile in paged_decode.TILES:
+    fn, args = kr.paged_case(64, 8192)
+    kwargs = dict(zip(paged_decode.TILE_NAMES, tile))
+    [res] = _compile(lambda *a, kw=kwargs: fn(*a, **kw), args)
+    assert res.num_warps == kwargs['num_warps'] and res.num_stages == kwargs['num_stages']
+    assert res.shared_bytes <= kr.SHARED_LIMIT and res.stack_bytes <= 512, (tile, res)
+
+
 def test_a_broken_kernel_fails_with_its_name():
   fn, args = kr.flash_case(256, 2, 2, 64)
   call = kr.triton_calls(fn, *args)[0]
