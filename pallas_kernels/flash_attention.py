@@ -32,6 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
+from pallas_kernels import flash_attention_mgpu
+
 try:  # Triton's lowering is deprecated upstream from jax 0.11; the interpreter needs none.
   from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
@@ -59,6 +61,10 @@ class _Config:
   num_warps: int
   num_stages: int
   poison: bool = False    # test only: outputs start as NaN, so unwritten blocks show
+  # 'triton': the portable forward below; 'mosaic_gpu': flash_attention_mgpu's Hopper
+  # forward with these tiles. The backward kernels are the portable ones either way.
+  backend: str = 'triton'
+  mosaic_tiles: flash_attention_mgpu.MosaicTiles | None = None
 
 
 # ---------------------------------------------------------------------------- masks, ranges
@@ -261,6 +267,9 @@ def _seg_spec(seg, block, index_map):
 
 
 def _forward(q, k, v, q_seg, kv_seg, cfg):
+  if cfg.backend == 'mosaic_gpu':
+    # Poisoning is built in there: the interpreter fills fresh buffers with NaN.
+    return flash_attention_mgpu.forward(q, k, v, cfg, cfg.mosaic_tiles)
   b, t, hq, d = q.shape
   s, g, bq = k.shape[1], cfg.groups, cfg.block_q
   q_spec = pl.BlockSpec((None, bq, None, d), lambda bi, h, i: (bi, i, h, 0))
@@ -341,7 +350,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
                     return_lse=False, sm_scale=None, block_q=None, block_k=None,
                     block_q_bwd=None, block_k_bwd=None, num_warps=None, num_stages=None,
-                    interpret=None, _poison_outputs=False):
+                    backend=None, interpret=None, _poison_outputs=False):
   """Flash attention with grouped-query heads; differentiable in q, k, v (and lse).
 
   Args:
@@ -360,6 +369,12 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
     num_warps, num_stages: Triton launch parameters on GPU (ignored when interpreted);
       default 4 warps for head_dim <= 64, else 8; 2 pipeline stages.
       `benchmarks.attention --tiles` times alternatives.
+    backend: the forward kernel. 'triton' (default): the portable kernels above, through
+      Pallas's Triton lowering on GPU. 'mosaic_gpu': flash_attention_mgpu's Hopper
+      forward (TMA, wgmma, warp-specialized; bf16/fp16, head_dim 64/128/256, no
+      segment_ids); there block_k and num_stages set its K/V tile and pipeline depth
+      and block_q must be 128 (two warpgroups of 64 rows). The backward is the portable
+      kernels' with either.
     interpret: run the Pallas interpreter; default: when the backend is CPU.
     _poison_outputs: test only; kernel outputs start as NaN so unwritten blocks show.
 
@@ -375,9 +390,11 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
     return _no_keys_result(q, return_lse)
   tiles = dict(block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd,
                block_k_bwd=block_k_bwd, num_warps=num_warps, num_stages=num_stages)
-  cfg = _make_config(q, k, causal, sliding_window, scale, tiles, interpret, _poison_outputs)
-  t_pad = _round_up(t, max(cfg.block_q, cfg.block_q_bwd))
-  s_pad = _round_up(s, max(cfg.block_k, cfg.block_k_bwd))
+  mosaic_tiles = _mosaic_tiles(backend, q, segment_ids, tiles)
+  cfg = _make_config(q, k, causal, sliding_window, scale, tiles, interpret, _poison_outputs,
+                     mosaic_tiles)
+  t_pad = _round_up(t, _q_multiple(cfg))
+  s_pad = _round_up(s, _kv_multiple(cfg))
   d_pad = max(16, pl.next_power_of_2(d))
   q, k, v = (_pad(x, {1: n, 3: d_pad}) for x, n in ((q, t_pad), (k, s_pad), (v, s_pad)))
   if q_seg is not None:
@@ -431,7 +448,38 @@ def _no_keys_result(q, return_lse):
   return (out, lse) if return_lse else out
 
 
-def _make_config(q, k, causal, window, scale, tiles, interpret, poison):
+def _mosaic_tiles(backend, q, segment_ids, tiles):
+  """MosaicTiles for backend='mosaic_gpu' (taking block_k and num_stages out of `tiles`),
+  None for 'triton'; a clear error for inputs or tiles that backend cannot take."""
+  if backend in (None, 'triton'):
+    return None
+  if backend != 'mosaic_gpu':
+    raise ValueError(f"backend={backend!r}: use 'triton' or 'mosaic_gpu'.")
+  why = flash_attention_mgpu.unsupported_reason(q, segment_ids)
+  if why:
+    raise ValueError(f"backend='mosaic_gpu' does not take {why}; use backend='triton'.")
+  block_q = tiles.pop('block_q')
+  rows = flash_attention_mgpu.COMPUTE_WGS * flash_attention_mgpu.MosaicTiles.block_q
+  if block_q not in (None, rows):
+    raise ValueError(f"backend='mosaic_gpu' takes block_q={rows} (two warpgroups of "
+                     f'{rows // 2} rows); got {block_q}.')
+  d = q.shape[-1]
+  default = flash_attention_mgpu.MosaicTiles.default(d)
+  mosaic = flash_attention_mgpu.MosaicTiles(
+      block_k=tiles.pop('block_k') or default.block_k,
+      stages=tiles.pop('num_stages') or default.stages)
+  if mosaic.block_k % 64 or not 64 <= mosaic.block_k <= 256 or mosaic.stages < 1:
+    raise ValueError(f"backend='mosaic_gpu' takes block_k in (64, 128, 192, 256) and "
+                     f'num_stages >= 1; got {mosaic.block_k}, {mosaic.stages}.')
+  if mosaic.smem_bytes(d) > flash_attention_mgpu.SMEM_LIMIT:
+    raise ValueError(f'block_k={mosaic.block_k} x num_stages={mosaic.stages} at head_dim '
+                     f'{d} needs {mosaic.smem_bytes(d) // 1024} KiB of shared memory, over '
+                     f'the {flash_attention_mgpu.SMEM_LIMIT // 1024} KiB of an H100: use '
+                     'fewer stages or a smaller block_k.')
+  return mosaic
+
+
+def _make_config(q, k, causal, window, scale, tiles, interpret, poison, mosaic_tiles=None):
   _, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   if interpret is None:
@@ -453,12 +501,27 @@ def _make_config(q, k, causal, window, scale, tiles, interpret, poison):
       raise ValueError(f'{name}={block} must be a power of two >= 16.')
   num_warps = tiles.get('num_warps') or (4 if d <= 64 else 8)
   num_stages = tiles.get('num_stages') or 2
-  return _Config(
+  cfg = _Config(
       causal=causal, window=None if window is None else int(window), scale=scale,
       block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd,
-      groups=hq // hkv, kv_len=s,
-      mask_kv_padding=not causal and s % max(block_k, block_k_bwd) != 0,
-      interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages, poison=poison)
+      groups=hq // hkv, kv_len=s, mask_kv_padding=False, interpret=bool(interpret),
+      num_warps=num_warps, num_stages=num_stages, poison=poison,
+      backend='triton' if mosaic_tiles is None else 'mosaic_gpu', mosaic_tiles=mosaic_tiles)
+  # Causal attention never lets a real query see a padded key; other masks must.
+  return dataclasses.replace(cfg, mask_kv_padding=not causal and s % _kv_multiple(cfg) != 0)
+
+
+def _q_multiple(cfg):
+  """Padded lengths serve the forward and both backward kernels (powers of two)."""
+  fwd = cfg.block_q
+  if cfg.mosaic_tiles is not None:
+    fwd = flash_attention_mgpu.COMPUTE_WGS * cfg.mosaic_tiles.block_q
+  return max(fwd, cfg.block_q_bwd)
+
+
+def _kv_multiple(cfg):
+  fwd = cfg.block_k if cfg.mosaic_tiles is None else cfg.mosaic_tiles.block_k
+  return max(fwd, cfg.block_k_bwd)
 
 
 def _fit_block(default, length):

@@ -1,0 +1,121 @@
+"""The Mosaic GPU (Hopper) flash forward: run in Mosaic GPU's CPU interpreter against the
+reference, lowered for CUDA at benchmark shapes, and its input checks.
+
+The interpreter simulates the three warpgroups, the TMA copies and the barriers, fills
+fresh buffers with NaN (so an unwritten output fails) and detects races between
+warpgroups; its matmuls are plain dots (flash_attention_mgpu's docstring). The
+wgmma path is what the lowering tests check (layouts, shapes, shared memory) and what
+tests/test_gpu.py runs on a GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import flash_attention as fa
+from pallas_kernels import flash_attention_mgpu as fa_mgpu
+from tests.test_flash_attention import _assert_close
+
+interpreter = pytest.importorskip('jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call',
+                                  reason='this jax has no Mosaic GPU interpreter')
+
+
+def _inputs(seed, b, t, s, hq, hkv, d):
+  rng = np.random.default_rng(seed)
+  q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+             for shape in ((b, t, hq, d), (b, s, hkv, d), (b, s, hkv, d)))
+  cot = (jnp.asarray(rng.normal(size=q.shape), jnp.bfloat16),
+         jnp.asarray(rng.normal(size=(b, hq, t)), jnp.float32))
+  return q, k, v, cot
+
+
+def _out_lse_grads(fn, q, k, v, cot):
+  (out, lse), vjp = jax.vjp(fn, q, k, v)
+  return (out, lse, *vjp(cot))
+
+
+# b, t, s, hq, hkv, d, causal, window. Lengths are not multiples of the 128-row program
+# or the 128-key block; the two warpgroups of a program see different key ranges.
+CASES = {
+    'causal_gqa2_ragged': (1, 200, 200, 4, 2, 64, True, None),
+    'cross_padded_keys': (1, 130, 300, 2, 1, 64, False, None),
+    'window_gqa2': (1, 384, 384, 2, 1, 64, True, 100),
+    'causal_d128': (1, 256, 256, 2, 2, 128, True, None),
+}
+
+
+@pytest.mark.parametrize('case', CASES, ids=list(CASES))
+def test_mosaic_forward_matches_reference(case):
+  b, t, s, hq, hkv, d, causal, window = CASES[case]
+  q, k, v, cot = _inputs(list(CASES).index(case), b, t, s, hq, hkv, d)
+  opts = dict(causal=causal, sliding_window=window, return_lse=True)
+  interpreter.reset_gpu_interpret_mode_state()
+  # The kernel alone under jit: one jit with the reference beside it stalls the
+  # interpreter's callbacks.
+  got = jax.jit(lambda *a: _out_lse_grads(
+      lambda q, k, v: fa.flash_attention(q, k, v, backend='mosaic_gpu', **opts), *a))(
+          q, k, v, cot)
+  got = jax.block_until_ready(got)
+  assert not interpreter.get_races().races_found, 'race between warpgroups'
+  want = _out_lse_grads(lambda q, k, v: fa.flash_attention_reference(q, k, v, **opts),
+                        q, k, v, cot)
+  assert got[0].dtype == jnp.bfloat16 and got[1].shape == (b, hq, t)
+  for name, g, w in zip(('out', 'lse', 'dq', 'dk', 'dv'), got, want):
+    _assert_close(g, w, 1e-5 if name == 'lse' else 2e-2, name)
+
+
+def _lower_for_h100(fn, *args):
+  gpu = jax.sharding.AbstractDevice(device_kind='NVIDIA H100', num_cores=None, platform='gpu')
+  mesh = jax.sharding.AbstractMesh((1,), ('x',), axis_types=(jax.sharding.AxisType.Auto,),
+                                   abstract_device=gpu)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=('cuda',)).as_text()
+
+
+@pytest.mark.parametrize('d, window', [(64, None), (128, None), (128, 4096), (256, None)])
+@pytest.mark.parametrize('causal', [True, False])
+def test_mosaic_forward_lowers_for_hopper(d, window, causal):
+  """The wgmma path (not interpreted) passes Mosaic GPU's lowering at the benchmark
+  shapes: register layouts, wgmma operand shapes, and shared memory under 227 KiB."""
+  if window and not causal:
+    pytest.skip('a window needs causal')
+  q = jax.ShapeDtypeStruct((1, 8192, 32, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 8192, 8, d), jnp.bfloat16)
+  fn = lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, sliding_window=window,
+                                          backend='mosaic_gpu', interpret=False)
+  assert 'mosaic_gpu' in _lower_for_h100(fn, q, kv, kv)
+
+
+def test_shared_memory_estimate_is_what_the_lowering_enforces():
+  """Tiles that MosaicTiles counts as too big also fail Mosaic GPU's own check."""
+  too_big = fa_mgpu.MosaicTiles(block_k=128, stages=3)
+  assert too_big.smem_bytes(256) > fa_mgpu.SMEM_LIMIT
+  cfg = fa._make_config(jnp.zeros((1, 256, 2, 256), jnp.bfloat16),
+                        jnp.zeros((1, 256, 2, 256), jnp.bfloat16), True, None, 0.1,
+                        {}, False, False)
+  q = jax.ShapeDtypeStruct((1, 256, 2, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match='shared memory'):
+    _lower_for_h100(lambda q, k, v: fa_mgpu.forward(q, k, v, cfg, too_big), q, q, q)
+  for d in fa_mgpu.SUPPORTED_HEAD_DIMS:
+    assert fa_mgpu.MosaicTiles.default(d).smem_bytes(d) <= fa_mgpu.SMEM_LIMIT
+
+
+@pytest.mark.parametrize('kwargs, dtype, d, message', [
+    (dict(), jnp.float32, 64, 'dtype float32'),
+    (dict(), jnp.bfloat16, 96, 'head_dim 96'),
+    (dict(segment_ids=jnp.zeros((1, 256), jnp.int32)), jnp.bfloat16, 64, 'segment_ids'),
+    (dict(block_q=64), jnp.bfloat16, 64, 'block_q=128'),
+    (dict(block_k=96), jnp.bfloat16, 64, 'block_k in'),
+    (dict(block_k=128, num_stages=3), jnp.bfloat16, 256, 'KiB of shared memory'),
+])
+def test_mosaic_backend_rejects_what_it_cannot_run(kwargs, dtype, d, message):
+  q = jnp.zeros((1, 256, 2, d), dtype)
+  with pytest.raises(ValueError, match=message):
+    fa.flash_attention(q, q, q, backend='mosaic_gpu', **kwargs)
+
+
+def test_unknown_backend_is_named():
+  q = jnp.zeros((1, 16, 1, 16), jnp.float32)
+  with pytest.raises(ValueError, match="'triton' or 'mosaic_gpu'"):
+    fa.flash_attention(q, q, q, backend='cuda')
