@@ -1,4 +1,7 @@
-"""Causal attention forward and backward TFLOP/s: our Pallas kernel vs cuDNN vs XLA.
+"""Causal attention forward and backward TFLOP/s: our Pallas kernels vs cuDNN vs XLA.
+
+`pallas` is the portable kernel set (Triton lowering); `pallas_mosaic` runs the Mosaic GPU
+Hopper forward (flash_attention_mgpu) with the same portable backward.
 
   python -m benchmarks.attention            # GPU: 8K, 16K, 64K tokens; MHA and GQA 32/8
   python -m benchmarks.attention --smoke    # CPU: tiny shapes, interpret mode (no timing claims)
@@ -25,6 +28,8 @@ TOKENS = 65_536
 def implementations(smoke: bool) -> dict:
   impls = {'pallas': functools.partial(flash_attention, causal=True)}
   if not smoke:
+    impls['pallas_mosaic'] = functools.partial(flash_attention, causal=True,
+                                               backend='mosaic_gpu')
     impls['cudnn'] = functools.partial(jax.nn.dot_product_attention, is_causal=True,
                                        implementation='cudnn')
   impls['xla'] = functools.partial(jax.nn.dot_product_attention, is_causal=True,
@@ -72,6 +77,8 @@ TILES = [(128, 64, 64, 64, 8, 2), (128, 64, 64, 64, 8, 3), (128, 128, 64, 64, 8,
          (128, 128, 64, 64, 8, 3), (128, 64, 128, 64, 8, 2), (128, 128, 128, 64, 8, 2),
          (64, 64, 64, 64, 4, 2), (64, 128, 64, 64, 4, 2)]
 TILE_NAMES = ('block_q', 'block_k', 'block_q_bwd', 'block_k_bwd', 'num_warps', 'num_stages')
+# The Mosaic GPU forward's (block_k, num_stages); the first is its default at head_dim 128.
+MOSAIC_TILES = [(128, 2), (64, 2), (64, 3), (64, 4), (128, 1), (192, 1)]
 
 
 def run_tiles(tiles, b, t, hq, hkv, d, dtype, iters) -> list[dict]:
@@ -80,6 +87,17 @@ def run_tiles(tiles, b, t, hq, hkv, d, dtype, iters) -> list[dict]:
   for tile in tiles:
     kwargs = dict(zip(TILE_NAMES, tile))
     impl = {'pallas': functools.partial(flash_attention, causal=True, **kwargs)}
+    for row in run_case(impl, b, t, hq, hkv, d, dtype, iters):
+      rows.append({**row, 'tiles': kwargs})
+  return rows
+
+
+def run_mosaic_tiles(tiles, b, t, hq, hkv, d, dtype, iters) -> list[dict]:
+  rows = []
+  for block_k, stages in tiles:
+    kwargs = dict(block_k=block_k, num_stages=stages)
+    impl = {'pallas_mosaic': functools.partial(flash_attention, causal=True,
+                                               backend='mosaic_gpu', **kwargs)}
     for row in run_case(impl, b, t, hq, hkv, d, dtype, iters):
       rows.append({**row, 'tiles': kwargs})
   return rows
@@ -95,15 +113,15 @@ def add_ratios(rows):
 
 
 def print_table(rows):
-  print(f"{'impl':8}{'T':>7}{'Hkv':>5}{'fwd TF/s':>10}{'bwd TF/s':>10}"
+  print(f"{'impl':14}{'T':>7}{'Hkv':>5}{'fwd TF/s':>10}{'bwd TF/s':>10}"
         f"{'fwd/cuDNN':>11}{'bwd/cuDNN':>11}")
   for r in rows:
     if 'error' in r:
-      print(f"{r['impl']:8}{r['seq_len']:>7}{r['kv_heads']:>5}  {r['error'][:60]}")
+      print(f"{r['impl']:14}{r['seq_len']:>7}{r['kv_heads']:>5}  {r['error'][:60]}")
       continue
     ratios = ''.join(f"{r[k]:>11.2f}" if k in r else f"{'':>11}"
                      for k in ('fwd_vs_cudnn', 'bwd_vs_cudnn'))
-    print(f"{r['impl']:8}{r['seq_len']:>7}{r['kv_heads']:>5}{r['fwd_tflops']:>10.1f}"
+    print(f"{r['impl']:14}{r['seq_len']:>7}{r['kv_heads']:>5}{r['fwd_tflops']:>10.1f}"
           f"{r['bwd_tflops']:>10.1f}{ratios}")
 
 
@@ -141,13 +159,15 @@ def main_tiles(args):
   rows = []
   for b, t, hq, hkv in cases:
     rows += run_tiles(tiles, b, t, hq, hkv, d, dtype, iters)
-  print(f"{'tiles (bq bk bq_bwd bk_bwd warps stages)':42}{'Hkv':>5}{'fwd TF/s':>10}"
-        f"{'bwd TF/s':>10}")
+    if not args.smoke:
+      rows += run_mosaic_tiles(MOSAIC_TILES, b, t, hq, hkv, d, dtype, iters)
+  print(f"{'tiles (bq bk bq_bwd bk_bwd warps stages | mosaic: bk stages)':62}{'Hkv':>5}"
+        f"{'fwd TF/s':>10}{'bwd TF/s':>10}")
   for r in rows:
-    label = ' '.join(str(v) for v in r['tiles'].values())
+    label = r['impl'] + ' ' + ' '.join(str(v) for v in r['tiles'].values())
     numbers = (r['error'][:40] if 'error' in r else
                f"{r['fwd_tflops']:>10.1f}{r['bwd_tflops']:>10.1f}")
-    print(f"{label:42}{r['kv_heads']:>5}{numbers}")
+    print(f"{label:62}{r['kv_heads']:>5}{numbers}")
   if not args.smoke:
     print(write_result(f'attention_tiles_{jax.devices()[0].device_kind.replace(" ", "_")}',
                        {'rows': rows}))

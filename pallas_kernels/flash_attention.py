@@ -395,6 +395,8 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
                      mosaic_tiles)
   t_pad = _round_up(t, _q_multiple(cfg))
   s_pad = _round_up(s, _kv_multiple(cfg))
+  if causal:  # one length for both: the kernels' causal block ranges assume T == S
+    t_pad = s_pad = _round_up(t, math.lcm(_q_multiple(cfg), _kv_multiple(cfg)))
   d_pad = max(16, pl.next_power_of_2(d))
   q, k, v = (_pad(x, {1: n, 3: d_pad}) for x, n in ((q, t_pad), (k, s_pad), (v, s_pad)))
   if q_seg is not None:
@@ -512,16 +514,16 @@ def _make_config(q, k, causal, window, scale, tiles, interpret, poison, mosaic_t
 
 
 def _q_multiple(cfg):
-  """Padded lengths serve the forward and both backward kernels (powers of two)."""
+  """Padded lengths serve the forward and both backward kernels."""
   fwd = cfg.block_q
   if cfg.mosaic_tiles is not None:
     fwd = flash_attention_mgpu.COMPUTE_WGS * cfg.mosaic_tiles.block_q
-  return max(fwd, cfg.block_q_bwd)
+  return math.lcm(fwd, cfg.block_q_bwd)
 
 
 def _kv_multiple(cfg):
   fwd = cfg.block_k if cfg.mosaic_tiles is None else cfg.mosaic_tiles.block_k
-  return max(fwd, cfg.block_k_bwd)
+  return math.lcm(fwd, cfg.block_k_bwd)
 
 
 def _fit_block(default, length):

@@ -15,6 +15,7 @@ import pytest
 
 from model import transformer
 from tests.test_flash_attention import _check_against_reference
+from tests.test_flash_attention_mgpu import check_mosaic_against_reference
 from tests.test_paged_attention import MIXED, check, make_case
 
 pytestmark = pytest.mark.skipif(
@@ -38,6 +39,25 @@ def test_flash_attention_compiled(case):
   b, t, s, hq, hkv, d, dtype, causal, segments, window = FLASH[case]
   _check_against_reference(3, b, t, s, hq, hkv, d, dtype, causal, segments, window,
                            (None, None))
+
+
+# b, t, s, hq, hkv, d, causal, window, tiles: the wgmma path, TMA and barriers for real.
+MOSAIC = {
+    'd128_gqa_causal': (1, 2048, 2048, 32, 8, 128, True, None, {}),
+    'd64_mha_ragged': (2, 1000, 1000, 8, 8, 64, True, None, {}),
+    'd256_window': (1, 768, 768, 4, 2, 256, True, 200, {}),
+    'd128_cross_padded': (1, 300, 520, 4, 2, 128, False, None, {}),
+    'd128_one_stage_bk192': (1, 1024, 1024, 8, 2, 128, True, None,
+                             dict(block_k=192, num_stages=1)),
+    'd128_four_stages_bk64': (1, 1024, 1024, 8, 2, 128, True, None,
+                              dict(block_k=64, num_stages=4)),
+}
+
+
+@pytest.mark.parametrize('case', MOSAIC, ids=list(MOSAIC))
+def test_flash_attention_mosaic_compiled(case):
+  *shape, tiles = MOSAIC[case]
+  check_mosaic_against_reference(7, *shape, **tiles)
 
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
