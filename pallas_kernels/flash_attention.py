@@ -61,9 +61,8 @@ class _Config:
   num_warps: int
   num_stages: int
   poison: bool = False    # test only: outputs start as NaN, so unwritten blocks show
-  # 'triton': the portable forward below; 'mosaic_gpu': flash_attention_mgpu's Hopper
-  # forward with these tiles. The backward kernels are the portable ones either way.
-  backend: str = 'triton'
+  # None: the portable forward below; else flash_attention_mgpu's Hopper forward with
+  # these tiles (backend='mosaic_gpu'). The backward kernels are the portable ones.
   mosaic_tiles: flash_attention_mgpu.MosaicTiles | None = None
 
 
@@ -267,7 +266,7 @@ def _seg_spec(seg, block, index_map):
 
 
 def _forward(q, k, v, q_seg, kv_seg, cfg):
-  if cfg.backend == 'mosaic_gpu':
+  if cfg.mosaic_tiles is not None:
     # Poisoning is built in there: the interpreter fills fresh buffers with NaN.
     return flash_attention_mgpu.forward(q, k, v, cfg, cfg.mosaic_tiles)
   b, t, hq, d = q.shape
@@ -507,8 +506,7 @@ def _make_config(q, k, causal, window, scale, tiles, interpret, poison, mosaic_t
       causal=causal, window=None if window is None else int(window), scale=scale,
       block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd,
       groups=hq // hkv, kv_len=s, mask_kv_padding=False, interpret=bool(interpret),
-      num_warps=num_warps, num_stages=num_stages, poison=poison,
-      backend='triton' if mosaic_tiles is None else 'mosaic_gpu', mosaic_tiles=mosaic_tiles)
+      num_warps=num_warps, num_stages=num_stages, poison=poison, mosaic_tiles=mosaic_tiles)
   # Causal attention never lets a real query see a padded key; other masks must.
   return dataclasses.replace(cfg, mask_kv_padding=not causal and s % _kv_multiple(cfg) != 0)
 
