@@ -270,8 +270,7 @@ def forward(q, k, v, cfg, tiles: MosaicTiles | None = None):
     raise ValueError(f'padded lengths T={t}, S={s} must be multiples of {rows} and '
                      f'{tiles.block_k}')
   interpret = cfg.interpret
-  if interpret:
-    interpret = _interpret_params()
+  interpret_params = _interpret_params() if interpret else None
 
   def entry(*refs):
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -295,7 +294,7 @@ def forward(q, k, v, cfg, tiles: MosaicTiles | None = None):
       grid=(hq, t // rows, b), grid_names=('heads', 'q_blocks', 'batch'),
       num_threads=COMPUTE_WGS + 1, thread_name='wg',
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret or None)(q, k, v)
+      interpret=interpret_params)(q, k, v)
 
 
 def _program(refs, scratch, cfg, tiles, interpret):

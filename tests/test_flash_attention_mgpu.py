@@ -10,26 +10,16 @@ tests/test_gpu.py runs on a GPU.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from pallas_kernels import flash_attention as fa
 from pallas_kernels import flash_attention_mgpu as fa_mgpu
-from tests.test_flash_attention import _assert_close
+from tests.test_flash_attention import _assert_close, _inputs
 
 try:  # jax >= 0.10, not yet a public name
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
 except ImportError:  # pragma: no cover
   interpreter = None
-
-
-def _inputs(seed, b, t, s, hq, hkv, d):
-  rng = np.random.default_rng(seed)
-  q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
-             for shape in ((b, t, hq, d), (b, s, hkv, d), (b, s, hkv, d)))
-  cot = (jnp.asarray(rng.normal(size=q.shape), jnp.bfloat16),
-         jnp.asarray(rng.normal(size=(b, hq, t)), jnp.float32))
-  return q, k, v, cot
 
 
 def _out_lse_grads(fn, q, k, v, cot):
@@ -40,7 +30,9 @@ def _out_lse_grads(fn, q, k, v, cot):
 def check_mosaic_against_reference(seed, b, t, s, hq, hkv, d, causal, window, **tiles):
   """Out, lse and the three gradients of backend='mosaic_gpu' (interpreted on CPU,
   compiled on a GPU) against the fp32 reference."""
-  q, k, v, cot = _inputs(seed, b, t, s, hq, hkv, d)
+  rng, q, k, v = _inputs(seed, b, t, s, hq, hkv, d, jnp.bfloat16)
+  cot = (jnp.asarray(rng.normal(size=q.shape), jnp.bfloat16),
+         jnp.asarray(rng.normal(size=(b, hq, t)), jnp.float32))
   opts = dict(causal=causal, sliding_window=window, return_lse=True)
   interpreted = jax.default_backend() == 'cpu'
   if interpreted:
