@@ -1,7 +1,7 @@
 """Causal attention forward and backward TFLOP/s: our Pallas kernels vs cuDNN vs XLA.
 
 `pallas` is the portable kernel set (Triton lowering); `pallas_mosaic` runs the Mosaic GPU
-Hopper forward (flash_attention_mgpu) with the same portable backward.
+Hopper kernels (flash_attention_mgpu), forward and backward.
 
   python -m benchmarks.attention            # GPU: 8K, 16K, 64K tokens; MHA and GQA 32/8
   python -m benchmarks.attention --smoke    # CPU: tiny shapes, interpret mode (no timing claims)
@@ -77,8 +77,11 @@ TILES = [(128, 64, 64, 64, 8, 2), (128, 64, 64, 64, 8, 3), (128, 128, 64, 64, 8,
          (128, 128, 64, 64, 8, 3), (128, 64, 128, 64, 8, 2), (128, 128, 128, 64, 8, 2),
          (64, 64, 64, 64, 4, 2), (64, 128, 64, 64, 4, 2)]
 TILE_NAMES = ('block_q', 'block_k', 'block_q_bwd', 'block_k_bwd', 'num_warps', 'num_stages')
-# The Mosaic GPU forward's (block_k, num_stages); the first is its default at head_dim 128.
-MOSAIC_TILES = [(128, 2), (64, 2), (64, 3), (64, 4), (128, 1), (192, 1)]
+# The Mosaic GPU kernels' tiles: the forward's (block_k, num_stages), the first its
+# default at head_dim 128, then the backward's (block_q_bwd, block_k_bwd) steps.
+MOSAIC_TILES = ([dict(block_k=bk, num_stages=n)
+                 for bk, n in [(128, 2), (64, 2), (64, 3), (64, 4), (128, 1), (192, 1)]] +
+                [dict(block_q_bwd=bq, block_k_bwd=bk) for bq, bk in [(64, 128), (128, 64)]])
 
 
 def run_tiles(tiles, b, t, hq, hkv, d, dtype, iters) -> list[dict]:
@@ -94,8 +97,7 @@ def run_tiles(tiles, b, t, hq, hkv, d, dtype, iters) -> list[dict]:
 
 def run_mosaic_tiles(tiles, b, t, hq, hkv, d, dtype, iters) -> list[dict]:
   rows = []
-  for block_k, stages in tiles:
-    kwargs = dict(block_k=block_k, num_stages=stages)
+  for kwargs in tiles:
     impl = {'pallas_mosaic': functools.partial(flash_attention, causal=True,
                                                backend='mosaic_gpu', **kwargs)}
     for row in run_case(impl, b, t, hq, hkv, d, dtype, iters):
@@ -161,10 +163,12 @@ def main_tiles(args):
     rows += run_tiles(tiles, b, t, hq, hkv, d, dtype, iters)
     if not args.smoke:
       rows += run_mosaic_tiles(MOSAIC_TILES, b, t, hq, hkv, d, dtype, iters)
-  print(f"{'tiles (bq bk bq_bwd bk_bwd warps stages | mosaic: bk stages)':62}{'Hkv':>5}"
+  print(f"{'tiles (bq bk bq_bwd bk_bwd warps stages | mosaic: as named)':62}{'Hkv':>5}"
         f"{'fwd TF/s':>10}{'bwd TF/s':>10}")
   for r in rows:
-    label = r['impl'] + ' ' + ' '.join(str(v) for v in r['tiles'].values())
+    values = r['tiles'].items()
+    label = r['impl'] + ' ' + ' '.join(
+        f'{k}={v}' if r['impl'] == 'pallas_mosaic' else str(v) for k, v in values)
     numbers = (r['error'][:40] if 'error' in r else
                f"{r['fwd_tflops']:>10.1f}{r['bwd_tflops']:>10.1f}")
     print(f"{label:62}{r['kv_heads']:>5}{numbers}")

@@ -61,9 +61,10 @@ class _Config:
   num_warps: int
   num_stages: int
   poison: bool = False    # test only: outputs start as NaN, so unwritten blocks show
-  # None: the portable forward below; else flash_attention_mgpu's Hopper forward with
-  # these tiles (backend='mosaic_gpu'). The backward kernels are the portable ones.
+  # None: the portable kernels below; else flash_attention_mgpu's Hopper forward /
+  # backward with these tiles (backend='mosaic_gpu', backend_bwd).
   mosaic_tiles: flash_attention_mgpu.MosaicTiles | None = None
+  mosaic_bwd_tiles: flash_attention_mgpu.MosaicBwdTiles | None = None
 
 
 # ---------------------------------------------------------------------------- masks, ranges
@@ -336,6 +337,10 @@ def _flash_bwd(cfg, res, cotangents):
   delta = delta - dlse
   # A row with no visible key has lse -inf and all scores -inf: exp(-inf - 0) = 0.
   lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
+  if cfg.mosaic_bwd_tiles is not None:
+    dq, dk, dv = flash_attention_mgpu.backward(q, k, v, do, lse, delta, cfg,
+                                               cfg.mosaic_bwd_tiles)
+    return dq, dk, dv, None, None
   dk, dv = _backward_dkv(q, k, v, do, lse, delta, q_seg, kv_seg, cfg)
   dq = _backward_dq(q, k, v, do, lse, delta, q_seg, kv_seg, cfg)
   return dq, dk, dv, None, None
@@ -349,7 +354,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
                     return_lse=False, sm_scale=None, block_q=None, block_k=None,
                     block_q_bwd=None, block_k_bwd=None, num_warps=None, num_stages=None,
-                    backend=None, interpret=None, _poison_outputs=False):
+                    backend=None, backend_bwd=None, interpret=None, _poison_outputs=False):
   """Flash attention with grouped-query heads; differentiable in q, k, v (and lse).
 
   Args:
@@ -372,8 +377,11 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
       Pallas's Triton lowering on GPU. 'mosaic_gpu': flash_attention_mgpu's Hopper
       forward (TMA, wgmma, warp-specialized; bf16/fp16, head_dim 64/128/256, no
       segment_ids); there block_k and num_stages set its K/V tile and pipeline depth
-      and block_q must be 128 (two warpgroups of 64 rows). The backward is the portable
-      kernels' with either.
+      and block_q must be 128 (two warpgroups of 64 rows).
+    backend_bwd: the backward kernels, 'triton' or 'mosaic_gpu' (flash_attention_mgpu's
+      Hopper backward: bf16/fp16, head_dim 64/128, no segment_ids; block_q_bwd and
+      block_k_bwd in (64, 128) set its q and kv steps). Default: `backend`, except that
+      'mosaic_gpu' at head_dim 256 takes the Triton backward.
     interpret: run the Pallas interpreter; default: when the backend is CPU.
     _poison_outputs: test only; kernel outputs start as NaN so unwritten blocks show.
 
@@ -390,8 +398,9 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
   tiles = dict(block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd,
                block_k_bwd=block_k_bwd, num_warps=num_warps, num_stages=num_stages)
   mosaic_tiles = _mosaic_tiles(backend, q, segment_ids, tiles)
+  mosaic_bwd_tiles = _mosaic_bwd_tiles(backend, backend_bwd, q, segment_ids, tiles)
   cfg = _make_config(q, k, causal, sliding_window, scale, tiles, interpret, _poison_outputs,
-                     mosaic_tiles)
+                     mosaic_tiles, mosaic_bwd_tiles)
   t_pad = _round_up(t, _q_multiple(cfg))
   s_pad = _round_up(s, _kv_multiple(cfg))
   if causal:  # one length for both: the kernels' causal block ranges assume T == S
@@ -472,15 +481,50 @@ def _mosaic_tiles(backend, q, segment_ids, tiles):
   if mosaic.block_k % 64 or not 64 <= mosaic.block_k <= 256 or mosaic.stages < 1:
     raise ValueError(f"backend='mosaic_gpu' takes block_k in (64, 128, 192, 256) and "
                      f'num_stages >= 1; got {mosaic.block_k}, {mosaic.stages}.')
-  if mosaic.smem_bytes(d) > flash_attention_mgpu.SMEM_LIMIT:
-    raise ValueError(f'block_k={mosaic.block_k} x num_stages={mosaic.stages} at head_dim '
-                     f'{d} needs {mosaic.smem_bytes(d) // 1024} KiB of shared memory, over '
-                     f'the {flash_attention_mgpu.SMEM_LIMIT // 1024} KiB of an H100: use '
-                     'fewer stages or a smaller block_k.')
+  _check_smem(mosaic, d, f'block_k={mosaic.block_k} x num_stages={mosaic.stages}',
+              'fewer stages or a smaller block_k')
   return mosaic
 
 
-def _make_config(q, k, causal, window, scale, tiles, interpret, poison, mosaic_tiles=None):
+def _check_smem(mosaic, d, tiles_named, fix):
+  need = mosaic.smem_bytes(d)
+  if need > flash_attention_mgpu.SMEM_LIMIT:
+    raise ValueError(f'{tiles_named} at head_dim {d} needs {need // 1024} KiB of shared '
+                     f'memory, over the {flash_attention_mgpu.SMEM_LIMIT // 1024} KiB of an '
+                     f'H100: use {fix}.')
+
+
+def _mosaic_bwd_tiles(backend, backend_bwd, q, segment_ids, tiles):
+  """MosaicBwdTiles when the backward runs on Mosaic GPU (taking block_q_bwd and
+  block_k_bwd out of `tiles`), else None; a clear error for what it cannot take."""
+  d = q.shape[-1]
+  if backend_bwd is None:
+    backend_bwd = backend
+    if backend == 'mosaic_gpu' and d not in flash_attention_mgpu.BWD_HEAD_DIMS:
+      backend_bwd = 'triton'
+  if backend_bwd in (None, 'triton'):
+    return None
+  if backend_bwd != 'mosaic_gpu':
+    raise ValueError(f"backend_bwd={backend_bwd!r}: use 'triton' or 'mosaic_gpu'.")
+  why = flash_attention_mgpu.unsupported_reason(q, segment_ids)
+  if why is None and d not in flash_attention_mgpu.BWD_HEAD_DIMS:
+    why = f'head_dim {d} (it takes {flash_attention_mgpu.BWD_HEAD_DIMS})'
+  if why:
+    raise ValueError(f"backend_bwd='mosaic_gpu' does not take {why}; use "
+                     "backend_bwd='triton'.")
+  mosaic = flash_attention_mgpu.MosaicBwdTiles(
+      block_q=tiles.pop('block_q_bwd') or flash_attention_mgpu.MosaicBwdTiles.block_q,
+      block_k=tiles.pop('block_k_bwd') or flash_attention_mgpu.MosaicBwdTiles.block_k)
+  if mosaic.block_q not in (64, 128) or mosaic.block_k not in (64, 128):
+    raise ValueError(f"backend_bwd='mosaic_gpu' takes block_q_bwd and block_k_bwd in "
+                     f'(64, 128); got {mosaic.block_q}, {mosaic.block_k}.')
+  _check_smem(mosaic, d, f'block_q_bwd={mosaic.block_q}, block_k_bwd={mosaic.block_k}',
+              '64 for both')
+  return mosaic
+
+
+def _make_config(q, k, causal, window, scale, tiles, interpret, poison, mosaic_tiles=None,
+                 mosaic_bwd_tiles=None):
   _, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   if interpret is None:
@@ -506,7 +550,8 @@ def _make_config(q, k, causal, window, scale, tiles, interpret, poison, mosaic_t
       causal=causal, window=None if window is None else int(window), scale=scale,
       block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd,
       groups=hq // hkv, kv_len=s, mask_kv_padding=False, interpret=bool(interpret),
-      num_warps=num_warps, num_stages=num_stages, poison=poison, mosaic_tiles=mosaic_tiles)
+      num_warps=num_warps, num_stages=num_stages, poison=poison, mosaic_tiles=mosaic_tiles,
+      mosaic_bwd_tiles=mosaic_bwd_tiles)
   # Causal attention never lets a real query see a padded key; other masks must.
   return dataclasses.replace(cfg, mask_kv_padding=not causal and s % _kv_multiple(cfg) != 0)
 
@@ -516,12 +561,21 @@ def _q_multiple(cfg):
   fwd = cfg.block_q
   if cfg.mosaic_tiles is not None:
     fwd = flash_attention_mgpu.COMPUTE_WGS * cfg.mosaic_tiles.block_q
-  return math.lcm(fwd, cfg.block_q_bwd)
+  bwd = cfg.mosaic_bwd_tiles
+  bwd = cfg.block_q_bwd if bwd is None else math.lcm(_mosaic_bwd_rows(bwd), bwd.block_q)
+  return math.lcm(fwd, bwd)
 
 
 def _kv_multiple(cfg):
   fwd = cfg.block_k if cfg.mosaic_tiles is None else cfg.mosaic_tiles.block_k
-  return math.lcm(fwd, cfg.block_k_bwd)
+  bwd = cfg.mosaic_bwd_tiles
+  bwd = cfg.block_k_bwd if bwd is None else math.lcm(_mosaic_bwd_rows(bwd), bwd.block_k)
+  return math.lcm(fwd, bwd)
+
+
+def _mosaic_bwd_rows(tiles):
+  """Rows (query rows in dq, key rows in dk/dv) of one Mosaic backward program."""
+  return flash_attention_mgpu.COMPUTE_WGS * tiles.rows
 
 
 def _fit_block(default, length):

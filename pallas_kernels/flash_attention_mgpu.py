@@ -110,30 +110,41 @@ def _kv_ranges(r0, rows, block_k, num_kv_blocks, cfg):
 
 # ---------------------------------------------------------------------------- matmuls
 
-def _qk(q_smem, k_smem, block_q, block_k, between, interpret):
-  """S = Q K^T in fp32; `between` runs while the wgmma is in flight."""
+_NT = (((1,), (1,)), ((), ()))  # A B^T
+_NN = (((1,), (0,)), ((), ()))  # A B
+
+
+def _mma_nt(pairs, shape, interpret, between=None):
+  """[A B^T for (A, B) in pairs], fp32 `shape`, A and B SMEM tiles: the wgmmas are issued
+  together and waited on once; `between` runs while they are in flight."""
   if interpret:  # the interpreter has no wgmma with a transposed operand
-    between()
-    return lax.dot_general(q_smem[...], k_smem[...], (((1,), (1,)), ((), ())),
-                           preferred_element_type=jnp.float32)
+    if between:
+      between()
+    return [lax.dot_general(a[...], b[...], _NT, preferred_element_type=jnp.float32)
+            for a, b in pairs]
 
-  def run(acc):
-    plgpu.wgmma(acc, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
-    between()
-    return acc[...]
+  def run(*accs):
+    for acc, (a, b) in zip(accs, pairs):
+      plgpu.wgmma(acc, a, plgpu.transpose_ref(b, (1, 0)))
+    if between:
+      between()
+    return [acc[...] for acc in accs]
 
-  return pl.run_scoped(run, plgpu.ACC((block_q, block_k), jnp.float32))
+  return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32) for _ in pairs])
 
 
-def _pv(acc, p, v_smem, interpret):
-  """acc + P V, P a register value in the input dtype."""
+def _mma_acc(terms, interpret):
+  """[acc + A B for (acc, A, B) in terms]: acc fp32 registers, A registers in the input
+  dtype (P, dS), B a SMEM tile; issued together, waited on once."""
   if interpret:  # nor one whose left operand lives in registers
-    return acc + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
+    return [acc + lax.dot_general(a, b[...], _NN, preferred_element_type=jnp.float32)
+            for acc, a, b in terms]
 
-  def run(acc_ref):
-    plgpu.wgmma(acc_ref, p, v_smem)
+  def run(refs):
+    for ref, (_, a, b) in zip(refs, terms):
+      plgpu.wgmma(ref, a, b)
 
-  return pl.run_state(run)(plgpu.ACC.init(acc))
+  return list(pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _, _ in terms)))
 
 
 def _filled(shape, value, interpret):
@@ -163,7 +174,7 @@ def _compute(refs, scratch, wg, ranges, cfg, tiles, interpret):
   q_ref, _, _, out_ref, lse_ref = refs
   qo_smem, k_smem, v_smem, lse_smem, k_ready, v_ready, q_ready, k_done, v_done, turn = scratch
   bq, bk, stages = tiles.block_q, tiles.block_k, tiles.stages
-  lo, lo_full, hi_full, hi = ranges
+  lo = ranges[0]
   b, h = lax.axis_index('batch'), lax.axis_index('heads')
   r0 = lax.axis_index('q_blocks') * (COMPUTE_WGS * bq) + wg * bq
   d = qo_smem.shape[-1]
@@ -180,7 +191,7 @@ def _compute(refs, scratch, wg, ranges, cfg, tiles, interpret):
     acc, m, l = carry
     slot = lax.rem(j - lo, stages)
     plgpu.barrier_wait(k_ready.at[slot])
-    s = _qk(q_smem, k_smem.at[slot], bq, bk, take_turn, interpret)
+    [s] = _mma_nt([(q_smem, k_smem.at[slot])], (bq, bk), interpret, between=take_turn)
     plgpu.barrier_arrive(k_done.at[slot])
     s = s * (cfg.scale * _LOG2E)
     if masked:
@@ -193,17 +204,14 @@ def _compute(refs, scratch, wg, ranges, cfg, tiles, interpret):
     plgpu.barrier_arrive(turn)  # softmax done: the other warpgroup may use the cores
     plgpu.barrier_wait(v_ready.at[slot])
     plgpu.barrier_wait(turn)
-    acc = _pv(acc, p.astype(v_smem.dtype), v_smem.at[slot], interpret)
+    [acc] = _mma_acc([(acc, p.astype(v_smem.dtype), v_smem.at[slot])], interpret)
     plgpu.barrier_arrive(v_done.at[slot])
     return acc, m_new, l
 
   carry = (_filled((bq, d), 0.0, interpret), _filled((bq,), _M_INIT, interpret),
            _filled((bq,), 0.0, interpret))
   pl.when(wg == 1)(take_turn)  # start half a step apart: ping-pong on the tensor cores
-  for start, stop, masked in ((lo, lo_full, True), (lo_full, hi_full, False),
-                              (hi_full, hi, True)):
-    carry = lax.fori_loop(start, stop,
-                          lambda j, c, masked=masked: step(j, c, masked), carry)
+  carry = _walk(ranges, step, carry)
   pl.when(wg == 0)(take_turn)
   acc, m, l = carry
 
@@ -217,48 +225,60 @@ def _compute(refs, scratch, wg, ranges, cfg, tiles, interpret):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _mask(r0, k0, bq, bk, cfg, interpret):
-  """[bq, bk] bool of allowed (query, key) pairs for rows r0.. and keys k0.."""
-  q_pos = r0 + _iota((bq, bk), 0, interpret)
-  k_pos = k0 + _iota((bq, bk), 1, interpret)
-  ok = jnp.ones((bq, bk), jnp.bool_)
+def _mask(r0, k0, bq, bk, cfg, interpret, keys_by_rows=False):
+  """[bq, bk] bool of allowed (query, key) pairs for rows r0.. and keys k0..; with
+  keys_by_rows the transpose, [bk, bq] (the dk/dv kernel's S^T)."""
+  shape, q_dim = ((bk, bq), 1) if keys_by_rows else ((bq, bk), 0)
+  q_pos = r0 + _iota(shape, q_dim, interpret)
+  k_pos = k0 + _iota(shape, 1 - q_dim, interpret)
+  ok = jnp.ones(shape, jnp.bool_)
   if cfg.causal:
     ok = ok & (k_pos <= q_pos)
   if cfg.window is not None:
     ok = ok & (k_pos > q_pos - cfg.window)
-  if cfg.mask_kv_padding:
+  if cfg.mask_kv_padding and not keys_by_rows:
     ok = ok & (k_pos < cfg.kv_len)
   return ok
 
 
-def _produce(refs, scratch, lo, hi, cfg, tiles):
-  """The producer warpgroup: TMA K and V blocks [lo, hi) into the slots, `stages` ahead."""
-  _, k_ref, v_ref, _, _ = refs
-  _, k_smem, v_smem, _, k_ready, v_ready, _, k_done, v_done, _ = scratch
-  bk, stages = tiles.block_k, tiles.stages
+def _walk(ranges, step, carry):
+  """carry = step(j, carry, masked) over blocks [lo, hi): masked over [lo, lo_full) and
+  [hi_full, hi), unmasked in between (ranges as _kv_ranges / _q_ranges give them)."""
+  lo, lo_full, hi_full, hi = ranges
+  for start, stop, masked in ((lo, lo_full, True), (lo_full, hi_full, False),
+                              (hi_full, hi, True)):
+    carry = lax.fori_loop(start, stop, lambda j, c, masked=masked: step(j, c, masked), carry)
+  return carry
+
+
+def _produce(groups, num_steps, stages):
+  """The producer warpgroup: TMA the blocks of steps [0, num_steps) into `stages` SMEM
+  slots (step t into slot t % stages), running up to `stages` steps ahead.
+
+  groups: (done, loads) pairs; loads: (src, smem, ready) with src(t) step t's GMEM block.
+  A group's slot is reloaded once both compute warpgroups arrived on its `done`, so
+  operands released at different times (K before V) belong to different groups."""
   plgpu.set_max_registers(40, action='decrease')
-  b = lax.axis_index('batch')
-  kv_head = lax.div(lax.axis_index('heads'), cfg.groups)
 
-  operands = ((k_ref, k_smem, k_ready, k_done), (v_ref, v_smem, v_ready, v_done))
-
-  def load(j, wait_free):
-    # K first: the compute warpgroups need it first, and release its slot first.
-    slot, keys = lax.rem(j - lo, stages), (b, pl.ds(j * bk, bk), kv_head)
-    for ref, smem, ready, done in operands:
-      if wait_free:  # both compute warpgroups are done with block j - stages
+  def load(t, wait_free):
+    slot = lax.rem(t, stages)
+    for done, loads in groups:
+      if wait_free:  # both compute warpgroups are done with step t - stages
         plgpu.barrier_wait(done.at[slot])
-      plgpu.copy_gmem_to_smem(ref.at[keys], smem.at[slot], ready.at[slot])
+      for src, smem, ready in loads:
+        plgpu.copy_gmem_to_smem(src(t), smem.at[slot], ready.at[slot])
 
   for first in range(stages):
-    pl.when(lo + first < hi)(lambda first=first: load(lo + first, wait_free=False))
-  pl.loop(lo + stages, hi)(lambda j: load(j, wait_free=True))
+    t = jnp.int32(first)
+    pl.when(t < num_steps)(lambda t=t: load(t, wait_free=False))
+  pl.loop(jnp.int32(stages), num_steps)(lambda t: load(t, wait_free=True))
 
-  # Observe the last blocks' releases too, so each barrier ends on a completed phase.
-  @pl.loop(jnp.maximum(lo, hi - stages), hi)
-  def _(j):
-    for _, _, _, done in operands:
-      plgpu.barrier_wait(done.at[lax.rem(j - lo, stages)])
+  # Observe the last steps' releases too, so each barrier ends on a completed phase.
+  @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+  def _(t):
+    for done, _ in groups:
+      plgpu.barrier_wait(done.at[lax.rem(t, stages)])
+
 
 def forward(q, k, v, cfg, tiles: MosaicTiles | None = None):
   """out [B, T, Hq, D], lse [B, Hq, T] of padded inputs; cfg: flash_attention._Config."""
@@ -269,43 +289,313 @@ def forward(q, k, v, cfg, tiles: MosaicTiles | None = None):
   if t % rows or s % tiles.block_k:
     raise ValueError(f'padded lengths T={t}, S={s} must be multiples of {rows} and '
                      f'{tiles.block_k}')
-  interpret = cfg.interpret
-  interpret_params = _interpret_params() if interpret else None
+  buffers = (_smem((COMPUTE_WGS, tiles.block_q, d), q.dtype),
+             _smem((tiles.stages, tiles.block_k, d), q.dtype),
+             _smem((tiles.stages, tiles.block_k, d), q.dtype),
+             plgpu.SMEM((COMPUTE_WGS, tiles.block_q), jnp.float32))
+  barriers = (plgpu.Barrier(num_barriers=tiles.stages),   # k_ready
+              plgpu.Barrier(num_barriers=tiles.stages),   # v_ready
+              plgpu.Barrier(num_barriers=COMPUTE_WGS),    # q_ready
+              _released(tiles.stages),                    # k_done
+              _released(tiles.stages),                    # v_done
+              plgpu.Barrier(num_arrivals=COMPUTE_WGS))    # turn
+  return _launch(
+      lambda refs, scratch: _program(refs, scratch, cfg, tiles, cfg.interpret),
+      buffers + barriers,
+      (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, t), jnp.float32)),
+      grid=(hq, t // rows, b), grid_names=('heads', 'q_blocks', 'batch'),
+      interpret=cfg.interpret)(q, k, v)
 
+
+def _smem(shape, dtype):
+  """A SMEM tile in the swizzled layout TMA writes and wgmma reads."""
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                              plgpu.SwizzleTransform(128)))
+
+
+def _released(num_barriers):
+  """Slot-release barriers: both compute warpgroups arrive."""
+  return plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_barriers)
+
+
+def _launch(program, scratch_types, out_type, grid, grid_names, interpret):
+  """A kernel of COMPUTE_WGS compute warpgroups and one producer (axis 'wg'):
+  program(refs, scratch) runs in each."""
   def entry(*refs):
-    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    smem = lambda shape: plgpu.SMEM(shape, q.dtype, transforms=swizzled)
-    buffers = (smem((COMPUTE_WGS, tiles.block_q, d)), smem((tiles.stages, tiles.block_k, d)),
-               smem((tiles.stages, tiles.block_k, d)),
-               plgpu.SMEM((COMPUTE_WGS, tiles.block_q), jnp.float32))
-    barriers = (plgpu.Barrier(num_barriers=tiles.stages),   # k_ready
-                plgpu.Barrier(num_barriers=tiles.stages),   # v_ready
-                plgpu.Barrier(num_barriers=COMPUTE_WGS),    # q_ready
-                plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=tiles.stages),  # k_done
-                plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=tiles.stages),  # v_done
-                plgpu.Barrier(num_arrivals=COMPUTE_WGS))    # turn
-    pl.run_scoped(lambda *scratch: _program(refs, scratch, cfg, tiles, interpret),
-                  *buffers, *barriers, collective_axes='wg')
+    pl.run_scoped(lambda *scratch: program(refs, scratch), *scratch_types,
+                  collective_axes='wg')
 
   return plgpu.kernel(
-      entry,
-      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct((b, hq, t), jnp.float32)),
-      grid=(hq, t // rows, b), grid_names=('heads', 'q_blocks', 'batch'),
+      entry, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=COMPUTE_WGS + 1, thread_name='wg',
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret_params)(q, k, v)
+      interpret=_interpret_params() if interpret else None)
 
 
 def _program(refs, scratch, cfg, tiles, interpret):
-  rows = COMPUTE_WGS * tiles.block_q
-  num_kv_blocks = refs[1].shape[1] // tiles.block_k
+  q_ref, k_ref, v_ref, _, _ = refs
+  _, k_smem, v_smem, _, k_ready, v_ready, _, k_done, v_done, _ = scratch
+  rows, bk = COMPUTE_WGS * tiles.block_q, tiles.block_k
   r0 = lax.axis_index('q_blocks') * rows
-  ranges = _kv_ranges(r0, rows, tiles.block_k, num_kv_blocks, cfg)
+  ranges = _kv_ranges(r0, rows, bk, k_ref.shape[1] // bk, cfg)
   wg = lax.axis_index('wg')
   pl.when(wg < COMPUTE_WGS)(
       lambda: _compute(refs, scratch, wg, ranges, cfg, tiles, interpret))
-  pl.when(wg == COMPUTE_WGS)(lambda: _produce(refs, scratch, ranges[0], ranges[3], cfg, tiles))
+
+  @pl.when(wg == COMPUTE_WGS)
+  def _():
+    lo, hi = ranges[0], ranges[3]
+    b, kv_head = lax.axis_index('batch'), lax.div(lax.axis_index('heads'), cfg.groups)
+    block = lambda ref: lambda t: ref.at[b, pl.ds((lo + t) * bk, bk), kv_head]
+    # K first: the compute warpgroups need it first, and release its slot first.
+    _produce(((k_done, [(block(k_ref), k_smem, k_ready)]),
+              (v_done, [(block(v_ref), v_smem, v_ready)])), hi - lo, tiles.stages)
+
+
+# ---------------------------------------------------------------------------- backward
+#
+# Two kernels, as the portable backward: each recomputes P from the forward's lse.
+#
+#   dq      grid (Hq, T / 2r, B)   a compute warpgroup owns r = 64 query rows; the producer
+#                                  streams the K, V blocks they see (the forward's walk):
+#                                  S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K
+#   dk, dv  grid (Hkv, S / 2r, B)  a compute warpgroup owns r key rows; the producer streams
+#                                  (Q, dO, lse, delta) blocks of every q head of the group
+#                                  and every q block that sees those keys:
+#                                  S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q
+#
+# so a kv head's dK, dV are summed over its query heads in fp32 registers and stored
+# once, with no atomics and no [B, S, Hq, D] buffer. Each step issues its two
+# independent products together (one wgmma wait) and then its two accumulations.
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBwdTiles:
+  """Tiles of the Mosaic GPU backward: each compute warpgroup owns `rows` (wgmma M)
+  query rows (dq) or key rows (dk/dv); block_q is the q block the dk/dv kernel steps
+  over, block_k the kv block the dq kernel steps over."""
+  block_q: int = 64
+  block_k: int = 64
+  stages: int = 2
+  rows: int = 64
+
+  def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+    """The larger of the two kernels' shared memory."""
+    own = 2 * COMPUTE_WGS * self.rows * head_dim * itemsize  # Q, dO or K, V
+    dq = own + 2 * self.stages * self.block_k * head_dim * itemsize
+    dkv = own + self.stages * self.block_q * (2 * head_dim * itemsize + 2 * 4)
+    return max(dq, dkv) + COMPUTE_WGS * 2 * self.rows * 4
+
+
+BWD_HEAD_DIMS = (64, 128)  # d 256 holds dK, dV at 256 fp32 registers a thread: too many
+
+
+def backward(q, k, v, do, lse, delta, cfg, tiles: MosaicBwdTiles | None = None):
+  """dq, dk, dv of padded inputs. lse [B, Hq, T] natural log with -inf replaced by 0;
+  delta [B, Hq, T] = rowsum(dO * O) - dlse (flash_attention._flash_bwd)."""
+  b, t, hq, d = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  tiles = tiles or MosaicBwdTiles()
+  rows = COMPUTE_WGS * tiles.rows
+  if t % math.lcm(rows, tiles.block_q) or s % math.lcm(rows, tiles.block_k):
+    raise ValueError(f'padded lengths T={t}, S={s} must be multiples of {rows} and of '
+                     f'block_q={tiles.block_q} (T), block_k={tiles.block_k} (S)')
+  # lse in base 2 beside delta: one [2, rows] TMA copy per block.
+  stats = jnp.stack([lse * _LOG2E, delta], axis=2).astype(jnp.float32)  # [B, Hq, 2, T]
+  r, interpret = tiles.rows, cfg.interpret
+
+  dq_scratch = (_smem((COMPUTE_WGS, r, d), q.dtype),                 # Q, then dQ
+                _smem((COMPUTE_WGS, r, d), q.dtype),                 # dO
+                plgpu.SMEM((COMPUTE_WGS, 2, r), jnp.float32),        # lse2, delta
+                _smem((tiles.stages, tiles.block_k, d), q.dtype),    # K slots
+                _smem((tiles.stages, tiles.block_k, d), q.dtype),    # V slots
+                plgpu.Barrier(num_barriers=3 * COMPUTE_WGS),         # own Q, dO, stats
+                plgpu.Barrier(num_barriers=tiles.stages),            # k_ready
+                plgpu.Barrier(num_barriers=tiles.stages),            # v_ready
+                _released(tiles.stages), _released(tiles.stages))    # k_done, v_done
+  dq = _launch(
+      lambda refs, scratch: _dq_program(refs, scratch, cfg, tiles, interpret),
+      dq_scratch, jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(hq, t // rows, b), grid_names=('heads', 'q_blocks', 'batch'),
+      interpret=interpret)(q, k, v, do, stats)
+
+  dkv_scratch = (_smem((COMPUTE_WGS, r, d), k.dtype),                # K, then dK
+                 _smem((COMPUTE_WGS, r, d), k.dtype),                # V, then dV
+                 _smem((tiles.stages, tiles.block_q, d), q.dtype),   # Q slots
+                 _smem((tiles.stages, tiles.block_q, d), q.dtype),   # dO slots
+                 plgpu.SMEM((tiles.stages, 2, tiles.block_q), jnp.float32),  # stats slots
+                 plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),        # own K, V
+                 plgpu.Barrier(num_barriers=tiles.stages),           # q_ready
+                 plgpu.Barrier(num_barriers=tiles.stages),           # do_ready
+                 plgpu.Barrier(num_barriers=tiles.stages),           # stats_ready
+                 _released(tiles.stages))                            # done (all three)
+  dk, dv = _launch(
+      lambda refs, scratch: _dkv_program(refs, scratch, cfg, tiles, interpret),
+      dkv_scratch, (jax.ShapeDtypeStruct(k.shape, k.dtype),
+                    jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      grid=(hkv, s // rows, b), grid_names=('heads', 'kv_blocks', 'batch'),
+      interpret=interpret)(q, k, v, do, stats)
+  return dq, dk, dv
+
+
+def _stats(stats_smem, reduced_dim, interpret):
+  """lse2 and delta of a [2, n] SMEM block, as registers laid out along the rows
+  (reduced_dim 1: one per S row) or the columns (reduced_dim 0: one per S^T column)."""
+  if interpret:
+    return stats_smem[0], stats_smem[1]
+  layout = plgpu.Layout.WGMMA.reduce(reduced_dim)
+  return tuple(plgpu.load(stats_smem.at[i], (), layout=layout) for i in range(2))
+
+
+def _dq_program(refs, scratch, cfg, tiles, interpret):
+  q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref = refs
+  (q_smem, do_smem, stats_smem, k_smem, v_smem, own_ready, k_ready, v_ready, k_done,
+   v_done) = scratch
+  r, bk, stages = tiles.rows, tiles.block_k, tiles.stages
+  b, h = lax.axis_index('batch'), lax.axis_index('heads')
+  p0 = lax.axis_index('q_blocks') * (COMPUTE_WGS * r)
+  ranges = _kv_ranges(p0, COMPUTE_WGS * r, bk, k_ref.shape[1] // bk, cfg)
+  lo, hi = ranges[0], ranges[3]
+  wg = lax.axis_index('wg')
+
+  @pl.when(wg < COMPUTE_WGS)
+  def _():
+    plgpu.set_max_registers(232, action='increase')
+    r0 = p0 + wg * r
+    own = (b, pl.ds(r0, r), h)
+    q_mine, do_mine, stats_mine = q_smem.at[wg], do_smem.at[wg], stats_smem.at[wg]
+    _load_own(((q_ref.at[own], q_mine), (do_ref.at[own], do_mine),
+               (stats_ref.at[b, h, :, pl.ds(r0, r)], stats_mine)), own_ready, wg)
+    lse2, delta = _stats(stats_mine, 1, interpret)
+
+    def step(j, dq, masked):
+      slot = lax.rem(j - lo, stages)
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_wait(v_ready.at[slot])
+      s, dp = _mma_nt([(q_mine, k_smem.at[slot]), (do_mine, v_smem.at[slot])], (r, bk),
+                      interpret)
+      plgpu.barrier_arrive(v_done.at[slot])
+      s = s * (cfg.scale * _LOG2E)
+      if masked:
+        s = jnp.where(_mask(r0, j * bk, r, bk, cfg, interpret), s, -jnp.inf)
+      p = jnp.exp2(s - _bcast_rows(lse2, s.shape))
+      ds = p * (dp - _bcast_rows(delta, dp.shape))
+      [dq] = _mma_acc([(dq, ds.astype(k_smem.dtype), k_smem.at[slot])], interpret)
+      plgpu.barrier_arrive(k_done.at[slot])
+      return dq
+
+    dq = _walk(ranges, step, _filled((r, q_smem.shape[-1]), 0.0, interpret))
+    q_mine[...] = (dq * cfg.scale).astype(q_mine.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_mine, dq_ref.at[own])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == COMPUTE_WGS)
+  def _():
+    kv_head = lax.div(h, cfg.groups)
+    block = lambda ref: lambda t: ref.at[b, pl.ds((lo + t) * bk, bk), kv_head]
+    _produce(((k_done, [(block(k_ref), k_smem, k_ready)]),
+              (v_done, [(block(v_ref), v_smem, v_ready)])), hi - lo, stages)
+
+
+def _q_ranges(c0, rows, block_q, num_q_blocks, cfg):
+  """For key rows [c0, c0 + rows): q blocks [lo, hi) that see any of them, and the part
+  [lo_full, hi_full) in which every query sees every key (no mask). Padded keys need no
+  mask here: their dK, dV rows are sliced off and nothing else reads them."""
+  lo, hi = 0, num_q_blocks
+  lo_full, hi_full = 0, num_q_blocks
+  if cfg.causal:
+    lo = lax.div(c0, block_q)
+    lo_full = lax.div(c0 + rows - 1 + block_q - 1, block_q)  # first row >= last key
+  if cfg.window is not None:
+    hi = jnp.minimum(lax.div(c0 + rows - 2 + cfg.window, block_q) + 1, num_q_blocks)
+    hi_full = lax.div(c0 + cfg.window, block_q)  # last row < first key + W
+  lo_full = jnp.clip(lo_full, lo, hi)
+  hi_full = jnp.clip(hi_full, lo_full, hi)
+  return tuple(jnp.asarray(x, jnp.int32) for x in (lo, lo_full, hi_full, hi))
+
+
+def _dkv_program(refs, scratch, cfg, tiles, interpret):
+  q_ref, k_ref, v_ref, do_ref, stats_ref, dk_ref, dv_ref = refs
+  (k_smem, v_smem, q_smem, do_smem, stats_smem, own_ready, q_ready, do_ready, stats_ready,
+   done) = scratch
+  r, bq, stages, groups = tiles.rows, tiles.block_q, tiles.stages, cfg.groups
+  b, kv_head = lax.axis_index('batch'), lax.axis_index('heads')
+  p0 = lax.axis_index('kv_blocks') * (COMPUTE_WGS * r)
+  ranges = _q_ranges(p0, COMPUTE_WGS * r, bq, q_ref.shape[1] // bq, cfg)
+  lo, hi = ranges[0], ranges[3]
+  n = hi - lo  # q blocks per head; step t = g * n + (i - lo) for head g, q block i
+  wg = lax.axis_index('wg')
+
+  @pl.when(wg < COMPUTE_WGS)
+  def _():
+    plgpu.set_max_registers(232, action='increase')
+    c0 = p0 + wg * r
+    own = (b, pl.ds(c0, r), kv_head)
+    k_mine, v_mine = k_smem.at[wg], v_smem.at[wg]
+    _load_own(((k_ref.at[own], k_mine), (v_ref.at[own], v_mine)), own_ready, wg)
+
+    def step(i, carry, g, masked):
+      dk, dv = carry
+      slot = lax.rem(g * n + i - lo, stages)
+      q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
+      plgpu.barrier_wait(q_ready.at[slot])
+      plgpu.barrier_wait(do_ready.at[slot])
+      st, dpt = _mma_nt([(k_mine, q_slot), (v_mine, do_slot)], (r, bq), interpret)
+      plgpu.barrier_wait(stats_ready.at[slot])
+      lse2, delta = _stats(stats_smem.at[slot], 0, interpret)
+      st = st * (cfg.scale * _LOG2E)
+      if masked:
+        st = jnp.where(_mask(i * bq, c0, bq, r, cfg, interpret, keys_by_rows=True),
+                       st, -jnp.inf)
+      pt = jnp.exp2(st - _bcast_cols(lse2, st.shape))
+      dst = pt * (dpt - _bcast_cols(delta, dpt.shape))
+      dtype = q_slot.dtype
+      dv, dk = _mma_acc([(dv, pt.astype(dtype), do_slot), (dk, dst.astype(dtype), q_slot)],
+                        interpret)
+      plgpu.barrier_arrive(done.at[slot])
+      return dk, dv
+
+    def head(g, carry):
+      return _walk(ranges, lambda i, c, masked: step(i, c, g, masked), carry)
+
+    zeros = _filled((r, k_smem.shape[-1]), 0.0, interpret)
+    dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
+    k_mine[...] = (dk * cfg.scale).astype(k_mine.dtype)
+    v_mine[...] = dv.astype(v_mine.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_mine, dk_ref.at[own])
+    plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[own])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == COMPUTE_WGS)
+  def _():
+    def block(t):  # step t: q head kv_head * groups + t // n, q block lo + t % n
+      h, i = kv_head * groups + lax.div(t, n), lo + lax.rem(t, n)
+      return b, h, i
+    def rows_of(ref):
+      def src(t):
+        bi, h, i = block(t)
+        return ref.at[bi, pl.ds(i * bq, bq), h]
+      return src
+    def stats_of(t):
+      bi, h, i = block(t)
+      return stats_ref.at[bi, h, :, pl.ds(i * bq, bq)]
+    _produce(((done, [(rows_of(q_ref), q_smem, q_ready), (stats_of, stats_smem, stats_ready),
+                      (rows_of(do_ref), do_smem, do_ready)]),), groups * n, stages)
+
+
+def _bcast_cols(x, shape):
+  return lax.broadcast_in_dim(x, shape, [1])
+
+
+def _load_own(copies, ready, wg):
+  """TMA a compute warpgroup's own (src, dst) blocks, on barriers ready[wg * n + i]; wait."""
+  n = len(copies)
+  for i, (src, dst) in enumerate(copies):
+    plgpu.copy_gmem_to_smem(src, dst, ready.at[wg * n + i])
+  for i in range(n):
+    plgpu.barrier_wait(ready.at[wg * n + i])
 
 
 def _interpret_params():

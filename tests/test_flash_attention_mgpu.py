@@ -8,6 +8,8 @@ wgmma path is what the lowering tests check (layouts, shapes, shared memory) and
 tests/test_gpu.py runs on a GPU.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -51,20 +53,29 @@ def check_mosaic_against_reference(seed, b, t, s, hq, hkv, d, causal, window, **
     _assert_close(g, w, 1e-5 if name == 'lse' else 2e-2, name)
 
 
-# b, t, s, hq, hkv, d, causal, window. Lengths are not multiples of the 128-row program
-# or the 128-key block; the two warpgroups of a program see different key ranges.
+# b, t, s, hq, hkv, d, causal, window[, flash_attention options]. Lengths are not
+# multiples of the 128-row program or the 128-key block; the two warpgroups of a program
+# see different key ranges. With d <= 128 the backward is the Mosaic one too, unless the
+# case asks for backend_bwd='triton'.
 CASES = {
     'causal_gqa2_ragged': (1, 200, 200, 4, 2, 64, True, None),
     'cross_padded_keys': (1, 130, 300, 2, 1, 64, False, None),
-    'window_gqa2': (1, 384, 384, 2, 1, 64, True, 100),
+    'window_gqa2': (1, 512, 512, 2, 1, 64, True, 200),  # unmasked blocks inside the window
     'causal_d128': (1, 256, 256, 2, 2, 128, True, None),
+    # 128-row backward steps; a dk/dv program whose q-block count is odd, so three heads'
+    # steps rotate through the two slots differently than one head's would.
+    'window_gqa3_bwd_steps_128': (1, 320, 320, 3, 1, 64, True, 40,
+                                  dict(block_q_bwd=128, block_k_bwd=128)),
+    'causal_triton_bwd': (1, 200, 200, 2, 1, 64, True, None, dict(backend_bwd='triton')),
 }
 
 
 @pytest.mark.skipif(interpreter is None, reason='this jax has no Mosaic GPU interpreter')
+@pytest.mark.timeout(300, method='thread')  # a barrier deadlock (a wrong slot or phase) hangs the interpreter
 @pytest.mark.parametrize('case', CASES, ids=list(CASES))
-def test_mosaic_forward_matches_reference(case):
-  check_mosaic_against_reference(list(CASES).index(case), *CASES[case])
+def test_mosaic_kernels_match_reference(case):
+  shape, options = CASES[case][:8], (CASES[case][8:] or ({},))[0]
+  check_mosaic_against_reference(list(CASES).index(case), *shape, **options)
 
 
 def _lower_for_h100(fn, *args):
@@ -77,47 +88,100 @@ def _lower_for_h100(fn, *args):
 
 @pytest.mark.parametrize('d, window', [(64, None), (128, None), (128, 4096), (256, None)])
 @pytest.mark.parametrize('causal', [True, False])
-def test_mosaic_forward_lowers_for_hopper(d, window, causal):
+def test_mosaic_kernels_lower_for_hopper(d, window, causal):
   """The wgmma path (not interpreted) passes Mosaic GPU's lowering at the benchmark
-  shapes: register layouts, wgmma operand shapes, and shared memory under 227 KiB."""
+  shapes: register layouts, wgmma operand shapes, and shared memory under 227 KiB. The
+  forward at every head dim; the backward (the gradient) where it runs, d <= 128."""
   if window and not causal:
     pytest.skip('a window needs causal')
   q = jax.ShapeDtypeStruct((1, 8192, 32, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 8192, 8, d), jnp.bfloat16)
   fn = lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, sliding_window=window,
                                           backend='mosaic_gpu', interpret=False)
-  assert 'mosaic_gpu' in _lower_for_h100(fn, q, kv, kv)
+  assert _mosaic_calls(_lower_for_h100(fn, q, kv, kv)) == 1
+  if d in fa_mgpu.BWD_HEAD_DIMS:  # forward, dq, dk/dv
+    grad = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    assert _mosaic_calls(_lower_for_h100(grad, q, kv, kv)) == 3
+
+
+@pytest.mark.parametrize('block_q_bwd, block_k_bwd', [(64, 128), (128, 64), (128, 128)])
+def test_mosaic_backward_steps_lower_for_hopper(block_q_bwd, block_k_bwd):
+  q = jax.ShapeDtypeStruct((1, 8192, 32, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 8192, 8, 128), jnp.bfloat16)
+  grad = jax.grad(lambda *a: fa.flash_attention(
+      *a, backend='mosaic_gpu', block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd,
+      interpret=False).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  assert _mosaic_calls(_lower_for_h100(grad, q, kv, kv)) == 3
+
+
+def _mosaic_calls(lowered_text):
+  return len(re.findall(r'custom_call @mosaic_gpu', lowered_text))
+
+
+def _config(d):
+  x = jnp.zeros((1, 256, 2, d), jnp.bfloat16)
+  return fa._make_config(x, x, True, None, 0.1, {}, False, False)
 
 
 def test_shared_memory_estimate_is_what_the_lowering_enforces():
-  """Tiles that MosaicTiles counts as too big also fail Mosaic GPU's own check."""
+  """Tiles that MosaicTiles / MosaicBwdTiles count as too big also fail Mosaic GPU's own
+  check; the defaults fit."""
+  q = jax.ShapeDtypeStruct((1, 256, 2, 256), jnp.bfloat16)
   too_big = fa_mgpu.MosaicTiles(block_k=128, stages=3)
   assert too_big.smem_bytes(256) > fa_mgpu.SMEM_LIMIT
-  cfg = fa._make_config(jnp.zeros((1, 256, 2, 256), jnp.bfloat16),
-                        jnp.zeros((1, 256, 2, 256), jnp.bfloat16), True, None, 0.1,
-                        {}, False, False)
-  q = jax.ShapeDtypeStruct((1, 256, 2, 256), jnp.bfloat16)
   with pytest.raises(ValueError, match='shared memory'):
-    _lower_for_h100(lambda q, k, v: fa_mgpu.forward(q, k, v, cfg, too_big), q, q, q)
+    _lower_for_h100(lambda q, k, v: fa_mgpu.forward(q, k, v, _config(256), too_big), q, q, q)
+  q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+  stats = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)
+  too_big = fa_mgpu.MosaicBwdTiles(block_q=128, block_k=128, stages=3)
+  assert too_big.smem_bytes(128) > fa_mgpu.SMEM_LIMIT
+  with pytest.raises(ValueError, match='shared memory'):
+    _lower_for_h100(lambda *a: fa_mgpu.backward(*a, _config(128), too_big),
+                    q, q, q, q, stats, stats)
   for d in fa_mgpu.SUPPORTED_HEAD_DIMS:
     assert fa_mgpu.MosaicTiles.default(d).smem_bytes(d) <= fa_mgpu.SMEM_LIMIT
+  for d in fa_mgpu.BWD_HEAD_DIMS:
+    for bq in (64, 128):
+      for bk in (64, 128):
+        assert fa_mgpu.MosaicBwdTiles(bq, bk).smem_bytes(d) <= fa_mgpu.SMEM_LIMIT
 
 
 @pytest.mark.parametrize('kwargs, dtype, d, message', [
-    (dict(), jnp.float32, 64, 'dtype float32'),
-    (dict(), jnp.bfloat16, 96, 'head_dim 96'),
-    (dict(segment_ids=jnp.zeros((1, 256), jnp.int32)), jnp.bfloat16, 64, 'segment_ids'),
-    (dict(block_q=64), jnp.bfloat16, 64, 'block_q=128'),
-    (dict(block_k=96), jnp.bfloat16, 64, 'block_k in'),
-    (dict(block_k=128, num_stages=3), jnp.bfloat16, 256, 'KiB of shared memory'),
+    (dict(backend='mosaic_gpu'), jnp.float32, 64, "backend='mosaic_gpu' does not take dtype"),
+    (dict(backend='mosaic_gpu'), jnp.bfloat16, 96, 'head_dim 96'),
+    (dict(backend='mosaic_gpu', segment_ids=jnp.zeros((1, 256), jnp.int32)), jnp.bfloat16,
+     64, 'segment_ids'),
+    (dict(backend='mosaic_gpu', block_q=64), jnp.bfloat16, 64, 'block_q=128'),
+    (dict(backend='mosaic_gpu', block_k=96), jnp.bfloat16, 64, 'block_k in'),
+    (dict(backend='mosaic_gpu', block_k=128, num_stages=3), jnp.bfloat16, 256,
+     'KiB of shared memory'),
+    (dict(backend_bwd='mosaic_gpu'), jnp.bfloat16, 256,
+     "backend_bwd='mosaic_gpu' does not take head_dim 256"),
+    (dict(backend_bwd='mosaic_gpu'), jnp.float32, 64,
+     "backend_bwd='mosaic_gpu' does not take dtype"),
+    (dict(backend='mosaic_gpu', block_q_bwd=32), jnp.bfloat16, 64, 'block_k_bwd in'),
 ])
 def test_mosaic_backend_rejects_what_it_cannot_run(kwargs, dtype, d, message):
   q = jnp.zeros((1, 256, 2, d), dtype)
   with pytest.raises(ValueError, match=message):
-    fa.flash_attention(q, q, q, backend='mosaic_gpu', **kwargs)
+    fa.flash_attention(q, q, q, **kwargs)
 
 
-def test_unknown_backend_is_named():
+@pytest.mark.parametrize('kwargs', [dict(backend='cuda'), dict(backend_bwd='cuda')])
+def test_unknown_backend_is_named(kwargs):
   q = jnp.zeros((1, 16, 1, 16), jnp.float32)
   with pytest.raises(ValueError, match="'triton' or 'mosaic_gpu'"):
-    fa.flash_attention(q, q, q, backend='cuda')
+    fa.flash_attention(q, q, q, **kwargs)
+
+
+@pytest.mark.parametrize('backend, backend_bwd, d, want', [
+    ('mosaic_gpu', None, 128, fa_mgpu.MosaicBwdTiles()),
+    ('mosaic_gpu', None, 256, None),        # no Mosaic backward at d 256: Triton's
+    ('mosaic_gpu', 'triton', 64, None),
+    (None, 'mosaic_gpu', 64, fa_mgpu.MosaicBwdTiles()),
+    (None, None, 128, None),
+])
+def test_backward_kernel_choice(backend, backend_bwd, d, want):
+  q = jnp.zeros((1, 256, 2, d), jnp.bfloat16)
+  tiles = dict(block_q_bwd=None, block_k_bwd=None)
+  assert fa._mosaic_bwd_tiles(backend, backend_bwd, q, None, tiles) == want

@@ -41,7 +41,8 @@ def test_flash_attention_compiled(case):
                            (None, None))
 
 
-# b, t, s, hq, hkv, d, causal, window, tiles: the wgmma path, TMA and barriers for real.
+# b, t, s, hq, hkv, d, causal, window, options: the wgmma path, TMA and barriers for real;
+# forward and (d <= 128) backward.
 MOSAIC = {
     'd128_gqa_causal': (1, 2048, 2048, 32, 8, 128, True, None, {}),
     'd64_mha_ragged': (2, 1000, 1000, 8, 8, 64, True, None, {}),
@@ -51,6 +52,11 @@ MOSAIC = {
                              dict(block_k=192, num_stages=1)),
     'd128_four_stages_bk64': (1, 1024, 1024, 8, 2, 128, True, None,
                               dict(block_k=64, num_stages=4)),
+    'd128_bwd_steps_128': (1, 1024, 1024, 8, 2, 128, True, None,
+                           dict(block_q_bwd=128, block_k_bwd=128)),
+    'd64_window_gqa4_bwd_q128': (1, 1000, 1000, 16, 4, 64, True, 300,
+                                 dict(block_q_bwd=128)),
+    'd128_triton_bwd': (1, 1024, 1024, 8, 2, 128, True, None, dict(backend_bwd='triton')),
 }
 
 
