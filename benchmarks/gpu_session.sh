@@ -5,16 +5,19 @@
 #
 #   machine       GPU, clocks, jax and jaxlib versions                          ~10 s
 #   tests         kernels compiled on the GPU against their references, and the
-#                 cuDNN path (tests/test_gpu.py, tests/test_flash_attention.py)  ~2 min
+#                 cuDNN path (tests/test_gpu.py, tests/test_flash_attention.py)  ~3 min
 #   attention     benchmarks.attention: Triton and Mosaic GPU kernels vs cuDNN vs
 #                 XLA, 8K/16K/64K                                               ~4 min
-#   tiles         benchmarks.attention --tiles: our tile choices at 8K          ~2 min
+#   tiles         benchmarks.attention --tiles: our tile choices at 8K          ~4 min
 #   paged_decode  benchmarks.paged_decode: 8x4K .. 256x8K vs copy bandwidth     ~1 min
 #   paged_tiles   benchmarks.paged_decode --tiles: the kernel's tile choices    ~1 min
 #
-# The device tool stops a command at 10 minutes, so split the stages over two calls:
-#   bash benchmarks/gpu_session.sh machine tests attention
-#   bash benchmarks/gpu_session.sh tiles paged_decode paged_tiles
+# The device tool stops a command at 10 minutes, so split the stages over four calls, made
+# back to back (the machine is given back after 30 s idle):
+#   bash benchmarks/gpu_session.sh machine tests
+#   bash benchmarks/gpu_session.sh attention
+#   bash benchmarks/gpu_session.sh tiles
+#   bash benchmarks/gpu_session.sh paged_decode paged_tiles
 # A failing stage does not stop the next, so one call reports both failures and speed.
 # The times above are estimates, not measurements; each stage has its own time limit.
 set -uo pipefail
@@ -36,10 +39,10 @@ run_stage() {
     machine) stage machine 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,\
 clocks.max.sm,driver_version --format=csv; $PY -c 'import jax, jaxlib; print(\"jax\", \
 jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'" ;;
-    tests) stage tests "${TEST_LIMIT:-200}" env MESHLM_TEST_GPU=1 "$PY" -m pytest -rs \
+    tests) stage tests "${TEST_LIMIT:-420}" env MESHLM_TEST_GPU=1 "$PY" -m pytest -rs \
       tests/test_gpu.py tests/test_flash_attention.py ;;
     attention) stage attention "${ATTENTION_LIMIT:-330}" "$PY" -m benchmarks.attention ;;
-    tiles) stage tiles "${TILES_LIMIT:-240}" "$PY" -m benchmarks.attention --tiles ;;
+    tiles) stage tiles "${TILES_LIMIT:-480}" "$PY" -m benchmarks.attention --tiles ;;
     paged_decode) stage paged_decode "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode ;;
     paged_tiles) stage paged_tiles "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode \
       --tiles ;;

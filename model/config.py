@@ -3,6 +3,8 @@
 import dataclasses
 
 ATTENTION_IMPLS = ('xla', 'cudnn', 'pallas')
+# The flash kernels attention_impl='pallas' runs (pallas_kernels.flash_attention's backend).
+PALLAS_BACKENDS = ('triton', 'mosaic_gpu')
 REMAT_POLICIES = ('none', 'full', 'save_matmuls')
 
 
@@ -29,6 +31,7 @@ class ModelConfig:
   param_dtype: str = 'float32'   # master weights
   remat: str = 'none'            # one of REMAT_POLICIES
   attention_impl: str = 'xla'    # one of ATTENTION_IMPLS
+  pallas_backend: str = 'triton'  # one of PALLAS_BACKENDS; mosaic_gpu: Hopper, bf16/fp16
   init_std: float = 0.02
   loss_chunk: int = 0            # >0: compute logits+loss this many tokens at a time
 
@@ -50,6 +53,11 @@ class ModelConfig:
         raise ValueError(msg)
     need(self.attention_impl in ATTENTION_IMPLS,
          f'model.attention_impl={self.attention_impl!r}: choose one of {ATTENTION_IMPLS}.')
+    need(self.pallas_backend in PALLAS_BACKENDS,
+         f'model.pallas_backend={self.pallas_backend!r}: choose one of {PALLAS_BACKENDS}.')
+    need(self.pallas_backend != 'mosaic_gpu' or self.dtype in ('bfloat16', 'float16'),
+         f"model.pallas_backend='mosaic_gpu' runs bfloat16/float16 attention; set "
+         f"model.dtype='bfloat16' (it is {self.dtype!r}) or model.pallas_backend='triton'.")
     need(self.remat in REMAT_POLICIES,
          f'model.remat={self.remat!r}: choose one of {REMAT_POLICIES}.')
     for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads'):

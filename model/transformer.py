@@ -157,10 +157,11 @@ def attention_cudnn(q, k, v, segment_ids):
   return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation='cudnn')
 
 
-def attention_pallas(q, k, v, segment_ids, plan):
-  """The Pallas flash kernel, run per shard: a pallas_call is opaque to the partitioner."""
+def attention_pallas(q, k, v, segment_ids, plan, backend='triton'):
+  """The Pallas flash kernel, run per shard: a pallas_call is opaque to the partitioner.
+  backend: model.pallas_backend."""
   if plan is None:
-    return flash_attention(q, k, v, causal=True, segment_ids=segment_ids)
+    return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, backend=backend)
   spec = plan.activations.spec
   q_spec = spec(('batch', 'act_seq', 'act_heads', None))
   kv_spec = spec(('batch', 'act_seq', 'act_kv_heads', None))
@@ -170,7 +171,7 @@ def attention_pallas(q, k, v, segment_ids, plan):
     specs.append(spec(('batch', 'act_seq')))
 
   def local(q, k, v, segment_ids=None):
-    return flash_attention(q, k, v, causal=True, segment_ids=segment_ids)
+    return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, backend=backend)
 
   return jax.shard_map(local, mesh=plan.mesh, in_specs=tuple(specs), out_specs=q_spec,
                        check_vma=False)(*args)
@@ -191,7 +192,7 @@ def attention(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan
   elif cfg.attention_impl == 'cudnn':
     out = attention_cudnn(q, k, v, segment_ids)
   else:
-    out = attention_pallas(q, k, v, segment_ids, plan)
+    out = attention_pallas(q, k, v, segment_ids, plan, cfg.pallas_backend)
   return jnp.einsum('bthe,hed->btd', out, layer['wo'].astype(dtype))
 
 

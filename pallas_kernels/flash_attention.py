@@ -269,7 +269,7 @@ def _seg_spec(seg, block, index_map):
 def _forward(q, k, v, q_seg, kv_seg, cfg):
   if cfg.mosaic_tiles is not None:
     # Poisoning is built in there: the interpreter fills fresh buffers with NaN.
-    return flash_attention_mgpu.forward(q, k, v, cfg, cfg.mosaic_tiles)
+    return flash_attention_mgpu.forward(q, k, v, cfg, cfg.mosaic_tiles, q_seg, kv_seg)
   b, t, hq, d = q.shape
   s, g, bq = k.shape[1], cfg.groups, cfg.block_q
   q_spec = pl.BlockSpec((None, bq, None, d), lambda bi, h, i: (bi, i, h, 0))
@@ -339,7 +339,7 @@ def _flash_bwd(cfg, res, cotangents):
   lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
   if cfg.mosaic_bwd_tiles is not None:
     dq, dk, dv = flash_attention_mgpu.backward(q, k, v, do, lse, delta, cfg,
-                                               cfg.mosaic_bwd_tiles)
+                                               cfg.mosaic_bwd_tiles, q_seg, kv_seg)
     return dq, dk, dv, None, None
   dk, dv = _backward_dkv(q, k, v, do, lse, delta, q_seg, kv_seg, cfg)
   dq = _backward_dq(q, k, v, do, lse, delta, q_seg, kv_seg, cfg)
@@ -375,11 +375,11 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
       `benchmarks.attention --tiles` times alternatives.
     backend: the forward kernel. 'triton' (default): the portable kernels above, through
       Pallas's Triton lowering on GPU. 'mosaic_gpu': flash_attention_mgpu's Hopper
-      forward (TMA, wgmma, warp-specialized; bf16/fp16, head_dim 64/128/256, no
-      segment_ids); there block_k and num_stages set its K/V tile and pipeline depth
-      and block_q must be 128 (two warpgroups of 64 rows).
+      forward (TMA, wgmma, warp-specialized; bf16/fp16, head_dim 64/128/256); there
+      block_k and num_stages set its K/V tile and pipeline depth and block_q must be
+      128 (two warpgroups of 64 rows).
     backend_bwd: the backward kernels, 'triton' or 'mosaic_gpu' (flash_attention_mgpu's
-      Hopper backward: bf16/fp16, head_dim 64/128, no segment_ids; block_q_bwd and
+      Hopper backward: bf16/fp16, head_dim 64/128; block_q_bwd and
       block_k_bwd in (64, 128) set its q and kv steps). Default: `backend`, except that
       'mosaic_gpu' at head_dim 256 takes the Triton backward.
     interpret: run the Pallas interpreter; default: when the backend is CPU.
@@ -397,8 +397,8 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
     return _no_keys_result(q, return_lse)
   tiles = dict(block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd,
                block_k_bwd=block_k_bwd, num_warps=num_warps, num_stages=num_stages)
-  mosaic_tiles = _mosaic_tiles(backend, q, segment_ids, tiles)
-  mosaic_bwd_tiles = _mosaic_bwd_tiles(backend, backend_bwd, q, segment_ids, tiles)
+  mosaic_tiles = _mosaic_tiles(backend, q, tiles)
+  mosaic_bwd_tiles = _mosaic_bwd_tiles(backend, backend_bwd, q, tiles)
   cfg = _make_config(q, k, causal, sliding_window, scale, tiles, interpret, _poison_outputs,
                      mosaic_tiles, mosaic_bwd_tiles)
   t_pad = _round_up(t, _q_multiple(cfg))
@@ -458,14 +458,14 @@ def _no_keys_result(q, return_lse):
   return (out, lse) if return_lse else out
 
 
-def _mosaic_tiles(backend, q, segment_ids, tiles):
+def _mosaic_tiles(backend, q, tiles):
   """MosaicTiles for backend='mosaic_gpu' (taking block_k and num_stages out of `tiles`),
   None for 'triton'; a clear error for inputs or tiles that backend cannot take."""
   if backend in (None, 'triton'):
     return None
   if backend != 'mosaic_gpu':
     raise ValueError(f"backend={backend!r}: use 'triton' or 'mosaic_gpu'.")
-  why = flash_attention_mgpu.unsupported_reason(q, segment_ids)
+  why = flash_attention_mgpu.unsupported_reason(q)
   if why:
     raise ValueError(f"backend='mosaic_gpu' does not take {why}; use backend='triton'.")
   block_q = tiles.pop('block_q')
@@ -494,7 +494,7 @@ def _check_smem(mosaic, d, tiles_named, fix):
                      f'H100: use {fix}.')
 
 
-def _mosaic_bwd_tiles(backend, backend_bwd, q, segment_ids, tiles):
+def _mosaic_bwd_tiles(backend, backend_bwd, q, tiles):
   """MosaicBwdTiles when the backward runs on Mosaic GPU (taking block_q_bwd and
   block_k_bwd out of `tiles`), else None; a clear error for what it cannot take."""
   d = q.shape[-1]
@@ -506,7 +506,7 @@ def _mosaic_bwd_tiles(backend, backend_bwd, q, segment_ids, tiles):
     return None
   if backend_bwd != 'mosaic_gpu':
     raise ValueError(f"backend_bwd={backend_bwd!r}: use 'triton' or 'mosaic_gpu'.")
-  why = flash_attention_mgpu.unsupported_reason(q, segment_ids)
+  why = flash_attention_mgpu.unsupported_reason(q)
   if why is None and d not in flash_attention_mgpu.BWD_HEAD_DIMS:
     why = f'head_dim {d} (it takes {flash_attention_mgpu.BWD_HEAD_DIMS})'
   if why:

@@ -1,8 +1,8 @@
-"""Flash attention forward for Hopper in Pallas's Mosaic GPU backend.
+"""Flash attention forward and backward for Hopper in Pallas's Mosaic GPU backend.
 
 The portable kernels in flash_attention.py go through Pallas's Triton lowering, which jax
-0.11 deprecates and which issues no TMA and no warp specialization. This forward kernel
-is written for the H100/H200 the way FlashAttention-3 is:
+0.11 deprecates and which issues no TMA and no warp specialization. These kernels are
+written for the H100/H200 the way FlashAttention-3 is. The forward:
 
   one program = 2 * block_q query rows of one (batch, q head); three warpgroups:
 
@@ -20,22 +20,26 @@ kv blocks [lo, hi) of the program (the union of what their rows can see) so that
 barrier phase is waited on by both; the mask only trims what a row may not see. The walk is
 split into masked [lo, lo_full), unmasked [lo_full, hi_full) and masked [hi_full, hi)
 runs, so only blocks on the causal diagonal, the window edge or the padded keys pay for
-the mask.
+the mask. With segment ids (packed documents) every block is masked: the producer
+streams each block's kv ids beside it (_Segments).
+
+The backward (two kernels, dq and dk/dv) is laid out the same way; see its section below.
 
 Same semantics as the portable forward (flash_attention._forward): q [B, T, Hq, D] padded
 to a multiple of 2 * block_q rows, k, v [B, S, Hkv, D] padded to a multiple of block_k;
 returns out [B, T, Hq, D] and lse [B, Hq, T] (natural log). Scores are kept in base 2
 (scale * log2 e folded into one multiply) so each exponential is one exp2.
 
-On CPU the kernel runs in Mosaic GPU's interpreter (jax >= 0.10): barriers, TMA copies,
+On CPU the kernels run in Mosaic GPU's interpreter (jax >= 0.10): barriers, TMA copies,
 the three warpgroups and their races are simulated. The interpreter has no wgmma with a
-transposed or register operand, so there the two matmuls are plain dots on the same SMEM
+transposed or register operand, so there the matmuls are plain dots on the same SMEM
 tiles; everything else is the code that runs on the GPU. The wgmma path is checked by
 lowering for CUDA on CPU (tests) and by running on a GPU (tests/test_gpu.py).
 """
 
 import dataclasses
 import math
+import typing
 
 import jax
 from jax import lax
@@ -75,16 +79,14 @@ class MosaicTiles:
     return q + kv + COMPUTE_WGS * self.block_q * 4  # + lse staging
 
 
-def unsupported_reason(q, segment_ids) -> str | None:
-  """Why the Mosaic GPU forward cannot take these inputs, or None when it can."""
+def unsupported_reason(q) -> str | None:
+  """Why the Mosaic GPU kernels cannot take q, or None when they can."""
   if plgpu is None:
     return f'this jax ({jax.__version__}) has no Pallas Mosaic GPU backend'
   if q.dtype not in (jnp.bfloat16, jnp.float16):
     return f'dtype {q.dtype} (it takes bfloat16 and float16)'
   if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
     return f'head_dim {q.shape[-1]} (it takes {SUPPORTED_HEAD_DIMS})'
-  if segment_ids is not None:
-    return 'segment_ids (packed documents)'
   return None
 
 
@@ -169,7 +171,7 @@ def _bcast_rows(x, shape):
 
 # ---------------------------------------------------------------------------- the kernel
 
-def _compute(refs, scratch, wg, ranges, cfg, tiles, interpret):
+def _compute(refs, scratch, segs, wg, ranges, cfg, tiles, interpret):
   """One compute warpgroup: rows [r0, r0 + bq) of this program."""
   q_ref, _, _, out_ref, lse_ref = refs
   qo_smem, k_smem, v_smem, lse_smem, k_ready, v_ready, q_ready, k_done, v_done, turn = scratch
@@ -182,6 +184,7 @@ def _compute(refs, scratch, wg, ranges, cfg, tiles, interpret):
   q_smem, lse_smem = qo_smem.at[wg], lse_smem.at[wg]
   plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(r0, bq), h], q_smem, q_ready.at[wg])
   plgpu.barrier_wait(q_ready.at[wg])
+  q_ids = segs.own_ids(b, r0, wg, interpret) if segs else None
 
   def take_turn():
     plgpu.barrier_arrive(turn)
@@ -194,8 +197,9 @@ def _compute(refs, scratch, wg, ranges, cfg, tiles, interpret):
     [s] = _mma_nt([(q_smem, k_smem.at[slot])], (bq, bk), interpret, between=take_turn)
     plgpu.barrier_arrive(k_done.at[slot])
     s = s * (cfg.scale * _LOG2E)
+    ids = (q_ids, segs.step_ids(slot, interpret)) if segs else None  # V's group
     if masked:
-      s = jnp.where(_mask(r0, j * bk, bq, bk, cfg, interpret), s, -jnp.inf)
+      s = jnp.where(_mask(r0, j * bk, bq, bk, cfg, interpret, ids=ids), s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp2(m - m_new)  # rescales what was summed under the old max
     p = jnp.exp2(s - _bcast_rows(m_new, s.shape))
@@ -225,9 +229,10 @@ def _compute(refs, scratch, wg, ranges, cfg, tiles, interpret):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _mask(r0, k0, bq, bk, cfg, interpret, keys_by_rows=False):
+def _mask(r0, k0, bq, bk, cfg, interpret, keys_by_rows=False, ids=None):
   """[bq, bk] bool of allowed (query, key) pairs for rows r0.. and keys k0..; with
-  keys_by_rows the transpose, [bk, bq] (the dk/dv kernel's S^T)."""
+  keys_by_rows the transpose, [bk, bq] (the dk/dv kernel's S^T). ids: segment ids of the
+  rows and of the columns (_Segments), which must match."""
   shape, q_dim = ((bk, bq), 1) if keys_by_rows else ((bq, bk), 0)
   q_pos = r0 + _iota(shape, q_dim, interpret)
   k_pos = k0 + _iota(shape, 1 - q_dim, interpret)
@@ -238,6 +243,8 @@ def _mask(r0, k0, bq, bk, cfg, interpret, keys_by_rows=False):
     ok = ok & (k_pos > q_pos - cfg.window)
   if cfg.mask_kv_padding and not keys_by_rows:
     ok = ok & (k_pos < cfg.kv_len)
+  if ids is not None:
+    ok = ok & (_bcast_rows(ids[0], shape) == _bcast_cols(ids[1], shape))
   return ok
 
 
@@ -280,8 +287,9 @@ def _produce(groups, num_steps, stages):
       plgpu.barrier_wait(done.at[lax.rem(t, stages)])
 
 
-def forward(q, k, v, cfg, tiles: MosaicTiles | None = None):
-  """out [B, T, Hq, D], lse [B, Hq, T] of padded inputs; cfg: flash_attention._Config."""
+def forward(q, k, v, cfg, tiles: MosaicTiles | None = None, q_seg=None, kv_seg=None):
+  """out [B, T, Hq, D], lse [B, Hq, T] of padded inputs; cfg: flash_attention._Config;
+  q_seg [B, T], kv_seg [B, S]: int32 segment ids, or None."""
   b, t, hq, d = q.shape
   s = k.shape[1]
   tiles = tiles or MosaicTiles.default(d)
@@ -299,12 +307,18 @@ def forward(q, k, v, cfg, tiles: MosaicTiles | None = None):
               _released(tiles.stages),                    # k_done
               _released(tiles.stages),                    # v_done
               plgpu.Barrier(num_arrivals=COMPUTE_WGS))    # turn
+  segmented = q_seg is not None
+  segs = _Segments.scratch(tiles.block_q, tiles.block_k, tiles.stages) if segmented else ()
+
+  def program(refs, scratch):
+    refs, scratch, segs = _Segments.split(refs, scratch, 3, segmented, own_is_q=True)
+    _program(refs, scratch, segs, cfg, tiles, cfg.interpret)
+
   return _launch(
-      lambda refs, scratch: _program(refs, scratch, cfg, tiles, cfg.interpret),
-      buffers + barriers,
+      program, buffers + barriers + segs,
       (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, t), jnp.float32)),
       grid=(hq, t // rows, b), grid_names=('heads', 'q_blocks', 'batch'),
-      interpret=cfg.interpret)(q, k, v)
+      interpret=cfg.interpret)(q, k, v, *((q_seg, kv_seg) if segmented else ()))
 
 
 def _smem(shape, dtype):
@@ -332,24 +346,75 @@ def _launch(program, scratch_types, out_type, grid, grid_names, interpret):
       interpret=_interpret_params() if interpret else None)
 
 
-def _program(refs, scratch, cfg, tiles, interpret):
+class _Segments(typing.NamedTuple):
+  """Segment ids (packed documents) in one kernel: each compute warpgroup loads its own
+  rows' ids once (S's rows), and the producer streams the ids of each step's block (S's
+  columns) beside that block. Keys match queries of their own segment only."""
+  own_ref: typing.Any    # [B, L] int32 in GMEM: the rows' side
+  step_ref: typing.Any   # [B, L'] int32: the streamed side
+  own_smem: typing.Any   # [COMPUTE_WGS, rows]
+  step_smem: typing.Any  # [stages, block]
+  own_ready: typing.Any
+  step_ready: typing.Any
+
+  @staticmethod
+  def scratch(rows, block, stages):
+    return (plgpu.SMEM((COMPUTE_WGS, rows), jnp.int32), plgpu.SMEM((stages, block), jnp.int32),
+            plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=stages))
+
+  @staticmethod
+  def split(refs, scratch, num_inputs, segmented, own_is_q):
+    """A kernel's refs and scratch without the segment ids' (inputs after the first
+    num_inputs, scratch last), and the _Segments they make, or None."""
+    if not segmented:
+      return refs, scratch, None
+    q_seg, kv_seg = refs[num_inputs:num_inputs + 2]
+    own, step = (q_seg, kv_seg) if own_is_q else (kv_seg, q_seg)
+    return (refs[:num_inputs] + refs[num_inputs + 2:], scratch[:-4],
+            _Segments(own, step, *scratch[-4:]))
+
+  def own_ids(self, b, start, wg, interpret):
+    smem = self.own_smem.at[wg]
+    plgpu.copy_gmem_to_smem(self.own_ref.at[b, pl.ds(start, smem.shape[0])], smem,
+                            self.own_ready.at[wg])
+    plgpu.barrier_wait(self.own_ready.at[wg])
+    return _vector(smem, 1, interpret)
+
+  def step_ids(self, slot, interpret):
+    plgpu.barrier_wait(self.step_ready.at[slot])
+    return _vector(self.step_smem.at[slot], 0, interpret)
+
+  def load(self, b, start):
+    """The producer's (src, smem, ready) for step t's ids, from position start(t)."""
+    block = self.step_smem.shape[1]
+    return (lambda t: self.step_ref.at[b, pl.ds(start(t), block)], self.step_smem,
+            self.step_ready)
+
+
+def _all_masked_if(segs, ranges):
+  """With segment ids any block may cross a document boundary: mask them all."""
+  return ranges if segs is None else (ranges[0],) + (ranges[3],) * 3
+
+
+def _program(refs, scratch, segs, cfg, tiles, interpret):
   q_ref, k_ref, v_ref, _, _ = refs
   _, k_smem, v_smem, _, k_ready, v_ready, _, k_done, v_done, _ = scratch
   rows, bk = COMPUTE_WGS * tiles.block_q, tiles.block_k
   r0 = lax.axis_index('q_blocks') * rows
-  ranges = _kv_ranges(r0, rows, bk, k_ref.shape[1] // bk, cfg)
+  ranges = _all_masked_if(segs, _kv_ranges(r0, rows, bk, k_ref.shape[1] // bk, cfg))
   wg = lax.axis_index('wg')
   pl.when(wg < COMPUTE_WGS)(
-      lambda: _compute(refs, scratch, wg, ranges, cfg, tiles, interpret))
+      lambda: _compute(refs, scratch, segs, wg, ranges, cfg, tiles, interpret))
 
   @pl.when(wg == COMPUTE_WGS)
   def _():
     lo, hi = ranges[0], ranges[3]
     b, kv_head = lax.axis_index('batch'), lax.div(lax.axis_index('heads'), cfg.groups)
     block = lambda ref: lambda t: ref.at[b, pl.ds((lo + t) * bk, bk), kv_head]
+    ids = [segs.load(b, lambda t: (lo + t) * bk)] if segs else []
     # K first: the compute warpgroups need it first, and release its slot first.
     _produce(((k_done, [(block(k_ref), k_smem, k_ready)]),
-              (v_done, [(block(v_ref), v_smem, v_ready)])), hi - lo, tiles.stages)
+              (v_done, [(block(v_ref), v_smem, v_ready)] + ids)), hi - lo, tiles.stages)
 
 
 # ---------------------------------------------------------------------------- backward
@@ -390,9 +455,11 @@ class MosaicBwdTiles:
 BWD_HEAD_DIMS = (64, 128)  # d 256 holds dK, dV at 256 fp32 registers a thread: too many
 
 
-def backward(q, k, v, do, lse, delta, cfg, tiles: MosaicBwdTiles | None = None):
+def backward(q, k, v, do, lse, delta, cfg, tiles: MosaicBwdTiles | None = None, q_seg=None,
+             kv_seg=None):
   """dq, dk, dv of padded inputs. lse [B, Hq, T] natural log with -inf replaced by 0;
-  delta [B, Hq, T] = rowsum(dO * O) - dlse (flash_attention._flash_bwd)."""
+  delta [B, Hq, T] = rowsum(dO * O) - dlse (flash_attention._flash_bwd); q_seg [B, T],
+  kv_seg [B, S]: int32 segment ids, or None."""
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   tiles = tiles or MosaicBwdTiles()
@@ -403,6 +470,8 @@ def backward(q, k, v, do, lse, delta, cfg, tiles: MosaicBwdTiles | None = None):
   # lse in base 2 beside delta: one [2, rows] TMA copy per block.
   stats = jnp.stack([lse * _LOG2E, delta], axis=2).astype(jnp.float32)  # [B, Hq, 2, T]
   r, interpret = tiles.rows, cfg.interpret
+  segmented = q_seg is not None
+  seg_inputs = (q_seg, kv_seg) if segmented else ()
 
   dq_scratch = (_smem((COMPUTE_WGS, r, d), q.dtype),                 # Q, then dQ
                 _smem((COMPUTE_WGS, r, d), q.dtype),                 # dO
@@ -413,11 +482,17 @@ def backward(q, k, v, do, lse, delta, cfg, tiles: MosaicBwdTiles | None = None):
                 plgpu.Barrier(num_barriers=tiles.stages),            # k_ready
                 plgpu.Barrier(num_barriers=tiles.stages),            # v_ready
                 _released(tiles.stages), _released(tiles.stages))    # k_done, v_done
+  if segmented:
+    dq_scratch += _Segments.scratch(r, tiles.block_k, tiles.stages)
+
+  def dq_program(refs, scratch):
+    refs, scratch, segs = _Segments.split(refs, scratch, 5, segmented, own_is_q=True)
+    _dq_program(refs, scratch, segs, cfg, tiles, interpret)
+
   dq = _launch(
-      lambda refs, scratch: _dq_program(refs, scratch, cfg, tiles, interpret),
-      dq_scratch, jax.ShapeDtypeStruct(q.shape, q.dtype),
+      dq_program, dq_scratch, jax.ShapeDtypeStruct(q.shape, q.dtype),
       grid=(hq, t // rows, b), grid_names=('heads', 'q_blocks', 'batch'),
-      interpret=interpret)(q, k, v, do, stats)
+      interpret=interpret)(q, k, v, do, stats, *seg_inputs)
 
   dkv_scratch = (_smem((COMPUTE_WGS, r, d), k.dtype),                # K, then dK
                  _smem((COMPUTE_WGS, r, d), k.dtype),                # V, then dV
@@ -428,33 +503,43 @@ def backward(q, k, v, do, lse, delta, cfg, tiles: MosaicBwdTiles | None = None):
                  plgpu.Barrier(num_barriers=tiles.stages),           # q_ready
                  plgpu.Barrier(num_barriers=tiles.stages),           # do_ready
                  plgpu.Barrier(num_barriers=tiles.stages),           # stats_ready
-                 _released(tiles.stages))                            # done (all three)
+                 _released(tiles.stages))                            # done (all of a slot)
+  if segmented:
+    dkv_scratch += _Segments.scratch(r, tiles.block_q, tiles.stages)
+
+  def dkv_program(refs, scratch):
+    refs, scratch, segs = _Segments.split(refs, scratch, 5, segmented, own_is_q=False)
+    _dkv_program(refs, scratch, segs, cfg, tiles, interpret)
+
   dk, dv = _launch(
-      lambda refs, scratch: _dkv_program(refs, scratch, cfg, tiles, interpret),
-      dkv_scratch, (jax.ShapeDtypeStruct(k.shape, k.dtype),
-                    jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      dkv_program, dkv_scratch, (jax.ShapeDtypeStruct(k.shape, k.dtype),
+                                 jax.ShapeDtypeStruct(v.shape, v.dtype)),
       grid=(hkv, s // rows, b), grid_names=('heads', 'kv_blocks', 'batch'),
-      interpret=interpret)(q, k, v, do, stats)
+      interpret=interpret)(q, k, v, do, stats, *seg_inputs)
   return dq, dk, dv
 
 
-def _stats(stats_smem, reduced_dim, interpret):
-  """lse2 and delta of a [2, n] SMEM block, as registers laid out along the rows
-  (reduced_dim 1: one per S row) or the columns (reduced_dim 0: one per S^T column)."""
+def _vector(smem, reduced_dim, interpret):
+  """A [n] SMEM vector as registers laid out along S's rows (reduced_dim 1: one value per
+  row) or its columns (reduced_dim 0: one per column)."""
   if interpret:
-    return stats_smem[0], stats_smem[1]
-  layout = plgpu.Layout.WGMMA.reduce(reduced_dim)
-  return tuple(plgpu.load(stats_smem.at[i], (), layout=layout) for i in range(2))
+    return smem[...]
+  return plgpu.load(smem, (), layout=plgpu.Layout.WGMMA.reduce(reduced_dim))
 
 
-def _dq_program(refs, scratch, cfg, tiles, interpret):
+def _stats(stats_smem, reduced_dim, interpret):
+  """lse2 and delta of a [2, n] SMEM block (_vector's layouts)."""
+  return tuple(_vector(stats_smem.at[i], reduced_dim, interpret) for i in range(2))
+
+
+def _dq_program(refs, scratch, segs, cfg, tiles, interpret):
   q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref = refs
   (q_smem, do_smem, stats_smem, k_smem, v_smem, own_ready, k_ready, v_ready, k_done,
    v_done) = scratch
   r, bk, stages = tiles.rows, tiles.block_k, tiles.stages
   b, h = lax.axis_index('batch'), lax.axis_index('heads')
   p0 = lax.axis_index('q_blocks') * (COMPUTE_WGS * r)
-  ranges = _kv_ranges(p0, COMPUTE_WGS * r, bk, k_ref.shape[1] // bk, cfg)
+  ranges = _all_masked_if(segs, _kv_ranges(p0, COMPUTE_WGS * r, bk, k_ref.shape[1] // bk, cfg))
   lo, hi = ranges[0], ranges[3]
   wg = lax.axis_index('wg')
 
@@ -467,6 +552,7 @@ def _dq_program(refs, scratch, cfg, tiles, interpret):
     _load_own(((q_ref.at[own], q_mine), (do_ref.at[own], do_mine),
                (stats_ref.at[b, h, :, pl.ds(r0, r)], stats_mine)), own_ready, wg)
     lse2, delta = _stats(stats_mine, 1, interpret)
+    q_ids = segs.own_ids(b, r0, wg, interpret) if segs else None
 
     def step(j, dq, masked):
       slot = lax.rem(j - lo, stages)
@@ -476,8 +562,9 @@ def _dq_program(refs, scratch, cfg, tiles, interpret):
                       interpret)
       plgpu.barrier_arrive(v_done.at[slot])
       s = s * (cfg.scale * _LOG2E)
+      ids = (q_ids, segs.step_ids(slot, interpret)) if segs else None  # K's group
       if masked:
-        s = jnp.where(_mask(r0, j * bk, r, bk, cfg, interpret), s, -jnp.inf)
+        s = jnp.where(_mask(r0, j * bk, r, bk, cfg, interpret, ids=ids), s, -jnp.inf)
       p = jnp.exp2(s - _bcast_rows(lse2, s.shape))
       ds = p * (dp - _bcast_rows(delta, dp.shape))
       [dq] = _mma_acc([(dq, ds.astype(k_smem.dtype), k_smem.at[slot])], interpret)
@@ -494,7 +581,8 @@ def _dq_program(refs, scratch, cfg, tiles, interpret):
   def _():
     kv_head = lax.div(h, cfg.groups)
     block = lambda ref: lambda t: ref.at[b, pl.ds((lo + t) * bk, bk), kv_head]
-    _produce(((k_done, [(block(k_ref), k_smem, k_ready)]),
+    ids = [segs.load(b, lambda t: (lo + t) * bk)] if segs else []
+    _produce(((k_done, [(block(k_ref), k_smem, k_ready)] + ids),
               (v_done, [(block(v_ref), v_smem, v_ready)])), hi - lo, stages)
 
 
@@ -515,14 +603,14 @@ def _q_ranges(c0, rows, block_q, num_q_blocks, cfg):
   return tuple(jnp.asarray(x, jnp.int32) for x in (lo, lo_full, hi_full, hi))
 
 
-def _dkv_program(refs, scratch, cfg, tiles, interpret):
+def _dkv_program(refs, scratch, segs, cfg, tiles, interpret):
   q_ref, k_ref, v_ref, do_ref, stats_ref, dk_ref, dv_ref = refs
   (k_smem, v_smem, q_smem, do_smem, stats_smem, own_ready, q_ready, do_ready, stats_ready,
    done) = scratch
   r, bq, stages, groups = tiles.rows, tiles.block_q, tiles.stages, cfg.groups
   b, kv_head = lax.axis_index('batch'), lax.axis_index('heads')
   p0 = lax.axis_index('kv_blocks') * (COMPUTE_WGS * r)
-  ranges = _q_ranges(p0, COMPUTE_WGS * r, bq, q_ref.shape[1] // bq, cfg)
+  ranges = _all_masked_if(segs, _q_ranges(p0, COMPUTE_WGS * r, bq, q_ref.shape[1] // bq, cfg))
   lo, hi = ranges[0], ranges[3]
   n = hi - lo  # q blocks per head; step t = g * n + (i - lo) for head g, q block i
   wg = lax.axis_index('wg')
@@ -534,6 +622,7 @@ def _dkv_program(refs, scratch, cfg, tiles, interpret):
     own = (b, pl.ds(c0, r), kv_head)
     k_mine, v_mine = k_smem.at[wg], v_smem.at[wg]
     _load_own(((k_ref.at[own], k_mine), (v_ref.at[own], v_mine)), own_ready, wg)
+    k_ids = segs.own_ids(b, c0, wg, interpret) if segs else None
 
     def step(i, carry, g, masked):
       dk, dv = carry
@@ -545,8 +634,9 @@ def _dkv_program(refs, scratch, cfg, tiles, interpret):
       plgpu.barrier_wait(stats_ready.at[slot])
       lse2, delta = _stats(stats_smem.at[slot], 0, interpret)
       st = st * (cfg.scale * _LOG2E)
+      ids = (k_ids, segs.step_ids(slot, interpret)) if segs else None
       if masked:
-        st = jnp.where(_mask(i * bq, c0, bq, r, cfg, interpret, keys_by_rows=True),
+        st = jnp.where(_mask(i * bq, c0, bq, r, cfg, interpret, keys_by_rows=True, ids=ids),
                        st, -jnp.inf)
       pt = jnp.exp2(st - _bcast_cols(lse2, st.shape))
       dst = pt * (dpt - _bcast_cols(delta, dpt.shape))
@@ -581,8 +671,9 @@ def _dkv_program(refs, scratch, cfg, tiles, interpret):
     def stats_of(t):
       bi, h, i = block(t)
       return stats_ref.at[bi, h, :, pl.ds(i * bq, bq)]
+    ids = [segs.load(b, lambda t: block(t)[2] * bq)] if segs else []
     _produce(((done, [(rows_of(q_ref), q_smem, q_ready), (stats_of, stats_smem, stats_ready),
-                      (rows_of(do_ref), do_smem, do_ready)]),), groups * n, stages)
+                      *ids, (rows_of(do_ref), do_smem, do_ready)]),), groups * n, stages)
 
 
 def _bcast_cols(x, shape):

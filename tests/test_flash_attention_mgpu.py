@@ -16,7 +16,7 @@ import pytest
 
 from pallas_kernels import flash_attention as fa
 from pallas_kernels import flash_attention_mgpu as fa_mgpu
-from tests.test_flash_attention import _assert_close, _inputs
+from tests.test_flash_attention import _assert_close, _inputs, _packed_segments
 
 try:  # jax >= 0.10, not yet a public name
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
@@ -29,13 +29,21 @@ def _out_lse_grads(fn, q, k, v, cot):
   return (out, lse, *vjp(cot))
 
 
-def check_mosaic_against_reference(seed, b, t, s, hq, hkv, d, causal, window, **tiles):
+def check_mosaic_against_reference(seed, b, t, s, hq, hkv, d, causal, window, segments=None,
+                                   **tiles):
   """Out, lse and the three gradients of backend='mosaic_gpu' (interpreted on CPU,
-  compiled on a GPU) against the fp32 reference."""
+  compiled on a GPU) against the fp32 reference. segments: None, 'packed' (random
+  documents, [B, T] ids) or 'pair' (random q and kv ids)."""
   rng, q, k, v = _inputs(seed, b, t, s, hq, hkv, d, jnp.bfloat16)
+  seg = None
+  if segments == 'packed':
+    seg = _packed_segments(rng, b, t)
+  elif segments == 'pair':
+    seg = (jnp.asarray(rng.integers(0, 3, (b, t)), jnp.int32),
+           jnp.asarray(rng.integers(0, 3, (b, s)), jnp.int32))
   cot = (jnp.asarray(rng.normal(size=q.shape), jnp.bfloat16),
          jnp.asarray(rng.normal(size=(b, hq, t)), jnp.float32))
-  opts = dict(causal=causal, sliding_window=window, return_lse=True)
+  opts = dict(causal=causal, sliding_window=window, segment_ids=seg, return_lse=True)
   interpreted = jax.default_backend() == 'cpu'
   if interpreted:
     interpreter.reset_gpu_interpret_mode_state()
@@ -67,6 +75,10 @@ CASES = {
     'window_gqa3_bwd_steps_128': (1, 320, 320, 3, 1, 64, True, 40,
                                   dict(block_q_bwd=128, block_k_bwd=128)),
     'causal_triton_bwd': (1, 200, 200, 2, 1, 64, True, None, dict(backend_bwd='triton')),
+    # Packed documents in two batch rows; random q and kv ids beside padded keys (whose
+    # padding id 0 is also a real id).
+    'packed_gqa2_window': (2, 256, 256, 4, 2, 64, True, 90, dict(segments='packed')),
+    'cross_pair_segments': (1, 130, 300, 2, 1, 64, False, None, dict(segments='pair')),
 }
 
 
@@ -102,6 +114,20 @@ def test_mosaic_kernels_lower_for_hopper(d, window, causal):
   if d in fa_mgpu.BWD_HEAD_DIMS:  # forward, dq, dk/dv
     grad = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     assert _mosaic_calls(_lower_for_h100(grad, q, kv, kv)) == 3
+
+
+@pytest.mark.parametrize('d', [64, 128, 256])
+def test_mosaic_kernels_lower_with_segment_ids(d):
+  """Packed documents: int32 ids streamed beside K/V (or Q/dO) and compared in wgmma's
+  row and column layouts."""
+  q = jax.ShapeDtypeStruct((1, 8192, 32, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 8192, 8, d), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 8192), jnp.int32)
+  fn = lambda q, k, v, seg: fa.flash_attention(q, k, v, segment_ids=seg,
+                                               backend='mosaic_gpu', interpret=False)
+  grad = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  want = 3 if d in fa_mgpu.BWD_HEAD_DIMS else 1
+  assert _mosaic_calls(_lower_for_h100(grad, q, kv, kv, seg)) == want
 
 
 @pytest.mark.parametrize('block_q_bwd, block_k_bwd', [(64, 128), (128, 64), (128, 128)])
@@ -149,8 +175,6 @@ def test_shared_memory_estimate_is_what_the_lowering_enforces():
 @pytest.mark.parametrize('kwargs, dtype, d, message', [
     (dict(backend='mosaic_gpu'), jnp.float32, 64, "backend='mosaic_gpu' does not take dtype"),
     (dict(backend='mosaic_gpu'), jnp.bfloat16, 96, 'head_dim 96'),
-    (dict(backend='mosaic_gpu', segment_ids=jnp.zeros((1, 256), jnp.int32)), jnp.bfloat16,
-     64, 'segment_ids'),
     (dict(backend='mosaic_gpu', block_q=64), jnp.bfloat16, 64, 'block_q=128'),
     (dict(backend='mosaic_gpu', block_k=96), jnp.bfloat16, 64, 'block_k in'),
     (dict(backend='mosaic_gpu', block_k=128, num_stages=3), jnp.bfloat16, 256,
@@ -184,4 +208,4 @@ def test_unknown_backend_is_named(kwargs):
 def test_backward_kernel_choice(backend, backend_bwd, d, want):
   q = jnp.zeros((1, 256, 2, d), jnp.bfloat16)
   tiles = dict(block_q_bwd=None, block_k_bwd=None)
-  assert fa._mosaic_bwd_tiles(backend, backend_bwd, q, None, tiles) == want
+  assert fa._mosaic_bwd_tiles(backend, backend_bwd, q, tiles) == want
