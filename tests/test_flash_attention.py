@@ -26,6 +26,17 @@ def _packed_segments(rng, b, t):
   return jnp.asarray(np.cumsum(rng.random((b, t)) < 0.15, axis=1), jnp.int32)
 
 
+def _segment_ids(rng, segments, b, t, s):
+  """None, 'packed' (documents, one [B, T] array) or 'pair' (random q and kv ids)."""
+  if segments == 'packed':
+    return _packed_segments(rng, b, t)
+  if segments == 'pair':
+    return (jnp.asarray(rng.integers(0, 3, (b, t)), jnp.int32),
+            jnp.asarray(rng.integers(0, 3, (b, s)), jnp.int32))
+  assert segments is None, segments
+  return None
+
+
 def _rel_err(got, want):
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
@@ -44,12 +55,7 @@ def _assert_close(got, want, tol, what):
 def _check_against_reference(seed, b, t, s, hq, hkv, d, dtype, causal, segments, window,
                              blocks):
   rng, q, k, v = _inputs(seed, b, t, s, hq, hkv, d, dtype)
-  seg = None
-  if segments == 'packed':
-    seg = _packed_segments(rng, b, t)
-  elif segments == 'pair':
-    seg = (jnp.asarray(rng.integers(0, 3, (b, t)), jnp.int32),
-           jnp.asarray(rng.integers(0, 3, (b, s)), jnp.int32))
+  seg = _segment_ids(rng, segments, b, t, s)
   opts = dict(causal=causal, segment_ids=seg, sliding_window=window, return_lse=True)
   # Every output buffer starts as NaN (aliased in): an element no program writes fails.
   tiles = dict(zip(('block_q', 'block_k', 'block_q_bwd', 'block_k_bwd'), blocks))

@@ -16,7 +16,7 @@ import pytest
 
 from pallas_kernels import flash_attention as fa
 from pallas_kernels import flash_attention_mgpu as fa_mgpu
-from tests.test_flash_attention import _assert_close, _inputs, _packed_segments
+from tests.test_flash_attention import _assert_close, _inputs, _segment_ids
 
 try:  # jax >= 0.10, not yet a public name
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
@@ -35,12 +35,7 @@ def check_mosaic_against_reference(seed, b, t, s, hq, hkv, d, causal, window, se
   compiled on a GPU) against the fp32 reference. segments: None, 'packed' (random
   documents, [B, T] ids) or 'pair' (random q and kv ids)."""
   rng, q, k, v = _inputs(seed, b, t, s, hq, hkv, d, jnp.bfloat16)
-  seg = None
-  if segments == 'packed':
-    seg = _packed_segments(rng, b, t)
-  elif segments == 'pair':
-    seg = (jnp.asarray(rng.integers(0, 3, (b, t)), jnp.int32),
-           jnp.asarray(rng.integers(0, 3, (b, s)), jnp.int32))
+  seg = _segment_ids(rng, segments, b, t, s)
   cot = (jnp.asarray(rng.normal(size=q.shape), jnp.bfloat16),
          jnp.asarray(rng.normal(size=(b, hq, t)), jnp.float32))
   opts = dict(causal=causal, sliding_window=window, segment_ids=seg, return_lse=True)
