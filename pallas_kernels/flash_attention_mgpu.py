@@ -660,18 +660,20 @@ def _dkv_program(refs, scratch, segs, cfg, tiles, interpret):
 
   @pl.when(wg == COMPUTE_WGS)
   def _():
-    def block(t):  # step t: q head kv_head * groups + t // n, q block lo + t % n
-      h, i = kv_head * groups + lax.div(t, n), lo + lax.rem(t, n)
-      return b, h, i
+    def head_and_row(t):  # step t: q head kv_head * groups + t // n, q block lo + t % n
+      return kv_head * groups + lax.div(t, n), (lo + lax.rem(t, n)) * bq
+
     def rows_of(ref):
       def src(t):
-        bi, h, i = block(t)
-        return ref.at[bi, pl.ds(i * bq, bq), h]
+        h, row = head_and_row(t)
+        return ref.at[b, pl.ds(row, bq), h]
       return src
+
     def stats_of(t):
-      bi, h, i = block(t)
-      return stats_ref.at[bi, h, :, pl.ds(i * bq, bq)]
-    ids = [segs.load(b, lambda t: block(t)[2] * bq)] if segs else []
+      h, row = head_and_row(t)
+      return stats_ref.at[b, h, :, pl.ds(row, bq)]
+
+    ids = [segs.load(b, lambda t: head_and_row(t)[1])] if segs else []
     _produce(((done, [(rows_of(q_ref), q_smem, q_ready), (stats_of, stats_smem, stats_ready),
                       *ids, (rows_of(do_ref), do_smem, do_ready)]),), groups * n, stages)
 

@@ -78,7 +78,8 @@ CASES = {
 
 
 @pytest.mark.skipif(interpreter is None, reason='this jax has no Mosaic GPU interpreter')
-@pytest.mark.timeout(300, method='thread')  # a barrier deadlock (a wrong slot or phase) hangs the interpreter
+# A barrier deadlock (a wrong slot or phase) hangs the interpreter: fail instead.
+@pytest.mark.timeout(300, method='thread')
 @pytest.mark.parametrize('case', CASES, ids=list(CASES))
 def test_mosaic_kernels_match_reference(case):
   shape, options = CASES[case][:8], (CASES[case][8:] or ({},))[0]
