@@ -96,7 +96,12 @@ def _kv_ranges(r0, rows, block_k, num_kv_blocks, cfg):
   """For query rows [r0, r0 + rows): kv blocks [lo, hi) any row sees, and the part
   [lo_full, hi_full) in which every row sees every key (no mask needed)."""
   lo, hi = 0, num_kv_blocks
-  lo_full, hi_full = 0, num_kv_blocks - (1 if cfg.mask_kv_padding else 0)
+  lo_full, hi_full = 0, num_kv_blocks
+  if cfg.mask_kv_padding:
+    # S is padded to a multiple of every kernel's tiles (the backward's 128 rows too), so
+    # padded keys may fill several blocks: skip the all-padding ones, mask the straddler.
+    hi = -(-cfg.kv_len // block_k)
+    hi_full = cfg.kv_len // block_k
   if cfg.causal:
     hi = jnp.minimum(lax.div(r0 + rows + block_k - 1, block_k), num_kv_blocks)
     hi_full = jnp.minimum(hi_full, lax.div(r0 + 1, block_k))  # last key <= first row
@@ -438,7 +443,10 @@ def _program(refs, scratch, segs, cfg, tiles, interpret):
 class MosaicBwdTiles:
   """Tiles of the Mosaic GPU backward: each compute warpgroup owns `rows` (wgmma M)
   query rows (dq) or key rows (dk/dv); block_q is the q block the dk/dv kernel steps
-  over, block_k the kv block the dq kernel steps over."""
+  over, block_k the kv block the dq kernel steps over. Registers bound them: at head_dim
+  128, dk/dv holds dK, dV (64 fp32 a thread each) and S^T, dP^T (block_q / 2 each), so
+  block_q=128 passes the 232 allowed and is expected to spill (benchmarks.attention
+  --tiles times it)."""
   block_q: int = 64
   block_k: int = 64
   stages: int = 2
@@ -632,13 +640,14 @@ def _dkv_program(refs, scratch, segs, cfg, tiles, interpret):
       plgpu.barrier_wait(do_ready.at[slot])
       st, dpt = _mma_nt([(k_mine, q_slot), (v_mine, do_slot)], (r, bq), interpret)
       plgpu.barrier_wait(stats_ready.at[slot])
-      lse2, delta = _stats(stats_smem.at[slot], 0, interpret)
+      lse2 = _vector(stats_smem.at[slot, 0], 0, interpret)
       st = st * (cfg.scale * _LOG2E)
       ids = (k_ids, segs.step_ids(slot, interpret)) if segs else None
       if masked:
         st = jnp.where(_mask(i * bq, c0, bq, r, cfg, interpret, keys_by_rows=True, ids=ids),
                        st, -jnp.inf)
       pt = jnp.exp2(st - _bcast_cols(lse2, st.shape))
+      delta = _vector(stats_smem.at[slot, 1], 0, interpret)  # loaded late: fewer live regs
       dst = pt * (dpt - _bcast_cols(delta, dpt.shape))
       dtype = q_slot.dtype
       dv, dk = _mma_acc([(dv, pt.astype(dtype), do_slot), (dk, dst.astype(dtype), q_slot)],
