@@ -1,5 +1,6 @@
-"""The Mosaic GPU (Hopper) flash forward: run in Mosaic GPU's CPU interpreter against the
-reference, lowered for CUDA at benchmark shapes, and its input checks.
+"""The Mosaic GPU (Hopper) flash kernels, forward and backward: run in Mosaic GPU's CPU
+interpreter against the reference, lowered for CUDA at benchmark shapes, and their input
+checks.
 
 The interpreter simulates the three warpgroups, the TMA copies and the barriers, fills
 fresh buffers with NaN (so an unwritten output fails) and detects races between
