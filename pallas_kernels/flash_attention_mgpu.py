@@ -312,18 +312,14 @@ def forward(q, k, v, cfg, tiles: MosaicTiles | None = None, q_seg=None, kv_seg=N
               _released(tiles.stages),                    # k_done
               _released(tiles.stages),                    # v_done
               plgpu.Barrier(num_arrivals=COMPUTE_WGS))    # turn
-  segmented = q_seg is not None
-  segs = _Segments.scratch(tiles.block_q, tiles.block_k, tiles.stages) if segmented else ()
-
-  def program(refs, scratch):
-    refs, scratch, segs = _Segments.split(refs, scratch, 3, segmented, own_is_q=True)
-    _program(refs, scratch, segs, cfg, tiles, cfg.interpret)
-
   return _launch(
-      program, buffers + barriers + segs,
+      lambda refs, scratch, segs: _program(refs, scratch, segs, cfg, tiles, cfg.interpret),
+      buffers + barriers,
       (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, t), jnp.float32)),
       grid=(hq, t // rows, b), grid_names=('heads', 'q_blocks', 'batch'),
-      interpret=cfg.interpret)(q, k, v, *((q_seg, kv_seg) if segmented else ()))
+      interpret=cfg.interpret, inputs=(q, k, v),
+      segments=_SegmentSpec.of(q_seg, kv_seg, True, tiles.block_q, tiles.block_k,
+                               tiles.stages))
 
 
 def _smem(shape, dtype):
@@ -337,18 +333,50 @@ def _released(num_barriers):
   return plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_barriers)
 
 
-def _launch(program, scratch_types, out_type, grid, grid_names, interpret):
-  """A kernel of COMPUTE_WGS compute warpgroups and one producer (axis 'wg'):
-  program(refs, scratch) runs in each."""
+def _launch(program, scratch_types, out_type, grid, grid_names, interpret, inputs,
+            segments=None):
+  """Runs a kernel of COMPUTE_WGS compute warpgroups and one producer (axis 'wg') on
+  `inputs`: program(refs, scratch, segs) runs in each, segs the _Segments made from
+  `segments` (a _SegmentSpec; their ids, buffers and barriers travel apart from refs and
+  scratch), or None."""
+  seg_inputs, seg_types = (), ()
+  if segments is not None:
+    seg_inputs = (segments.q_seg, segments.kv_seg)
+    seg_types = _Segments.scratch(segments.rows, segments.block, segments.stages)
+  n = len(inputs)
+
+  def body(refs, scratch):
+    segs = None
+    if segments is not None:
+      q_seg, kv_seg = refs[n:n + 2]
+      own, step = (q_seg, kv_seg) if segments.own_is_q else (kv_seg, q_seg)
+      segs = _Segments(own, step, *scratch[-4:])
+      refs, scratch = refs[:n] + refs[n + 2:], scratch[:-4]
+    program(refs, scratch, segs)
+
   def entry(*refs):
-    pl.run_scoped(lambda *scratch: program(refs, scratch), *scratch_types,
+    pl.run_scoped(lambda *scratch: body(refs, scratch), *scratch_types, *seg_types,
                   collective_axes='wg')
 
   return plgpu.kernel(
       entry, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=COMPUTE_WGS + 1, thread_name='wg',
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_interpret_params() if interpret else None)
+      interpret=_interpret_params() if interpret else None)(*inputs, *seg_inputs)
+
+
+class _SegmentSpec(typing.NamedTuple):
+  """A kernel's segment ids and the tiles of their two sides (_Segments)."""
+  q_seg: jax.Array      # [B, T] int32
+  kv_seg: jax.Array     # [B, S] int32
+  own_is_q: bool        # the compute warpgroups own query rows (forward, dq), or keys
+  rows: int             # own ids per compute warpgroup
+  block: int            # streamed ids per step
+  stages: int
+
+  @classmethod
+  def of(cls, q_seg, kv_seg, *args):
+    return None if q_seg is None else cls(q_seg, kv_seg, *args)
 
 
 class _Segments(typing.NamedTuple):
@@ -366,17 +394,6 @@ class _Segments(typing.NamedTuple):
   def scratch(rows, block, stages):
     return (plgpu.SMEM((COMPUTE_WGS, rows), jnp.int32), plgpu.SMEM((stages, block), jnp.int32),
             plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=stages))
-
-  @staticmethod
-  def split(refs, scratch, num_inputs, segmented, own_is_q):
-    """A kernel's refs and scratch without the segment ids' (inputs after the first
-    num_inputs, scratch last), and the _Segments they make, or None."""
-    if not segmented:
-      return refs, scratch, None
-    q_seg, kv_seg = refs[num_inputs:num_inputs + 2]
-    own, step = (q_seg, kv_seg) if own_is_q else (kv_seg, q_seg)
-    return (refs[:num_inputs] + refs[num_inputs + 2:], scratch[:-4],
-            _Segments(own, step, *scratch[-4:]))
 
   def own_ids(self, b, start, wg, interpret):
     smem = self.own_smem.at[wg]
@@ -478,8 +495,7 @@ def backward(q, k, v, do, lse, delta, cfg, tiles: MosaicBwdTiles | None = None, 
   # lse in base 2 beside delta: one [2, rows] TMA copy per block.
   stats = jnp.stack([lse * _LOG2E, delta], axis=2).astype(jnp.float32)  # [B, Hq, 2, T]
   r, interpret = tiles.rows, cfg.interpret
-  segmented = q_seg is not None
-  seg_inputs = (q_seg, kv_seg) if segmented else ()
+  inputs = (q, k, v, do, stats)
 
   dq_scratch = (_smem((COMPUTE_WGS, r, d), q.dtype),                 # Q, then dQ
                 _smem((COMPUTE_WGS, r, d), q.dtype),                 # dO
@@ -490,17 +506,12 @@ def backward(q, k, v, do, lse, delta, cfg, tiles: MosaicBwdTiles | None = None, 
                 plgpu.Barrier(num_barriers=tiles.stages),            # k_ready
                 plgpu.Barrier(num_barriers=tiles.stages),            # v_ready
                 _released(tiles.stages), _released(tiles.stages))    # k_done, v_done
-  if segmented:
-    dq_scratch += _Segments.scratch(r, tiles.block_k, tiles.stages)
-
-  def dq_program(refs, scratch):
-    refs, scratch, segs = _Segments.split(refs, scratch, 5, segmented, own_is_q=True)
-    _dq_program(refs, scratch, segs, cfg, tiles, interpret)
-
   dq = _launch(
-      dq_program, dq_scratch, jax.ShapeDtypeStruct(q.shape, q.dtype),
+      lambda refs, scratch, segs: _dq_program(refs, scratch, segs, cfg, tiles, interpret),
+      dq_scratch, jax.ShapeDtypeStruct(q.shape, q.dtype),
       grid=(hq, t // rows, b), grid_names=('heads', 'q_blocks', 'batch'),
-      interpret=interpret)(q, k, v, do, stats, *seg_inputs)
+      interpret=interpret, inputs=inputs,
+      segments=_SegmentSpec.of(q_seg, kv_seg, True, r, tiles.block_k, tiles.stages))
 
   dkv_scratch = (_smem((COMPUTE_WGS, r, d), k.dtype),                # K, then dK
                  _smem((COMPUTE_WGS, r, d), k.dtype),                # V, then dV
@@ -512,18 +523,13 @@ def backward(q, k, v, do, lse, delta, cfg, tiles: MosaicBwdTiles | None = None, 
                  plgpu.Barrier(num_barriers=tiles.stages),           # do_ready
                  plgpu.Barrier(num_barriers=tiles.stages),           # stats_ready
                  _released(tiles.stages))                            # done (all of a slot)
-  if segmented:
-    dkv_scratch += _Segments.scratch(r, tiles.block_q, tiles.stages)
-
-  def dkv_program(refs, scratch):
-    refs, scratch, segs = _Segments.split(refs, scratch, 5, segmented, own_is_q=False)
-    _dkv_program(refs, scratch, segs, cfg, tiles, interpret)
-
   dk, dv = _launch(
-      dkv_program, dkv_scratch, (jax.ShapeDtypeStruct(k.shape, k.dtype),
-                                 jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      lambda refs, scratch, segs: _dkv_program(refs, scratch, segs, cfg, tiles, interpret),
+      dkv_scratch, (jax.ShapeDtypeStruct(k.shape, k.dtype),
+                    jax.ShapeDtypeStruct(v.shape, v.dtype)),
       grid=(hkv, s // rows, b), grid_names=('heads', 'kv_blocks', 'batch'),
-      interpret=interpret)(q, k, v, do, stats, *seg_inputs)
+      interpret=interpret, inputs=inputs,
+      segments=_SegmentSpec.of(q_seg, kv_seg, False, r, tiles.block_q, tiles.stages))
   return dq, dk, dv
 
 
