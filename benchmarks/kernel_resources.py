@@ -152,16 +152,19 @@ def _run(*cmd) -> str:
 
 # ------------------------------------------------------------------------------ the cases
 
-def flash_case(seq_len, q_heads, kv_heads, head_dim, dtype=jnp.bfloat16, **kwargs):
-  """(fn, args) whose lowering holds the forward, dk/dv and dq kernels."""
+def flash_case(seq_len, q_heads, kv_heads, head_dim, dtype=jnp.bfloat16, packed=False,
+               **kwargs):
+  """(fn, args) whose lowering holds the forward, dk/dv and dq kernels; packed: with
+  segment ids (one more argument), so the document block ranges are read too."""
   q = jax.ShapeDtypeStruct((1, seq_len, q_heads, head_dim), dtype)
   kv = jax.ShapeDtypeStruct((1, seq_len, kv_heads, head_dim), dtype)
 
-  def loss(q, k, v):
-    out = flash_attention(q, k, v, interpret=False, **kwargs)
+  def loss(q, k, v, segment_ids=None):
+    out = flash_attention(q, k, v, segment_ids=segment_ids, interpret=False, **kwargs)
     return out.astype(jnp.float32).sum()
 
-  return jax.grad(loss, argnums=(0, 1, 2)), (q, kv, kv)
+  seg = (jax.ShapeDtypeStruct((1, seq_len), jnp.int32),) if packed else ()
+  return jax.grad(loss, argnums=(0, 1, 2)), (q, kv, kv, *seg)
 
 
 def paged_case(batch, context, q_tokens=None, q_heads=32, kv_heads=8, head_dim=128,
@@ -184,6 +187,8 @@ def cases() -> dict:
     out[f'flash causal bf16 d128 32/{hkv} heads'] = flash_case(8192, 32, hkv, 128, causal=True)
   for d in (64, 256):
     out[f'flash causal bf16 d{d} 32/8 heads'] = flash_case(8192, 32, 8, d, causal=True)
+  out['flash causal packed bf16 d128 32/8 heads'] = flash_case(
+      8192, 32, 8, 128, causal=True, packed=True)
   out['flash window 4096 bf16 d128 32/8 heads'] = flash_case(
       8192, 32, 8, 128, causal=True, sliding_window=4096)
   out['flash full fp32 d128 8/8 heads'] = flash_case(

@@ -18,6 +18,10 @@ interpreter on CPU:
   |   [x x . .]    hi = ceil((i+1)*bq / bk)          (all blocks when not causal)
   v   [. x x .]  blocks outside [lo, hi) are never loaded; the mask only trims the edges.
 
+With segment ids (packed documents) [lo, hi) narrows further to the blocks that hold
+the block's own documents (document_block_ranges, [B, blocks, 2] computed outside the
+kernels), so packed short documents cost about what each document's attention costs.
+
 Lengths are padded to block multiples outside the custom_vjp (autodiff of pad/slice
 then drops padded rows' gradients for free); padded keys are masked, padded rows sliced.
 Head dims that are not a power of two >= 16 are zero-padded (Triton tiles need 2^n).
@@ -33,6 +37,7 @@ from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
 from pallas_kernels import flash_attention_mgpu
+from pallas_kernels.documents import document_block_ranges
 
 try:  # Triton's lowering is deprecated upstream from jax 0.11; the interpreter needs none.
   from jax.experimental.pallas import triton as plgpu
@@ -111,6 +116,14 @@ def _kv_block_range(i, block_q, block_k, num_kv_blocks, cfg):
   return lo, hi
 
 
+def _clip_to_documents(lo, hi, doc_range_ref):
+  """Narrows [lo, hi) to the blocks whose segment ids can meet this block's (packed
+  documents: a q block needs only the kv blocks of its own documents, and vice versa)."""
+  if doc_range_ref is None:
+    return lo, hi
+  return jnp.maximum(lo, doc_range_ref[0]), jnp.minimum(hi, doc_range_ref[1])
+
+
 def _q_block_range(j, block_q, block_k, num_q_blocks, cfg):
   """Q blocks [lo, hi) that can see kv block j (the transpose of _kv_block_range)."""
   lo, hi = 0, num_q_blocks
@@ -129,6 +142,7 @@ def _fwd_kernel(q_ref,  # [block_q, head_dim]
                 v_ref,  # [kv_len_padded, head_dim]
                 q_seg_ref,  # [block_q] int32, or None
                 kv_seg_ref,  # [kv_len_padded] int32, or None
+                docs_ref,  # [2] int32: kv blocks [lo, hi) of this block's documents, or None
                 o_ref,  # [block_q, head_dim]
                 lse_ref,  # [block_q] float32
                 *, cfg):
@@ -154,6 +168,7 @@ def _fwd_kernel(q_ref,  # [block_q, head_dim]
   init = (jnp.zeros((bq, q.shape[-1]), jnp.float32),
           jnp.full((bq,), _M_INIT, jnp.float32), jnp.zeros((bq,), jnp.float32))
   lo, hi = _kv_block_range(i, bq, bk, k_ref.shape[0] // bk, cfg)
+  lo, hi = _clip_to_documents(lo, hi, docs_ref)
   acc, m, l = lax.fori_loop(lo, hi, body, init)
   # l == 0 only for a row with no visible key: output 0 and lse -inf, not 0/0.
   seen = l > 0
@@ -171,6 +186,7 @@ def _dkv_kernel(q_ref,  # [q_len_padded, groups, head_dim]  (the q heads of this
                 delta_ref,  # [groups, q_len_padded] float32: rowsum(dO * O) - dlse
                 q_seg_ref,  # [q_len_padded] int32, or None
                 kv_seg_ref,  # [block_k] int32, or None
+                docs_ref,  # [2] int32: q blocks [lo, hi) of this block's documents, or None
                 dk_ref,  # [block_k, head_dim]
                 dv_ref,  # [block_k, head_dim]
                 *, cfg):
@@ -180,6 +196,7 @@ def _dkv_kernel(q_ref,  # [q_len_padded, groups, head_dim]  (the q heads of this
   k_pos = j * bk + jnp.arange(bk)
   k_seg = None if kv_seg_ref is None else kv_seg_ref[...]
   lo, hi = _q_block_range(j, bq, bk, q_ref.shape[0] // bq, cfg)
+  lo, hi = _clip_to_documents(lo, hi, docs_ref)
 
   def q_block(i, carry, g):
     dk, dv = carry
@@ -211,6 +228,7 @@ def _dq_kernel(q_ref,  # [block_q, head_dim]
                delta_ref,  # [block_q] float32
                q_seg_ref,  # [block_q] int32, or None
                kv_seg_ref,  # [kv_len_padded] int32, or None
+               docs_ref,  # [2] int32: kv blocks [lo, hi) of this block's documents, or None
                dq_ref,  # [block_q, head_dim]
                *, cfg):
   bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
@@ -230,6 +248,7 @@ def _dq_kernel(q_ref,  # [block_q, head_dim]
     return dq + _dot(ds.astype(k.dtype), k)
 
   lo, hi = _kv_block_range(i, bq, bk, k_ref.shape[0] // bk, cfg)
+  lo, hi = _clip_to_documents(lo, hi, docs_ref)
   dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
@@ -266,6 +285,15 @@ def _seg_spec(seg, block, index_map):
   return None if seg is None else pl.BlockSpec((None, block), index_map)
 
 
+def _docs(rows_seg, cols_seg, block_rows, block_cols):
+  """The document block ranges (document_block_ranges) and their BlockSpec: program
+  (b, head, n) reads row block n's [lo, hi); None, None without segment ids."""
+  if rows_seg is None:
+    return None, None
+  ranges = document_block_ranges(rows_seg, cols_seg, block_rows, block_cols)
+  return ranges, pl.BlockSpec((None, None, 2), lambda bi, h, n: (bi, n, 0))
+
+
 def _forward(q, k, v, q_seg, kv_seg, cfg):
   if cfg.mosaic_tiles is not None:
     # Poisoning is built in there: the interpreter fills fresh buffers with NaN.
@@ -274,14 +302,15 @@ def _forward(q, k, v, q_seg, kv_seg, cfg):
   s, g, bq = k.shape[1], cfg.groups, cfg.block_q
   q_spec = pl.BlockSpec((None, bq, None, d), lambda bi, h, i: (bi, i, h, 0))
   kv_spec = pl.BlockSpec((None, s, None, d), lambda bi, h, i: (bi, 0, h // g, 0))
+  docs, docs_spec = _docs(q_seg, kv_seg, bq, cfg.block_k)
   in_specs = [q_spec, kv_spec, kv_spec,
               _seg_spec(q_seg, bq, lambda bi, h, i: (bi, i)),
-              _seg_spec(kv_seg, s, lambda bi, h, i: (bi, 0))]
+              _seg_spec(kv_seg, s, lambda bi, h, i: (bi, 0)), docs_spec]
   out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((b, hq, t), jnp.float32)]
   out_specs = [q_spec, pl.BlockSpec((None, None, bq), lambda bi, h, i: (bi, h, i))]
-  return _call(_fwd_kernel, (q, k, v, q_seg, kv_seg), in_specs, out_shapes, out_specs,
-               (b, hq, t // bq), cfg, 'flash_attention_fwd')
+  return _call(_fwd_kernel, (q, k, v, q_seg, kv_seg, docs), in_specs, out_shapes,
+               out_specs, (b, hq, t // bq), cfg, 'flash_attention_fwd')
 
 
 def _backward_dkv(q, k, v, do, lse, delta, q_seg, kv_seg, cfg):
@@ -291,12 +320,13 @@ def _backward_dkv(q, k, v, do, lse, delta, q_seg, kv_seg, cfg):
   group_spec = pl.BlockSpec((None, t, g, d), lambda bi, kh, j: (bi, 0, kh, 0))
   stat_spec = pl.BlockSpec((None, g, t), lambda bi, kh, j: (bi, kh, 0))
   kv_spec = pl.BlockSpec((None, bk, None, d), lambda bi, kh, j: (bi, j, kh, 0))
+  docs, docs_spec = _docs(kv_seg, q_seg, bk, cfg.block_q_bwd)
   in_specs = [group_spec, kv_spec, kv_spec, group_spec, stat_spec, stat_spec,
               _seg_spec(q_seg, t, lambda bi, kh, j: (bi, 0)),
-              _seg_spec(kv_seg, bk, lambda bi, kh, j: (bi, j))]
+              _seg_spec(kv_seg, bk, lambda bi, kh, j: (bi, j)), docs_spec]
   out_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype),
                 jax.ShapeDtypeStruct(v.shape, v.dtype)]
-  return _call(_dkv_kernel, (q, k, v, do, lse, delta, q_seg, kv_seg), in_specs,
+  return _call(_dkv_kernel, (q, k, v, do, lse, delta, q_seg, kv_seg, docs), in_specs,
                out_shapes, [kv_spec, kv_spec], (b, hkv, s // bk), cfg,
                'flash_attention_dkv')
 
@@ -307,11 +337,12 @@ def _backward_dq(q, k, v, do, lse, delta, q_seg, kv_seg, cfg):
   q_spec = pl.BlockSpec((None, bq, None, d), lambda bi, h, i: (bi, i, h, 0))
   kv_spec = pl.BlockSpec((None, s, None, d), lambda bi, h, i: (bi, 0, h // g, 0))
   stat_spec = pl.BlockSpec((None, None, bq), lambda bi, h, i: (bi, h, i))
+  docs, docs_spec = _docs(q_seg, kv_seg, bq, cfg.block_k_bwd)
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec,
               _seg_spec(q_seg, bq, lambda bi, h, i: (bi, i)),
-              _seg_spec(kv_seg, s, lambda bi, h, i: (bi, 0))]
+              _seg_spec(kv_seg, s, lambda bi, h, i: (bi, 0)), docs_spec]
   out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-  [dq] = _call(_dq_kernel, (q, k, v, do, lse, delta, q_seg, kv_seg), in_specs,
+  [dq] = _call(_dq_kernel, (q, k, v, do, lse, delta, q_seg, kv_seg, docs), in_specs,
                out_shapes, [q_spec], (b, hq, t // bq), cfg, 'flash_attention_dq')
   return dq
 

@@ -215,6 +215,61 @@ def test_block_ranges_are_exactly_the_visible_blocks(t, block_q, block_k, window
     assert list(range(int(lo), int(hi))) == list(np.flatnonzero(blocks[:, j])), ('q', j)
 
 
+@pytest.mark.parametrize('packed', [True, False])
+def test_document_block_ranges_hold_every_shared_id_block(packed):
+  # Sound for any ids: a row block and a column block that share an id are never apart.
+  # Tight for packed ids: the first and last blocks of the range do share one.
+  rng = np.random.default_rng(11 + packed)
+  b, t, s, block_rows, block_cols = 3, 96, 64, 16, 32
+  if packed:
+    rows = cols = np.cumsum(rng.random((b, t)) < 0.05, axis=1)
+    s = t
+  else:
+    rows, cols = rng.integers(0, 6, (b, t)), rng.integers(0, 6, (b, s))
+  ranges = np.asarray(fa.document_block_ranges(
+      jnp.asarray(rows, jnp.int32), jnp.asarray(cols, jnp.int32), block_rows, block_cols))
+  assert ranges.shape == (b, t // block_rows, 2) and ranges.dtype == np.int32
+  for bi in range(b):
+    for i in range(t // block_rows):
+      mine = set(rows[bi, i * block_rows:(i + 1) * block_rows])
+      shared = [j for j in range(s // block_cols)
+                if mine & set(cols[bi, j * block_cols:(j + 1) * block_cols])]
+      lo, hi = ranges[bi, i]
+      assert all(lo <= j < hi for j in shared), (bi, i, lo, hi, shared)
+      if packed:
+        assert (lo, hi) == ((shared[0], shared[-1] + 1) if shared else (0, 0)), (bi, i)
+
+
+def check_other_documents_are_never_read(causal, lengths, hq, hkv, d, dtype, tol,
+                                         **kernel_opts):
+  """Three documents of `lengths` (block-aligned) with the first and last NaN in q, k and
+  v: the middle one's out, lse and gradients stay finite only if no kernel loads another
+  document's block (a loaded but masked block still multiplies 0 by NaN)."""
+  t = sum(lengths)
+  rng, q, k, v = _inputs(5, 1, t, t, hq, hkv, d, dtype)
+  seg = jnp.asarray(np.repeat([[0, 1, 2]], lengths, axis=1), jnp.int32)
+  mid = slice(lengths[0], lengths[0] + lengths[1])
+  outside = (seg != 1)[:, :, None, None]
+  cot = (jnp.asarray(rng.normal(size=q.shape), dtype), jnp.zeros((1, hq, t)))
+  opts = dict(causal=causal, segment_ids=seg, return_lse=True)
+  # The kernel and the reference in separate jits (one jit stalls the Mosaic interpreter).
+  got = jax.jit(lambda *a: _value_and_vjp(
+      lambda q, k, v: fa.flash_attention(q, k, v, **kernel_opts, **opts), *a))(
+          *(jnp.where(outside, jnp.nan, x) for x in (q, k, v)), cot)
+  want = jax.jit(lambda *a: _value_and_vjp(
+      lambda q, k, v: fa.flash_attention_reference(q, k, v, **opts), *a))(
+          *(jnp.where(outside, 0, x) for x in (q, k, v)), cot)
+  for name, g, w in zip(('out', 'lse', 'dq', 'dk', 'dv'), got, want):
+    g, w = (x[:, :, mid] if name == 'lse' else x[:, mid] for x in (g, w))
+    _assert_close(g, w, tol, name)
+
+
+@pytest.mark.parametrize('causal', [True, False])
+def test_blocks_of_other_documents_are_never_read(causal):
+  check_other_documents_are_never_read(causal, (32, 16, 16), 4, 2, 16, jnp.float32, 1e-5,
+                                       block_q=16, block_k=16)
+
+
 def test_model_layout_jitted_with_gradients():
   # As model/transformer.py's attention() calls it: q [b,t,h,e], k/v [b,s,k,e], packed ids.
   rng, q, k, v = _inputs(4, 2, 40, 40, 4, 2, 16, jnp.float32)
