@@ -20,7 +20,8 @@ kv blocks [lo, hi) of the program (the union of what their rows can see) so that
 barrier phase is waited on by both; the mask only trims what a row may not see. The walk is
 split into masked [lo, lo_full), unmasked [lo_full, hi_full) and masked [hi_full, hi)
 runs, so only blocks on the causal diagonal, the window edge or the padded keys pay for
-the mask. With segment ids (packed documents) every block is masked: the producer
+the mask. With segment ids (packed documents) the walk is narrowed to the blocks of the
+program's own documents (documents.py) and every block in it is masked: the producer
 streams each block's kv ids beside it (_Segments).
 
 The backward (two kernels, dq and dk/dv) is laid out the same way; see its section below.
@@ -45,6 +46,8 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
+
+from pallas_kernels.documents import document_block_ranges
 
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -137,7 +140,7 @@ def _mma_nt(pairs, shape, interpret, between=None):
       between()
     return [acc[...] for acc in accs]
 
-  return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32) for _ in pairs])
+  return pl.run_scoped(run, *[_acc_type()(shape, jnp.float32) for _ in pairs])
 
 
 def _mma_acc(terms, interpret):
@@ -151,7 +154,13 @@ def _mma_acc(terms, interpret):
     for ref, (_, a, b) in zip(refs, terms):
       plgpu.wgmma(ref, a, b)
 
-  return list(pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _, _ in terms)))
+  return list(pl.run_state(run)(tuple(_acc_type().init(acc) for acc, _, _ in terms)))
+
+
+def _acc_type():
+  """The wgmma accumulator ref type: `ACC` is the short alias jax 0.10 exports; the
+  full name is the fallback should a later jax drop the alias."""
+  return getattr(plgpu, 'ACC', None) or plgpu.WGMMAAccumulatorRef
 
 
 def _filled(shape, value, interpret):
@@ -341,17 +350,17 @@ def _launch(program, scratch_types, out_type, grid, grid_names, interpret, input
   scratch), or None."""
   seg_inputs, seg_types = (), ()
   if segments is not None:
-    seg_inputs = (segments.q_seg, segments.kv_seg)
+    seg_inputs = (segments.q_seg, segments.kv_seg, segments.documents())
     seg_types = _Segments.scratch(segments.rows, segments.block, segments.stages)
   n = len(inputs)
 
   def body(refs, scratch):
     segs = None
     if segments is not None:
-      q_seg, kv_seg = refs[n:n + 2]
+      q_seg, kv_seg, docs = refs[n:n + 3]
       own, step = (q_seg, kv_seg) if segments.own_is_q else (kv_seg, q_seg)
-      segs = _Segments(own, step, *scratch[-4:])
-      refs, scratch = refs[:n] + refs[n + 2:], scratch[:-4]
+      segs = _Segments(own, step, docs, *scratch[-4:])
+      refs, scratch = refs[:n] + refs[n + 3:], scratch[:-4]
     program(refs, scratch, segs)
 
   def entry(*refs):
@@ -378,6 +387,11 @@ class _SegmentSpec(typing.NamedTuple):
   def of(cls, q_seg, kv_seg, *args):
     return None if q_seg is None else cls(q_seg, kv_seg, *args)
 
+  def documents(self):
+    """[B, programs, 2]: each program's [lo, hi) of steps that hold its documents."""
+    own, step = (self.q_seg, self.kv_seg) if self.own_is_q else (self.kv_seg, self.q_seg)
+    return document_block_ranges(own, step, COMPUTE_WGS * self.rows, self.block)
+
 
 class _Segments(typing.NamedTuple):
   """Segment ids (packed documents) in one kernel: each compute warpgroup loads its own
@@ -385,6 +399,7 @@ class _Segments(typing.NamedTuple):
   columns) beside that block. Keys match queries of their own segment only."""
   own_ref: typing.Any    # [B, L] int32 in GMEM: the rows' side
   step_ref: typing.Any   # [B, L'] int32: the streamed side
+  docs_ref: typing.Any   # [B, programs, 2] int32: _SegmentSpec.documents
   own_smem: typing.Any   # [COMPUTE_WGS, rows]
   step_smem: typing.Any  # [stages, block]
   own_ready: typing.Any
@@ -413,17 +428,24 @@ class _Segments(typing.NamedTuple):
             self.step_ready)
 
 
-def _all_masked_if(segs, ranges):
-  """With segment ids any block may cross a document boundary: mask them all."""
-  return ranges if segs is None else (ranges[0],) + (ranges[3],) * 3
+def _in_documents(segs, ranges, b, program):
+  """With segment ids: the walk narrowed to the blocks that hold this program's documents
+  (a program reads its [lo, hi) from segs.docs_ref) and, since any block may cross a
+  document boundary, every one of them masked."""
+  if segs is None:
+    return ranges
+  lo = jnp.maximum(ranges[0], segs.docs_ref[b, program, 0])
+  hi = jnp.maximum(lo, jnp.minimum(ranges[3], segs.docs_ref[b, program, 1]))
+  return lo, hi, hi, hi
 
 
 def _program(refs, scratch, segs, cfg, tiles, interpret):
   q_ref, k_ref, v_ref, _, _ = refs
   _, k_smem, v_smem, _, k_ready, v_ready, _, k_done, v_done, _ = scratch
   rows, bk = COMPUTE_WGS * tiles.block_q, tiles.block_k
-  r0 = lax.axis_index('q_blocks') * rows
-  ranges = _all_masked_if(segs, _kv_ranges(r0, rows, bk, k_ref.shape[1] // bk, cfg))
+  n = lax.axis_index('q_blocks')
+  ranges = _in_documents(segs, _kv_ranges(n * rows, rows, bk, k_ref.shape[1] // bk, cfg),
+                         lax.axis_index('batch'), n)
   wg = lax.axis_index('wg')
   pl.when(wg < COMPUTE_WGS)(
       lambda: _compute(refs, scratch, segs, wg, ranges, cfg, tiles, interpret))
@@ -553,7 +575,8 @@ def _dq_program(refs, scratch, segs, cfg, tiles, interpret):
   r, bk, stages = tiles.rows, tiles.block_k, tiles.stages
   b, h = lax.axis_index('batch'), lax.axis_index('heads')
   p0 = lax.axis_index('q_blocks') * (COMPUTE_WGS * r)
-  ranges = _all_masked_if(segs, _kv_ranges(p0, COMPUTE_WGS * r, bk, k_ref.shape[1] // bk, cfg))
+  ranges = _in_documents(segs, _kv_ranges(p0, COMPUTE_WGS * r, bk, k_ref.shape[1] // bk, cfg),
+                         b, lax.axis_index('q_blocks'))
   lo, hi = ranges[0], ranges[3]
   wg = lax.axis_index('wg')
 
@@ -624,7 +647,8 @@ def _dkv_program(refs, scratch, segs, cfg, tiles, interpret):
   r, bq, stages, groups = tiles.rows, tiles.block_q, tiles.stages, cfg.groups
   b, kv_head = lax.axis_index('batch'), lax.axis_index('heads')
   p0 = lax.axis_index('kv_blocks') * (COMPUTE_WGS * r)
-  ranges = _all_masked_if(segs, _q_ranges(p0, COMPUTE_WGS * r, bq, q_ref.shape[1] // bq, cfg))
+  ranges = _in_documents(segs, _q_ranges(p0, COMPUTE_WGS * r, bq, q_ref.shape[1] // bq, cfg),
+                         b, lax.axis_index('kv_blocks'))
   lo, hi = ranges[0], ranges[3]
   n = hi - lo  # q blocks per head; step t = g * n + (i - lo) for head g, q block i
   wg = lax.axis_index('wg')

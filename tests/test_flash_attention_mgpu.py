@@ -17,7 +17,8 @@ import pytest
 
 from pallas_kernels import flash_attention as fa
 from pallas_kernels import flash_attention_mgpu as fa_mgpu
-from tests.test_flash_attention import _assert_close, _inputs, _segment_ids
+from tests.test_flash_attention import (_assert_close, _inputs, _segment_ids,
+                                        check_other_documents_are_never_read)
 
 try:  # jax >= 0.10, not yet a public name
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
@@ -87,6 +88,17 @@ CASES = {
 def test_mosaic_kernels_match_reference(case):
   shape, options = CASES[case][:8], (CASES[case][8:] or ({},))[0]
   check_mosaic_against_reference(list(CASES).index(case), *shape, **options)
+
+
+@pytest.mark.skipif(interpreter is None, reason='this jax has no Mosaic GPU interpreter')
+@pytest.mark.timeout(300, method='thread')
+def test_mosaic_kernels_skip_other_documents_blocks():
+  # Documents of 128 rows: one program each in all three kernels, whose walks must stay
+  # inside their own document (the NaN first and last documents show any other read).
+  interpreter.reset_gpu_interpret_mode_state()
+  check_other_documents_are_never_read(True, (128, 128, 128), 2, 1, 64, jnp.bfloat16, 2e-2,
+                                       backend='mosaic_gpu')
+  assert not interpreter.get_races().races_found, 'race between warpgroups'
 
 
 def _lower_for_h100(fn, *args):

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from model import transformer
-from tests.test_flash_attention import _check_against_reference
+from tests.test_flash_attention import (_check_against_reference,
+                                        check_other_documents_are_never_read)
 from tests.test_flash_attention_mgpu import check_mosaic_against_reference
 from tests.test_paged_attention import MIXED, check, make_case
 
@@ -67,6 +68,13 @@ MOSAIC = {
 def test_flash_attention_mosaic_compiled(case):
   *shape, tiles = MOSAIC[case]
   check_mosaic_against_reference(7, *shape, **tiles)
+
+
+@pytest.mark.parametrize('backend', ['triton', 'mosaic_gpu'])
+def test_flash_attention_skips_other_documents_compiled(backend):
+  # Documents of 256 rows, aligned to every default tile of both kernel sets.
+  check_other_documents_are_never_read(True, (512, 256, 256), 16, 4, 128, jnp.bfloat16,
+                                       2e-2, backend=backend)
 
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
