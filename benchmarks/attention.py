@@ -6,11 +6,17 @@ Hopper kernels (flash_attention_mgpu), forward and backward.
   python -m benchmarks.attention            # GPU: 8K, 16K, 64K tokens; MHA and GQA 32/8
   python -m benchmarks.attention --smoke    # CPU: tiny shapes, interpret mode (no timing claims)
   python -m benchmarks.attention --tiles    # GPU: our kernel's tile choices at 8K, side by side
+  python -m benchmarks.attention --packed   # GPU: 8K rows packed with documents of 8K/2K/512
 
 bf16, head_dim 128, 64K tokens per batch (batch = 65536 / seq_len). FLOPs count the
 causal half only: forward 4*B*T*T*Hq*D/2, backward 2.5x that. Writes
 benchmarks/results/attention_<device>.json and prints a table with ratios to cuDNN
 (targets: forward >= 0.9x, backward >= 0.85x).
+
+--packed times our kernels on 8K-token rows holding documents of 8192, 2048 and 512
+tokens (segment ids). The kernels skip blocks of other documents, so the time should fall
+with the document length; `useful TF/s` counts each document's own causal FLOPs, and
+`vs one doc` is the time of the one-document row over this one (T / doc_len at best).
 """
 
 import argparse
@@ -127,15 +133,69 @@ def print_table(rows):
           f"{r['bwd_tflops']:>10.1f}{ratios}")
 
 
+DOC_LENS = (8192, 2048, 512)
+
+
+def run_packed(impls, b, t, hq, hkv, d, dtype, iters, doc_lens) -> list[dict]:
+  """Each impl on rows packed with documents of each length in doc_lens."""
+  q, k, v, do = inputs(jax.random.key(t), b, t, hq, hkv, d, dtype)
+  rows = []
+  for name, fn in impls.items():
+    base = None
+    for doc_len in doc_lens:
+      seg = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // doc_len, (b, t))
+      flops = 4 * b * hq * d * t * doc_len / 2  # each document's own causal half
+      row = {'impl': name, 'batch': b, 'seq_len': t, 'doc_len': doc_len, 'q_heads': hq,
+             'kv_heads': hkv, 'head_dim': d, 'dtype': jnp.dtype(dtype).name}
+      try:
+        fwd_s, bwd_s = measure(functools.partial(fn, segment_ids=seg), q, k, v, do, iters)
+        row.update(fwd_ms=fwd_s * 1e3, bwd_ms=bwd_s * 1e3,
+                   fwd_tflops=flops / fwd_s / 1e12, bwd_tflops=2.5 * flops / bwd_s / 1e12)
+        base = base or (fwd_s, bwd_s)
+        row.update(fwd_vs_one_doc=base[0] / fwd_s, bwd_vs_one_doc=base[1] / bwd_s)
+      except Exception as e:  # pylint: disable=broad-except
+        row['error'] = f'{type(e).__name__}: {str(e)[:200]}'
+      rows.append(row)
+  return rows
+
+
+def main_packed(args):
+  if args.smoke:
+    impls = {'pallas': implementations(True)['pallas']}
+    case, d, dtype, iters, doc_lens = (1, 64, 4, 2), 32, jnp.float32, 1, (64, 16)
+  else:
+    impls = {k: v for k, v in implementations(False).items() if k.startswith('pallas')}
+    case, d, dtype, iters, doc_lens = (TOKENS // 8192, 8192, 32, 8), 128, jnp.bfloat16, \
+        args.iters, DOC_LENS
+  rows = run_packed(impls, *case, d, dtype, iters, doc_lens)
+  print(f"{'impl':14}{'doc':>6}{'fwd ms':>9}{'bwd ms':>9}{'useful fwd TF/s':>17}"
+        f"{'bwd TF/s':>10}{'fwd vs one doc':>16}{'bwd':>6}")
+  for r in rows:
+    if 'error' in r:
+      print(f"{r['impl']:14}{r['doc_len']:>6}  {r['error'][:60]}")
+      continue
+    print(f"{r['impl']:14}{r['doc_len']:>6}{r['fwd_ms']:>9.2f}{r['bwd_ms']:>9.2f}"
+          f"{r['fwd_tflops']:>17.1f}{r['bwd_tflops']:>10.1f}{r['fwd_vs_one_doc']:>16.2f}"
+          f"{r['bwd_vs_one_doc']:>6.2f}")
+  if not args.smoke:
+    print(write_result(f'attention_packed_{jax.devices()[0].device_kind.replace(" ", "_")}',
+                       {'rows': rows}))
+  return rows
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--smoke', action='store_true', help='tiny CPU run; writes nothing')
   parser.add_argument('--iters', type=int, default=20)
   parser.add_argument('--tiles', action='store_true',
                       help='time our kernel under each tile choice in TILES (8K tokens)')
+  parser.add_argument('--packed', action='store_true',
+                      help='time our kernels on rows packed with documents (DOC_LENS)')
   args = parser.parse_args(argv)
   if args.tiles:
     return main_tiles(args)
+  if args.packed:
+    return main_packed(args)
   if args.smoke:
     cases, d, dtype, iters = [(2, 64, 4, 4), (2, 64, 4, 2)], 32, jnp.float32, 1
   else:

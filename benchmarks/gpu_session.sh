@@ -11,13 +11,15 @@
 #   tiles         benchmarks.attention --tiles: our tile choices at 8K          ~4 min
 #   paged_decode  benchmarks.paged_decode: 8x4K .. 256x8K vs copy bandwidth     ~1 min
 #   paged_tiles   benchmarks.paged_decode --tiles: the kernel's tile choices    ~1 min
+#   packed        benchmarks.attention --packed: 8K rows of 8K/2K/512-token
+#                 documents, Triton and Mosaic GPU (document block skipping)    ~2 min
 #
 # The device tool stops a command at 10 minutes, so split the stages over four calls, made
 # back to back (the machine is given back after 30 s idle):
 #   bash benchmarks/gpu_session.sh machine tests
 #   bash benchmarks/gpu_session.sh attention
 #   bash benchmarks/gpu_session.sh tiles
-#   bash benchmarks/gpu_session.sh paged_decode paged_tiles
+#   bash benchmarks/gpu_session.sh paged_decode paged_tiles packed
 # A failing stage does not stop the next, so one call reports both failures and speed.
 # The times above are estimates, not measurements; each stage has its own time limit.
 set -uo pipefail
@@ -46,8 +48,9 @@ jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'" ;;
     paged_decode) stage paged_decode "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode ;;
     paged_tiles) stage paged_tiles "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode \
       --tiles ;;
-    *) echo "unknown stage '$1': use machine, tests, attention, tiles, paged_decode or \
-paged_tiles"
+    packed) stage packed "${PACKED_LIMIT:-180}" "$PY" -m benchmarks.attention --packed ;;
+    *) echo "unknown stage '$1': use machine, tests, attention, tiles, paged_decode, \
+paged_tiles or packed"
        return 2 ;;
   esac
   # The JSON results, where this stage wrote one (at most 8 files come back from $OUT).
@@ -56,7 +59,7 @@ paged_tiles"
   return 0
 }
 
-for name in "${@:-machine tests attention tiles paged_decode paged_tiles}"; do
+for name in "${@:-machine tests attention tiles paged_decode paged_tiles packed}"; do
   for one in $name; do run_stage "$one"; done
 done
 ls "$OUT"

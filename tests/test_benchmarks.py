@@ -23,6 +23,13 @@ def test_attention_tile_sweep_smoke():
   assert all('error' not in r and math.isfinite(r['bwd_tflops']) for r in rows), rows
 
 
+def test_attention_packed_documents_smoke():
+  rows = attention.main(['--smoke', '--packed'])
+  assert [(r['impl'], r['doc_len']) for r in rows] == [('pallas', 64), ('pallas', 16)]
+  assert all('error' not in r and math.isfinite(r['bwd_vs_one_doc']) for r in rows), rows
+  assert rows[0]['fwd_vs_one_doc'] == 1.0
+
+
 def test_paged_decode_tile_sweep_smoke():
   rows = paged_decode.main(['--smoke', '--tiles'])
   assert [r['tiles'] for r in rows] == [dict(pages_per_block=2, num_warps=4, num_stages=2)]
