@@ -19,7 +19,7 @@ interpreter on CPU:
   v   [. x x .]  blocks outside [lo, hi) are never loaded; the mask only trims the edges.
 
 With segment ids (packed documents) [lo, hi) narrows further to the blocks that hold
-the block's own documents (document_block_ranges, [B, blocks, 2] computed outside the
+the block's own documents (document_block_ranges, [B, blocks, 4] computed outside the
 kernels), so packed short documents cost about what each document's attention costs.
 
 Lengths are padded to block multiples outside the custom_vjp (autodiff of pad/slice
@@ -142,7 +142,7 @@ def _fwd_kernel(q_ref,  # [block_q, head_dim]
                 v_ref,  # [kv_len_padded, head_dim]
                 q_seg_ref,  # [block_q] int32, or None
                 kv_seg_ref,  # [kv_len_padded] int32, or None
-                docs_ref,  # [2] int32: kv blocks [lo, hi) of this block's documents, or None
+                docs_ref,  # [4] int32: kv blocks [lo, hi) of this block's documents, or None
                 o_ref,  # [block_q, head_dim]
                 lse_ref,  # [block_q] float32
                 *, cfg):
@@ -186,7 +186,7 @@ def _dkv_kernel(q_ref,  # [q_len_padded, groups, head_dim]  (the q heads of this
                 delta_ref,  # [groups, q_len_padded] float32: rowsum(dO * O) - dlse
                 q_seg_ref,  # [q_len_padded] int32, or None
                 kv_seg_ref,  # [block_k] int32, or None
-                docs_ref,  # [2] int32: q blocks [lo, hi) of this block's documents, or None
+                docs_ref,  # [4] int32: q blocks [lo, hi) of this block's documents, or None
                 dk_ref,  # [block_k, head_dim]
                 dv_ref,  # [block_k, head_dim]
                 *, cfg):
@@ -228,7 +228,7 @@ def _dq_kernel(q_ref,  # [block_q, head_dim]
                delta_ref,  # [block_q] float32
                q_seg_ref,  # [block_q] int32, or None
                kv_seg_ref,  # [kv_len_padded] int32, or None
-               docs_ref,  # [2] int32: kv blocks [lo, hi) of this block's documents, or None
+               docs_ref,  # [4] int32: kv blocks [lo, hi) of this block's documents, or None
                dq_ref,  # [block_q, head_dim]
                *, cfg):
   bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
@@ -291,7 +291,7 @@ def _docs(rows_seg, cols_seg, block_rows, block_cols):
   if rows_seg is None:
     return None, None
   ranges = document_block_ranges(rows_seg, cols_seg, block_rows, block_cols)
-  return ranges, pl.BlockSpec((None, None, 2), lambda bi, h, n: (bi, n, 0))
+  return ranges, pl.BlockSpec((None, None, 4), lambda bi, h, n: (bi, n, 0))
 
 
 def _forward(q, k, v, q_seg, kv_seg, cfg):

@@ -21,8 +21,8 @@ barrier phase is waited on by both; the mask only trims what a row may not see. 
 split into masked [lo, lo_full), unmasked [lo_full, hi_full) and masked [hi_full, hi)
 runs, so only blocks on the causal diagonal, the window edge or the padded keys pay for
 the mask. With segment ids (packed documents) the walk is narrowed to the blocks of the
-program's own documents (documents.py) and every block in it is masked: the producer
-streams each block's kv ids beside it (_Segments).
+program's own documents (documents.py), and only blocks inside one document skip the
+segment mask: the producer streams each block's kv ids beside it (_Segments).
 
 The backward (two kernels, dq and dk/dv) is laid out the same way; see its section below.
 
@@ -388,7 +388,8 @@ class _SegmentSpec(typing.NamedTuple):
     return None if q_seg is None else cls(q_seg, kv_seg, *args)
 
   def documents(self):
-    """[B, programs, 2]: each program's [lo, hi) of steps that hold its documents."""
+    """[B, programs, 4]: each program's steps [lo, hi) that hold its documents and
+    [same_lo, same_hi) in which its rows and the step's all hold one id (documents.py)."""
     own, step = (self.q_seg, self.kv_seg) if self.own_is_q else (self.kv_seg, self.q_seg)
     return document_block_ranges(own, step, COMPUTE_WGS * self.rows, self.block)
 
@@ -399,7 +400,7 @@ class _Segments(typing.NamedTuple):
   columns) beside that block. Keys match queries of their own segment only."""
   own_ref: typing.Any    # [B, L] int32 in GMEM: the rows' side
   step_ref: typing.Any   # [B, L'] int32: the streamed side
-  docs_ref: typing.Any   # [B, programs, 2] int32: _SegmentSpec.documents
+  docs_ref: typing.Any   # [B, programs, 4] int32: _SegmentSpec.documents
   own_smem: typing.Any   # [COMPUTE_WGS, rows]
   step_smem: typing.Any  # [stages, block]
   own_ready: typing.Any
@@ -429,14 +430,19 @@ class _Segments(typing.NamedTuple):
 
 
 def _in_documents(segs, ranges, b, program):
-  """With segment ids: the walk narrowed to the blocks that hold this program's documents
-  (a program reads its [lo, hi) from segs.docs_ref) and, since any block may cross a
-  document boundary, every one of them masked."""
+  """With segment ids: the walk (lo, lo_full, hi_full, hi) narrowed to the blocks that
+  hold this program's documents, and its unmasked run to the blocks that need neither
+  the causal/window mask nor the segment one (all rows and keys of one document). The
+  program reads both ranges from segs.docs_ref."""
   if segs is None:
     return ranges
-  lo = jnp.maximum(ranges[0], segs.docs_ref[b, program, 0])
-  hi = jnp.maximum(lo, jnp.minimum(ranges[3], segs.docs_ref[b, program, 1]))
-  return lo, hi, hi, hi
+  lo_mask, lo_full, hi_full, hi_mask = ranges
+  doc_lo, doc_hi, same_lo, same_hi = (segs.docs_ref[b, program, i] for i in range(4))
+  lo = jnp.maximum(lo_mask, doc_lo)
+  hi = jnp.maximum(lo, jnp.minimum(hi_mask, doc_hi))
+  lo_full = jnp.clip(jnp.maximum(lo_full, same_lo), lo, hi)
+  hi_full = jnp.clip(jnp.minimum(hi_full, same_hi), lo_full, hi)
+  return lo, lo_full, hi_full, hi
 
 
 def _program(refs, scratch, segs, cfg, tiles, interpret):

@@ -27,9 +27,15 @@ def _packed_segments(rng, b, t):
 
 
 def _segment_ids(rng, segments, b, t, s):
-  """None, 'packed' (documents, one [B, T] array) or 'pair' (random q and kv ids)."""
+  """None, 'packed' (documents, one [B, T] array), 'long' (three documents a row, from
+  5/8 and 7/8 of T (+16 a row): whole blocks inside one document) or 'pair' (random q
+  and kv ids)."""
   if segments == 'packed':
     return _packed_segments(rng, b, t)
+  if segments == 'long':
+    pos, row = np.arange(t), 16 * np.arange(b)[:, None]
+    ids = (pos >= 5 * t // 8 + row).astype(int) + (pos >= 7 * t // 8)
+    return jnp.asarray(ids, jnp.int32)
   if segments == 'pair':
     return (jnp.asarray(rng.integers(0, 3, (b, t)), jnp.int32),
             jnp.asarray(rng.integers(0, 3, (b, s)), jnp.int32))
@@ -217,27 +223,37 @@ def test_block_ranges_are_exactly_the_visible_blocks(t, block_q, block_k, window
 
 @pytest.mark.parametrize('packed', [True, False])
 def test_document_block_ranges_hold_every_shared_id_block(packed):
-  # Sound for any ids: a row block and a column block that share an id are never apart.
-  # Tight for packed ids: the first and last blocks of the range do share one.
+  # Sound for any ids: a row block and a column block that share an id are never apart,
+  # and a block in the `same` run holds one id, the rows' one. Tight for packed ids: the
+  # first and last blocks of the range do share one, and the `same` run is every block
+  # that holds only the rows' one id.
   rng = np.random.default_rng(11 + packed)
-  b, t, s, block_rows, block_cols = 3, 96, 64, 16, 32
+  b, t, s, block_rows, block_cols = 3, 256, 128, 16, 32
   if packed:
-    rows = cols = np.cumsum(rng.random((b, t)) < 0.05, axis=1)
+    rows = cols = np.cumsum(rng.random((b, t)) < 0.02, axis=1)
     s = t
-  else:
-    rows, cols = rng.integers(0, 6, (b, t)), rng.integers(0, 6, (b, s))
+  else:  # mostly one id, so that some blocks hold it alone
+    rows, cols = (np.where(rng.random(n) < 0.98, 1, rng.integers(0, 6, n))
+                  for n in ((b, t), (b, s)))
   ranges = np.asarray(fa.document_block_ranges(
       jnp.asarray(rows, jnp.int32), jnp.asarray(cols, jnp.int32), block_rows, block_cols))
-  assert ranges.shape == (b, t // block_rows, 2) and ranges.dtype == np.int32
+  assert ranges.shape == (b, t // block_rows, 4) and ranges.dtype == np.int32
+  num_same = 0
   for bi in range(b):
     for i in range(t // block_rows):
       mine = set(rows[bi, i * block_rows:(i + 1) * block_rows])
-      shared = [j for j in range(s // block_cols)
-                if mine & set(cols[bi, j * block_cols:(j + 1) * block_cols])]
-      lo, hi = ranges[bi, i]
+      col_ids = [set(cols[bi, j * block_cols:(j + 1) * block_cols])
+                 for j in range(s // block_cols)]
+      shared = [j for j, ids in enumerate(col_ids) if mine & ids]
+      same = [j for j, ids in enumerate(col_ids) if len(mine) == 1 and ids == mine]
+      lo, hi, same_lo, same_hi = ranges[bi, i]
       assert all(lo <= j < hi for j in shared), (bi, i, lo, hi, shared)
+      assert set(range(same_lo, same_hi)) <= set(same), (bi, i, same_lo, same_hi, same)
+      num_same += same_hi - same_lo
       if packed:
         assert (lo, hi) == ((shared[0], shared[-1] + 1) if shared else (0, 0)), (bi, i)
+        assert list(range(same_lo, same_hi)) == same, (bi, i, same_lo, same_hi, same)
+  assert num_same > 0  # the case must hold some
 
 
 def check_other_documents_are_never_read(causal, lengths, hq, hkv, d, dtype, tol,

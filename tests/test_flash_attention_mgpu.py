@@ -10,6 +10,7 @@ tests/test_gpu.py runs on a GPU.
 """
 
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,9 @@ CASES = {
     # padding id 0 is also a real id).
     'packed_gqa2_window': (2, 256, 256, 4, 2, 64, True, 90, dict(segments='packed')),
     'cross_pair_segments': (1, 130, 300, 2, 1, 64, False, None, dict(segments='pair')),
+    # Documents [0, 320), [320, 448), [448, 512): blocks inside one document walk
+    # unmasked (rows 128.. over keys ..127), the ones across a boundary masked.
+    'long_documents_gqa2': (1, 512, 512, 2, 1, 64, True, None, dict(segments='long')),
 }
 
 
@@ -99,6 +103,23 @@ def test_mosaic_kernels_skip_other_documents_blocks():
   check_other_documents_are_never_read(True, (128, 128, 128), 2, 1, 64, jnp.bfloat16, 2e-2,
                                        backend='mosaic_gpu')
   assert not interpreter.get_races().races_found, 'race between warpgroups'
+
+
+def test_walk_is_unmasked_only_inside_one_document():
+  # The 'long' documents [0, 320), [320, 448), [448, 512); 128-row programs, 128-key
+  # blocks, causal. (lo, lo_full, hi_full, hi): blocks [lo_full, hi_full) run unmasked.
+  seg = _segment_ids(None, 'long', 1, 512, 512)
+  docs = fa_mgpu._SegmentSpec(seg, seg, True, 64, 128, 2).documents()
+  segs = types.SimpleNamespace(docs_ref=docs)
+  cfg = _config(64)
+  walks = [tuple(int(x) for x in fa_mgpu._in_documents(
+      segs, fa_mgpu._kv_ranges(n * 128, 128, 128, 4, cfg), 0, n)) for n in range(4)]
+  assert walks == [
+      (0, 0, 0, 1),  # rows 0..127: the diagonal block only
+      (0, 0, 1, 2),  # rows 128..255 (document 0): keys 0..127 unmasked, the diagonal not
+      (0, 0, 0, 3),  # rows 256..383 cross a boundary: all masked
+      (2, 2, 2, 4),  # rows 384..511 (documents 1, 2): keys 0..255 (document 0) skipped
+  ]
 
 
 def _lower_for_h100(fn, *args):

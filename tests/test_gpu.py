@@ -59,6 +59,7 @@ MOSAIC = {
                                  dict(block_q_bwd=128)),
     'd128_triton_bwd': (1, 1024, 1024, 8, 2, 128, True, None, dict(backend_bwd='triton')),
     'd128_packed_gqa': (2, 1024, 1024, 16, 4, 128, True, None, dict(segments='packed')),
+    'd128_long_documents': (2, 2048, 2048, 16, 4, 128, True, None, dict(segments='long')),
     'd64_cross_pair_segments_bk64': (1, 300, 520, 4, 2, 64, False, None,
                                      dict(segments='pair', block_k=64)),
 }
