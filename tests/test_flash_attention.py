@@ -28,14 +28,19 @@ def _packed_segments(rng, b, t):
 
 def _segment_ids(rng, segments, b, t, s):
   """None, 'packed' (documents, one [B, T] array), 'long' (three documents a row, from
-  5/8 and 7/8 of T (+16 a row): whole blocks inside one document) or 'pair' (random q
-  and kv ids)."""
+  5/8 and 7/8 of T (+16 a row): whole blocks inside one document), 'pair' (random q
+  and kv ids) or 'disjoint' (q and kv ids 0 for the first half, then ids they do not
+  share: blocks with nothing to attend to)."""
   if segments == 'packed':
     return _packed_segments(rng, b, t)
   if segments == 'long':
     pos, row = np.arange(t), 16 * np.arange(b)[:, None]
     ids = (pos >= 5 * t // 8 + row).astype(int) + (pos >= 7 * t // 8)
     return jnp.asarray(ids, jnp.int32)
+  if segments == 'disjoint':
+    return tuple(jnp.asarray(np.broadcast_to(np.where(np.arange(n) < n // 2, 0, other),
+                                             (b, n)), jnp.int32)
+                 for n, other in ((t, 5), (s, 7)))
   if segments == 'pair':
     return (jnp.asarray(rng.integers(0, 3, (b, t)), jnp.int32),
             jnp.asarray(rng.integers(0, 3, (b, s)), jnp.int32))
@@ -95,6 +100,8 @@ CASES = {
     'causal_packed_window': (2, 80, 80, 4, 2, 32, jnp.float32, True, 'packed', 13, (16, 16)),
     'window_of_one': (1, 24, 24, 4, 2, 16, jnp.float32, True, None, 1, (16, 16)),
     'cross_pair_segments': (1, 33, 50, 6, 2, 32, jnp.float32, False, 'pair', None, (16, 16)),
+    'cross_disjoint_segments': (1, 64, 80, 4, 2, 16, jnp.float32, False, 'disjoint', None,
+                                (16, 16)),
     'noncausal_padded_keys': (2, 37, 37, 4, 1, 16, jnp.float32, False, None, None, (16, 32)),
     'head_dim_24': (1, 20, 29, 2, 1, 24, jnp.float32, False, None, None, (16, 16)),
     'length_one': (2, 1, 1, 2, 1, 16, jnp.float32, True, None, None, (None, None)),

@@ -9,11 +9,14 @@ wgmma path is what the lowering tests check (layouts, shapes, shared memory) and
 tests/test_gpu.py runs on a GPU.
 """
 
+import dataclasses
+import math
 import re
 import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_kernels import flash_attention as fa
@@ -82,6 +85,9 @@ CASES = {
     # Documents [0, 320), [320, 448), [448, 512): blocks inside one document walk
     # unmasked (rows 128.. over keys ..127), the ones across a boundary masked.
     'long_documents_gqa2': (1, 512, 512, 2, 1, 64, True, None, dict(segments='long')),
+    # Programs whose documents meet no block: empty walks in all three kernels.
+    'cross_disjoint_segments': (1, 256, 256, 2, 1, 64, False, None,
+                                dict(segments='disjoint')),
 }
 
 
@@ -120,6 +126,69 @@ def test_walk_is_unmasked_only_inside_one_document():
       (0, 0, 0, 3),  # rows 256..383 cross a boundary: all masked
       (2, 2, 2, 4),  # rows 384..511 (documents 1, 2): keys 0..255 (document 0) skipped
   ]
+
+
+def _walks_of_random_documents(rng, trials):
+  """(walk, visible, real, rows, block, num_blocks) for each program of both walk
+  directions (forward and dq over kv blocks, dk/dv over q blocks) on random packed
+  documents, lengths and masks. visible, needed: [rows, columns] of the program's rows,
+  whether the pair attends, whether its mask matters: padded query rows are sliced off,
+  and so are padded keys' dK, dV rows, where padded (zero) queries add nothing either;
+  but a real query must never see a padded key."""
+  x = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+  for _ in range(trials):
+    causal = rng.random() < 0.6
+    window = int(rng.integers(1, 300)) if causal and rng.random() < 0.4 else None
+    rows, block = int(rng.choice([64, 128])), int(rng.choice([64, 128]))
+    t = int(rng.integers(1, 600))
+    s = t if causal else int(rng.integers(1, 600))
+    n = math.lcm(rows, block)
+    tp, sp = (-(-t // n) * n, -(-s // n) * n)
+    if causal:
+      tp = sp = max(tp, sp)
+    cfg = dataclasses.replace(fa._make_config(x, x, True, None, 0.1, {}, False, False),
+                              causal=causal, window=window, kv_len=s,
+                              mask_kv_padding=not causal and sp != s)
+    doc_rate = rng.choice([0.0, 0.003, 0.02, 0.1])  # 0: one document, padding ids too
+    ids = lambda n: np.cumsum(rng.random(n) < doc_rate)
+    q_ids = ids(t)
+    kv_ids = q_ids if causal else ids(s)
+    qs, ks = (np.pad(i, (0, p - len(i))) for i, p in ((q_ids, tp), (kv_ids, sp)))
+    qp, kp = np.arange(tp)[:, None], np.arange(sp)[None, :]
+    real = (qp < t) & (kp < s)
+    visible = (qs[:, None] == ks[None, :]) & real
+    if causal:
+      visible &= kp <= qp
+    if window is not None:
+      visible &= kp > qp - window
+    needed_fwd = np.broadcast_to(qp < t, real.shape)
+    for own, other, ranges, vis, ok in ((qs, ks, fa_mgpu._kv_ranges, visible, needed_fwd),
+                                        (ks, qs, fa_mgpu._q_ranges, visible.T, real.T)):
+      spec = fa_mgpu._SegmentSpec(jnp.asarray(own[None], jnp.int32),
+                                  jnp.asarray(other[None], jnp.int32), True, rows // 2, block, 2)
+      segs = types.SimpleNamespace(docs_ref=spec.documents())
+      for p in range(len(own) // rows):
+        walk = fa_mgpu._in_documents(
+            segs, ranges(p * rows, rows, block, len(other) // block, cfg), 0, p)
+        mine = slice(p * rows, (p + 1) * rows)
+        yield walk, vis[mine], ok[mine], block, len(other) // block
+
+
+def test_walks_visit_every_visible_block_and_unmask_only_whole_ones():
+  # For any lengths, masks and packed documents: a block with a visible pair is in
+  # [lo, hi), and in a block walked unmasked every pair whose mask matters is visible.
+  rng = np.random.default_rng(21)
+  unmasked = 0
+  for walk, visible, needed, block, num_blocks in _walks_of_random_documents(rng, 30):
+    lo, lo_full, hi_full, hi = (int(x) for x in walk)
+    assert 0 <= lo <= lo_full <= hi_full <= hi <= num_blocks, walk
+    for j in range(num_blocks):
+      cols = slice(j * block, (j + 1) * block)
+      assert not visible[:, cols].any() or lo <= j < hi, (walk, j)
+      if lo_full <= j < hi_full:
+        assert (visible[:, cols] | ~needed[:, cols]).all(), (walk, j)
+        unmasked += 1
+  assert unmasked > 0
 
 
 def _lower_for_h100(fn, *args):
