@@ -429,6 +429,16 @@ class _Segments(typing.NamedTuple):
             self.step_ready)
 
 
+def _program_walk(axis, rows, ranges_of, block, num_blocks, cfg, segs):
+  """(p0, walk) of this program: its first own row p0 (grid axis `axis` numbers programs
+  of `rows` rows) and the blocks it walks, ranges_of (_kv_ranges or _q_ranges) narrowed
+  to its documents."""
+  program = lax.axis_index(axis)
+  p0 = program * rows
+  walk = ranges_of(p0, rows, block, num_blocks, cfg)
+  return p0, _in_documents(segs, walk, lax.axis_index('batch'), program)
+
+
 def _in_documents(segs, ranges, b, program):
   """With segment ids: the walk (lo, lo_full, hi_full, hi) narrowed to the blocks that
   hold this program's documents, and its unmasked run to the blocks that need neither
@@ -448,10 +458,9 @@ def _in_documents(segs, ranges, b, program):
 def _program(refs, scratch, segs, cfg, tiles, interpret):
   q_ref, k_ref, v_ref, _, _ = refs
   _, k_smem, v_smem, _, k_ready, v_ready, _, k_done, v_done, _ = scratch
-  rows, bk = COMPUTE_WGS * tiles.block_q, tiles.block_k
-  n = lax.axis_index('q_blocks')
-  ranges = _in_documents(segs, _kv_ranges(n * rows, rows, bk, k_ref.shape[1] // bk, cfg),
-                         lax.axis_index('batch'), n)
+  bk = tiles.block_k
+  _, ranges = _program_walk('q_blocks', COMPUTE_WGS * tiles.block_q, _kv_ranges, bk,
+                            k_ref.shape[1] // bk, cfg, segs)
   wg = lax.axis_index('wg')
   pl.when(wg < COMPUTE_WGS)(
       lambda: _compute(refs, scratch, segs, wg, ranges, cfg, tiles, interpret))
@@ -580,9 +589,8 @@ def _dq_program(refs, scratch, segs, cfg, tiles, interpret):
    v_done) = scratch
   r, bk, stages = tiles.rows, tiles.block_k, tiles.stages
   b, h = lax.axis_index('batch'), lax.axis_index('heads')
-  p0 = lax.axis_index('q_blocks') * (COMPUTE_WGS * r)
-  ranges = _in_documents(segs, _kv_ranges(p0, COMPUTE_WGS * r, bk, k_ref.shape[1] // bk, cfg),
-                         b, lax.axis_index('q_blocks'))
+  p0, ranges = _program_walk('q_blocks', COMPUTE_WGS * r, _kv_ranges, bk,
+                             k_ref.shape[1] // bk, cfg, segs)
   lo, hi = ranges[0], ranges[3]
   wg = lax.axis_index('wg')
 
@@ -652,9 +660,8 @@ def _dkv_program(refs, scratch, segs, cfg, tiles, interpret):
    done) = scratch
   r, bq, stages, groups = tiles.rows, tiles.block_q, tiles.stages, cfg.groups
   b, kv_head = lax.axis_index('batch'), lax.axis_index('heads')
-  p0 = lax.axis_index('kv_blocks') * (COMPUTE_WGS * r)
-  ranges = _in_documents(segs, _q_ranges(p0, COMPUTE_WGS * r, bq, q_ref.shape[1] // bq, cfg),
-                         b, lax.axis_index('kv_blocks'))
+  p0, ranges = _program_walk('kv_blocks', COMPUTE_WGS * r, _q_ranges, bq,
+                             q_ref.shape[1] // bq, cfg, segs)
   lo, hi = ranges[0], ranges[3]
   n = hi - lo  # q blocks per head; step t = g * n + (i - lo) for head g, q block i
   wg = lax.axis_index('wg')
