@@ -1,7 +1,8 @@
 """Causal attention forward and backward TFLOP/s: our Pallas kernels vs cuDNN vs XLA.
 
 `pallas` is the portable kernel set (Triton lowering); `pallas_mosaic` runs the Mosaic GPU
-Hopper kernels (flash_attention_mgpu), forward and backward.
+Hopper kernels (flash_attention_mgpu), forward and backward; `pallas_mosaic_fused` the same
+forward with the one-kernel backward (dQ by TMA reduce-add).
 
   python -m benchmarks.attention            # GPU: 8K, 16K, 64K tokens; MHA and GQA 32/8
   python -m benchmarks.attention --smoke    # CPU: tiny shapes, interpret mode (no timing claims)
@@ -36,6 +37,8 @@ def implementations(smoke: bool) -> dict:
   if not smoke:
     impls['pallas_mosaic'] = functools.partial(flash_attention, causal=True,
                                                backend='mosaic_gpu')
+    impls['pallas_mosaic_fused'] = functools.partial(
+        flash_attention, causal=True, backend='mosaic_gpu', backend_bwd='mosaic_gpu_fused')
     impls['cudnn'] = functools.partial(jax.nn.dot_product_attention, is_causal=True,
                                        implementation='cudnn')
   impls['xla'] = functools.partial(jax.nn.dot_product_attention, is_causal=True,
@@ -121,15 +124,15 @@ def add_ratios(rows):
 
 
 def print_table(rows):
-  print(f"{'impl':14}{'T':>7}{'Hkv':>5}{'fwd TF/s':>10}{'bwd TF/s':>10}"
+  print(f"{'impl':20}{'T':>7}{'Hkv':>5}{'fwd TF/s':>10}{'bwd TF/s':>10}"
         f"{'fwd/cuDNN':>11}{'bwd/cuDNN':>11}")
   for r in rows:
     if 'error' in r:
-      print(f"{r['impl']:14}{r['seq_len']:>7}{r['kv_heads']:>5}  {r['error'][:60]}")
+      print(f"{r['impl']:20}{r['seq_len']:>7}{r['kv_heads']:>5}  {r['error'][:60]}")
       continue
     ratios = ''.join(f"{r[k]:>11.2f}" if k in r else f"{'':>11}"
                      for k in ('fwd_vs_cudnn', 'bwd_vs_cudnn'))
-    print(f"{r['impl']:14}{r['seq_len']:>7}{r['kv_heads']:>5}{r['fwd_tflops']:>10.1f}"
+    print(f"{r['impl']:20}{r['seq_len']:>7}{r['kv_heads']:>5}{r['fwd_tflops']:>10.1f}"
           f"{r['bwd_tflops']:>10.1f}{ratios}")
 
 
@@ -171,15 +174,15 @@ def main_packed(args):
     case, d, dtype, iters, doc_lens = (TOKENS // 8192, 8192, 32, 8), 128, jnp.bfloat16, \
         args.iters, DOC_LENS
   rows = run_packed(impls, *case, d, dtype, iters, doc_lens)
-  print(f"{'impl':14}{'doc':>6}{'fwd ms':>9}{'bwd ms':>9}{'useful fwd TF/s':>17}"
+  print(f"{'impl':20}{'doc':>6}{'fwd ms':>9}{'bwd ms':>9}{'useful fwd TF/s':>17}"
         f"{'bwd TF/s':>10}{'fwd vs one doc':>16}{'bwd':>6}")
   for r in rows:
     if 'error' in r:
-      print(f"{r['impl']:14}{r['doc_len']:>6}  {r['error'][:60]}")
+      print(f"{r['impl']:20}{r['doc_len']:>6}  {r['error'][:60]}")
       continue
     ratios = (f"{r['fwd_vs_one_doc']:>16.2f}{r['bwd_vs_one_doc']:>6.2f}"
               if 'fwd_vs_one_doc' in r else '')
-    print(f"{r['impl']:14}{r['doc_len']:>6}{r['fwd_ms']:>9.2f}{r['bwd_ms']:>9.2f}"
+    print(f"{r['impl']:20}{r['doc_len']:>6}{r['fwd_ms']:>9.2f}{r['bwd_ms']:>9.2f}"
           f"{r['fwd_tflops']:>17.1f}{r['bwd_tflops']:>10.1f}{ratios}")
   if not args.smoke:
     print(write_result(f'attention_packed_{jax.devices()[0].device_kind.replace(" ", "_")}',

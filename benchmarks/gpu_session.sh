@@ -41,9 +41,9 @@ run_stage() {
     machine) stage machine 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,\
 clocks.max.sm,driver_version --format=csv; $PY -c 'import jax, jaxlib; print(\"jax\", \
 jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'" ;;
-    tests) stage tests "${TEST_LIMIT:-420}" env MESHLM_TEST_GPU=1 "$PY" -m pytest -rs \
+    tests) stage tests "${TEST_LIMIT:-480}" env MESHLM_TEST_GPU=1 "$PY" -m pytest -rs \
       tests/test_gpu.py tests/test_flash_attention.py ;;
-    attention) stage attention "${ATTENTION_LIMIT:-330}" "$PY" -m benchmarks.attention ;;
+    attention) stage attention "${ATTENTION_LIMIT:-420}" "$PY" -m benchmarks.attention ;;
     tiles) stage tiles "${TILES_LIMIT:-480}" "$PY" -m benchmarks.attention --tiles ;;
     paged_decode) stage paged_decode "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode ;;
     paged_tiles) stage paged_tiles "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode \

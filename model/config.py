@@ -4,7 +4,7 @@ import dataclasses
 
 ATTENTION_IMPLS = ('xla', 'cudnn', 'pallas')
 # The flash kernels attention_impl='pallas' runs (pallas_kernels.flash_attention's backend).
-PALLAS_BACKENDS = ('triton', 'mosaic_gpu')
+PALLAS_BACKENDS = ('triton', 'mosaic_gpu', 'mosaic_gpu_fused')
 REMAT_POLICIES = ('none', 'full', 'save_matmuls')
 
 
@@ -31,7 +31,9 @@ class ModelConfig:
   param_dtype: str = 'float32'   # master weights
   remat: str = 'none'            # one of REMAT_POLICIES
   attention_impl: str = 'xla'    # one of ATTENTION_IMPLS
-  pallas_backend: str = 'triton'  # one of PALLAS_BACKENDS; mosaic_gpu: Hopper, bf16/fp16
+  # One of PALLAS_BACKENDS. mosaic_gpu: the Hopper kernels (bf16/fp16); mosaic_gpu_fused:
+  # the same forward and their one-kernel backward (head_dim 64/128).
+  pallas_backend: str = 'triton'
   init_std: float = 0.02
   loss_chunk: int = 0            # >0: compute logits+loss this many tokens at a time
 
@@ -55,8 +57,9 @@ class ModelConfig:
          f'model.attention_impl={self.attention_impl!r}: choose one of {ATTENTION_IMPLS}.')
     need(self.pallas_backend in PALLAS_BACKENDS,
          f'model.pallas_backend={self.pallas_backend!r}: choose one of {PALLAS_BACKENDS}.')
-    need(self.pallas_backend != 'mosaic_gpu' or self.dtype in ('bfloat16', 'float16'),
-         f"model.pallas_backend='mosaic_gpu' runs bfloat16/float16 attention; set "
+    mosaic = self.pallas_backend.startswith('mosaic_gpu')
+    need(not mosaic or self.dtype in ('bfloat16', 'float16'),
+         f"model.pallas_backend={self.pallas_backend!r} runs bfloat16/float16 attention; set "
          f"model.dtype='bfloat16' (it is {self.dtype!r}) or model.pallas_backend='triton'.")
     need(self.remat in REMAT_POLICIES,
          f'model.remat={self.remat!r}: choose one of {REMAT_POLICIES}.')
@@ -68,6 +71,9 @@ class ModelConfig:
     need(self.head_dim > 0 or self.embed_dim % self.num_heads == 0,
          f'model.embed_dim={self.embed_dim} is not divisible by model.num_heads='
          f'{self.num_heads}: set model.head_dim explicitly.')
+    need(self.pallas_backend != 'mosaic_gpu_fused' or self.resolved_head_dim in (64, 128),
+         f"model.pallas_backend='mosaic_gpu_fused' takes head_dim 64 or 128 (it is "
+         f"{self.resolved_head_dim}); use model.pallas_backend='mosaic_gpu'.")
     need(self.resolved_head_dim % 2 == 0,
          f'head_dim={self.resolved_head_dim} must be even for RoPE.')
     for name in ('dtype', 'param_dtype'):

@@ -159,9 +159,13 @@ def attention_cudnn(q, k, v, segment_ids):
 
 def attention_pallas(q, k, v, segment_ids, plan, backend='triton'):
   """The Pallas flash kernel, run per shard: a pallas_call is opaque to the partitioner.
-  backend: model.pallas_backend."""
+  backend: model.pallas_backend ('mosaic_gpu_fused': the Mosaic GPU forward and its
+  one-kernel backward)."""
+  kernels = dict(backend=backend)
+  if backend == 'mosaic_gpu_fused':
+    kernels = dict(backend='mosaic_gpu', backend_bwd=backend)
   if plan is None:
-    return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, backend=backend)
+    return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, **kernels)
   spec = plan.activations.spec
   q_spec = spec(('batch', 'act_seq', 'act_heads', None))
   kv_spec = spec(('batch', 'act_seq', 'act_kv_heads', None))
@@ -171,7 +175,7 @@ def attention_pallas(q, k, v, segment_ids, plan, backend='triton'):
     specs.append(spec(('batch', 'act_seq')))
 
   def local(q, k, v, segment_ids=None):
-    return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, backend=backend)
+    return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, **kernels)
 
   return jax.shard_map(local, mesh=plan.mesh, in_specs=tuple(specs), out_specs=q_spec,
                        check_vma=False)(*args)

@@ -409,10 +409,12 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
       forward (TMA, wgmma, warp-specialized; bf16/fp16, head_dim 64/128/256); there
       block_k and num_stages set its K/V tile and pipeline depth and block_q must be
       128 (two warpgroups of 64 rows).
-    backend_bwd: the backward kernels, 'triton' or 'mosaic_gpu' (flash_attention_mgpu's
+    backend_bwd: the backward kernels, 'triton', 'mosaic_gpu' (flash_attention_mgpu's
       Hopper backward: bf16/fp16, head_dim 64/128; block_q_bwd and
-      block_k_bwd in (64, 128) set its q and kv steps). Default: `backend`, except that
-      'mosaic_gpu' at head_dim 256 takes the Triton backward.
+      block_k_bwd in (64, 128) set its q and kv steps) or 'mosaic_gpu_fused' (its one-
+      kernel backward: dQ summed in fp32 by TMA reduce-adds, 5 matmuls a block instead
+      of 7, dQ's low bits not deterministic; block_k_bwd unused). Default: `backend`,
+      except that 'mosaic_gpu' at head_dim 256 takes the Triton backward.
     interpret: run the Pallas interpreter; default: when the backend is CPU.
     _poison_outputs: test only; kernel outputs start as NaN so unwritten blocks show.
 
@@ -535,19 +537,21 @@ def _mosaic_bwd_tiles(backend, backend_bwd, q, tiles):
       backend_bwd = 'triton'
   if backend_bwd in (None, 'triton'):
     return None
-  if backend_bwd != 'mosaic_gpu':
-    raise ValueError(f"backend_bwd={backend_bwd!r}: use 'triton' or 'mosaic_gpu'.")
+  if backend_bwd not in ('mosaic_gpu', 'mosaic_gpu_fused'):
+    raise ValueError(f"backend_bwd={backend_bwd!r}: use 'triton', 'mosaic_gpu' or "
+                     "'mosaic_gpu_fused'.")
   why = flash_attention_mgpu.unsupported_reason(q)
   if why is None and d not in flash_attention_mgpu.BWD_HEAD_DIMS:
     why = f'head_dim {d} (it takes {flash_attention_mgpu.BWD_HEAD_DIMS})'
   if why:
-    raise ValueError(f"backend_bwd='mosaic_gpu' does not take {why}; use "
+    raise ValueError(f"backend_bwd={backend_bwd!r} does not take {why}; use "
                      "backend_bwd='triton'.")
   mosaic = flash_attention_mgpu.MosaicBwdTiles(
       block_q=tiles.pop('block_q_bwd') or flash_attention_mgpu.MosaicBwdTiles.block_q,
-      block_k=tiles.pop('block_k_bwd') or flash_attention_mgpu.MosaicBwdTiles.block_k)
+      block_k=tiles.pop('block_k_bwd') or flash_attention_mgpu.MosaicBwdTiles.block_k,
+      fused=backend_bwd == 'mosaic_gpu_fused')
   if mosaic.block_q not in (64, 128) or mosaic.block_k not in (64, 128):
-    raise ValueError(f"backend_bwd='mosaic_gpu' takes block_q_bwd and block_k_bwd in "
+    raise ValueError(f'backend_bwd={backend_bwd!r} takes block_q_bwd and block_k_bwd in '
                      f'(64, 128); got {mosaic.block_q}, {mosaic.block_k}.')
   _check_smem(mosaic, d, f'block_q_bwd={mosaic.block_q}, block_k_bwd={mosaic.block_k}',
               '64 for both')

@@ -24,7 +24,8 @@ the mask. With segment ids (packed documents) the walk is narrowed to the blocks
 program's own documents (documents.py), and only blocks inside one document skip the
 segment mask: the producer streams each block's kv ids beside it (_Segments).
 
-The backward (two kernels, dq and dk/dv) is laid out the same way; see its section below.
+The backward (two kernels, dq and dk/dv, or the dk/dv one alone adding dQ by TMA
+reduce-adds) is laid out the same way; see its section below.
 
 Same semantics as the portable forward (flash_attention._forward): q [B, T, Hq, D] padded
 to a multiple of 2 * block_q rows, k, v [B, S, Hkv, D] padded to a multiple of block_k;
@@ -155,6 +156,21 @@ def _mma_acc(terms, interpret):
       plgpu.wgmma(ref, a, b)
 
   return list(pl.run_state(run)(tuple(_acc_type().init(acc) for acc, _, _ in terms)))
+
+
+def _mma_tn(pairs, shape, interpret):
+  """sum(A^T B for (A, B) in pairs), fp32 `shape`: A and B SMEM tiles, A transposed
+  (the fused backward's dQ = dS^T K from dS^T stored key-major)."""
+  if interpret:  # the interpreter has no wgmma with a transposed operand
+    return sum(lax.dot_general(a[...], b[...], (((0,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32) for a, b in pairs)
+
+  def run(acc):
+    for a, b in pairs:
+      plgpu.wgmma(acc, plgpu.transpose_ref(a, (1, 0)), b)
+    return acc[...]
+
+  return pl.run_scoped(run, _acc_type()(shape, jnp.float32))
 
 
 def _acc_type():
@@ -343,35 +359,46 @@ def _released(num_barriers):
 
 
 def _launch(program, scratch_types, out_type, grid, grid_names, interpret, inputs,
-            segments=None):
+            segments=None, accumulators=()):
   """Runs a kernel of COMPUTE_WGS compute warpgroups and one producer (axis 'wg') on
   `inputs`: program(refs, scratch, segs) runs in each, segs the _Segments made from
   `segments` (a _SegmentSpec; their ids, buffers and barriers travel apart from refs and
-  scratch), or None."""
+  scratch), or None. refs: inputs, then `accumulators` (GMEM arrays the kernel adds into
+  in place, starting from their values), then outputs. Returns the outputs, and with
+  accumulators (outputs, their final values)."""
   seg_inputs, seg_types = (), ()
   if segments is not None:
     seg_inputs = (segments.q_seg, segments.kv_seg, segments.documents())
     seg_types = _Segments.scratch(segments.rows, segments.block, segments.stages)
-  n = len(inputs)
+  n, m = len(inputs), len(seg_inputs)
 
   def body(refs, scratch):
     segs = None
     if segments is not None:
-      q_seg, kv_seg, docs = refs[n:n + 3]
+      q_seg, kv_seg, docs = refs[n:n + m]
       own, step = (q_seg, kv_seg) if segments.own_is_q else (kv_seg, q_seg)
       segs = _Segments(own, step, docs, *scratch[-4:])
-      refs, scratch = refs[:n] + refs[n + 3:], scratch[:-4]
-    program(refs, scratch, segs)
+      scratch = scratch[:-4]
+    program(refs[:n] + refs[n + m:], scratch, segs)
 
   def entry(*refs):
     pl.run_scoped(lambda *scratch: body(refs, scratch), *scratch_types, *seg_types,
                   collective_axes='wg')
 
-  return plgpu.kernel(
-      entry, out_type=out_type, grid=grid, grid_names=grid_names,
-      num_threads=COMPUTE_WGS + 1, thread_name='wg',
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_interpret_params() if interpret else None)(*inputs, *seg_inputs)
+  options = dict(compiler_params=plgpu.CompilerParams(approx_math=True),
+                 interpret=_interpret_params() if interpret else None)
+  if not accumulators:
+    return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names,
+                        num_threads=COMPUTE_WGS + 1, thread_name='wg',
+                        **options)(*inputs, *seg_inputs)
+  # A Ref argument is aliased in and out of the kernel (plgpu.kernel's vmap wrapper
+  # takes no Refs, so the mesh goes to pl.kernel directly).
+  refs = [jax.new_ref(x, memory_space=plgpu.GMEM) for x in accumulators]
+  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=COMPUTE_WGS + 1,
+                    thread_name='wg')
+  outs = pl.kernel(entry, out_type=out_type, mesh=mesh, **options)(
+      *inputs, *seg_inputs, *refs)
+  return outs, tuple(ref[...] for ref in refs)
 
 
 class _SegmentSpec(typing.NamedTuple):
@@ -491,6 +518,15 @@ def _program(refs, scratch, segs, cfg, tiles, interpret):
 # so a kv head's dK, dV are summed over its query heads in fp32 registers and stored
 # once, with no atomics and no [B, S, Hq, D] buffer. Each step issues its two
 # independent products together (one wgmma wait) and then its two accumulations.
+#
+# Fused (MosaicBwdTiles.fused, FlashAttention-3's way): the dk/dv kernel alone, which
+# also adds each step's dQ = dS K into an fp32 [B, Hq, T, D] buffer with TMA reduce-adds.
+# That drops the dq kernel's recomputation of S and dP: 5 matmuls a block instead of 7.
+# Each step the compute warpgroups store dS^T (bf16) in SMEM; at head_dim >= 128 they
+# then wait for each other and each takes half of D over both warpgroups' keys
+# (dQ[:, half] = dS^T K[:, half], one [block_q, D/2] reduce-add each), below it each
+# adds its own keys' [block_q, D]. The adds land in any order, so dQ's low bits vary
+# from run to run; the two-kernel backward is the deterministic one.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,13 +541,27 @@ class MosaicBwdTiles:
   block_k: int = 64
   stages: int = 2
   rows: int = 64
+  fused: bool = False  # one kernel, dQ by TMA reduce-add (see above); block_k unused
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-    """The larger of the two kernels' shared memory."""
+    """The larger of the two kernels' shared memory (the fused kernel's alone)."""
     own = 2 * COMPUTE_WGS * self.rows * head_dim * itemsize  # Q, dO or K, V
     dq = own + 2 * self.stages * self.block_k * head_dim * itemsize
     dkv = own + self.stages * self.block_q * (2 * head_dim * itemsize + 2 * 4)
-    return max(dq, dkv) + COMPUTE_WGS * 2 * self.rows * 4
+    stats = COMPUTE_WGS * 2 * self.rows * 4
+    stats += (COMPUTE_WGS * self.rows + self.stages * max(self.block_q, self.block_k)) * 4  # ids
+    if self.fused:
+      ds = 2 * COMPUTE_WGS * self.rows * self.block_q * itemsize  # two steps' dS^T
+      staged = COMPUTE_WGS * self.block_q * _dq_columns(head_dim) * 4  # fp32 dQ
+      return dkv + ds + staged + stats
+    return max(dq, dkv) + stats
+
+
+def _dq_columns(head_dim):
+  """The fused backward's dQ columns per compute warpgroup: half of D (over both
+  warpgroups' keys) where a half is whole 128-byte swizzle tiles of K, else all of D
+  (over its own keys)."""
+  return head_dim // COMPUTE_WGS if head_dim >= 128 else head_dim
 
 
 BWD_HEAD_DIMS = (64, 128)  # d 256 holds dK, dV at 256 fp32 registers a thread: too many
@@ -533,6 +583,8 @@ def backward(q, k, v, do, lse, delta, cfg, tiles: MosaicBwdTiles | None = None, 
   stats = jnp.stack([lse * _LOG2E, delta], axis=2).astype(jnp.float32)  # [B, Hq, 2, T]
   r, interpret = tiles.rows, cfg.interpret
   inputs = (q, k, v, do, stats)
+  if tiles.fused:
+    return _dkv(inputs, cfg, tiles, q_seg, kv_seg)
 
   dq_scratch = (_smem((COMPUTE_WGS, r, d), q.dtype),                 # Q, then dQ
                 _smem((COMPUTE_WGS, r, d), q.dtype),                 # dO
@@ -550,24 +602,50 @@ def backward(q, k, v, do, lse, delta, cfg, tiles: MosaicBwdTiles | None = None, 
       interpret=interpret, inputs=inputs,
       segments=_SegmentSpec.of(q_seg, kv_seg, True, r, tiles.block_k, tiles.stages))
 
-  dkv_scratch = (_smem((COMPUTE_WGS, r, d), k.dtype),                # K, then dK
-                 _smem((COMPUTE_WGS, r, d), k.dtype),                # V, then dV
-                 _smem((tiles.stages, tiles.block_q, d), q.dtype),   # Q slots
-                 _smem((tiles.stages, tiles.block_q, d), q.dtype),   # dO slots
-                 plgpu.SMEM((tiles.stages, 2, tiles.block_q), jnp.float32),  # stats slots
-                 plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),        # own K, V
-                 plgpu.Barrier(num_barriers=tiles.stages),           # q_ready
-                 plgpu.Barrier(num_barriers=tiles.stages),           # do_ready
-                 plgpu.Barrier(num_barriers=tiles.stages),           # stats_ready
-                 _released(tiles.stages))                            # done (all of a slot)
-  dk, dv = _launch(
-      lambda refs, scratch, segs: _dkv_program(refs, scratch, segs, cfg, tiles, interpret),
-      dkv_scratch, (jax.ShapeDtypeStruct(k.shape, k.dtype),
-                    jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      grid=(hkv, s // rows, b), grid_names=('heads', 'kv_blocks', 'batch'),
-      interpret=interpret, inputs=inputs,
-      segments=_SegmentSpec.of(q_seg, kv_seg, False, r, tiles.block_q, tiles.stages))
-  return dq, dk, dv
+  return (dq, *_dkv(inputs, cfg, tiles, q_seg, kv_seg))
+
+
+def _dkv(inputs, cfg, tiles, q_seg, kv_seg):
+  """dk, dv (and fused, dq) from the dk/dv kernel."""
+  q, k, v = inputs[:3]
+  b, t, hq, d = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  r, bq = tiles.rows, tiles.block_q
+  scratch = (_smem((COMPUTE_WGS, r, d), k.dtype),                # K, then dK
+             _smem((COMPUTE_WGS, r, d), k.dtype),                # V, then dV
+             _smem((tiles.stages, bq, d), q.dtype),              # Q slots
+             _smem((tiles.stages, bq, d), q.dtype),              # dO slots
+             plgpu.SMEM((tiles.stages, 2, bq), jnp.float32),     # stats slots
+             plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),        # own K, V
+             plgpu.Barrier(num_barriers=tiles.stages),           # q_ready
+             plgpu.Barrier(num_barriers=tiles.stages),           # do_ready
+             plgpu.Barrier(num_barriers=tiles.stages),           # stats_ready
+             _released(tiles.stages))                            # done (all of a slot)
+  accumulators = ()
+  if tiles.fused:
+    cols = _dq_columns(d)
+    scratch += (_smem((2, COMPUTE_WGS, r, bq), q.dtype),        # dS^T of two steps
+                plgpu.SMEM((COMPUTE_WGS, bq, cols), jnp.float32,  # dQ, staged for TMA
+                           transforms=(plgpu.TilingTransform((8, 32)),
+                                       plgpu.SwizzleTransform(128))),
+                _released(2),                                    # ds_ready (two steps)
+                plgpu.Barrier(num_barriers=COMPUTE_WGS))         # interpreter's dQ load
+    # One fp32 dQ; in the interpreter one per compute warpgroup when both add the same
+    # columns (below D 128), as it has no atomic add (_DqAdder).
+    copies = COMPUTE_WGS if cfg.interpret and cols == d else 1
+    accumulators = (jnp.zeros((copies, b, hq, t, d), jnp.float32),)
+  out = _launch(
+      lambda refs, scratch, segs: _dkv_program(refs, scratch, segs, cfg, tiles,
+                                               cfg.interpret),
+      scratch, (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      grid=(hkv, s // (COMPUTE_WGS * r), b), grid_names=('heads', 'kv_blocks', 'batch'),
+      interpret=cfg.interpret, inputs=inputs,
+      segments=_SegmentSpec.of(q_seg, kv_seg, False, r, bq, tiles.stages),
+      accumulators=accumulators)
+  if not tiles.fused:
+    return out
+  (dk, dv), (dq,) = out
+  return (dq.sum(axis=0) * cfg.scale).astype(q.dtype).transpose(0, 2, 1, 3), dk, dv
 
 
 def _vector(smem, reduced_dim, interpret):
@@ -655,9 +733,10 @@ def _q_ranges(c0, rows, block_q, num_q_blocks, cfg):
 
 
 def _dkv_program(refs, scratch, segs, cfg, tiles, interpret):
-  q_ref, k_ref, v_ref, do_ref, stats_ref, dk_ref, dv_ref = refs
+  q_ref, k_ref, v_ref, do_ref, stats_ref = refs[:5]
+  dk_ref, dv_ref = refs[-2:]
   (k_smem, v_smem, q_smem, do_smem, stats_smem, own_ready, q_ready, do_ready, stats_ready,
-   done) = scratch
+   done) = scratch[:10]
   r, bq, stages, groups = tiles.rows, tiles.block_q, tiles.stages, cfg.groups
   b, kv_head = lax.axis_index('batch'), lax.axis_index('heads')
   p0, ranges = _program_walk('kv_blocks', COMPUTE_WGS * r, _q_ranges, bq,
@@ -674,10 +753,14 @@ def _dkv_program(refs, scratch, segs, cfg, tiles, interpret):
     k_mine, v_mine = k_smem.at[wg], v_smem.at[wg]
     _load_own(((k_ref.at[own], k_mine), (v_ref.at[own], v_mine)), own_ready, wg)
     k_ids = segs.own_ids(b, c0, wg, interpret) if segs else None
+    add_dq = None
+    if tiles.fused:
+      add_dq = _DqAdder(refs[5], k_smem, *scratch[10:], wg, c0, cfg, interpret)
 
     def step(i, carry, g, masked):
       dk, dv = carry
-      slot = lax.rem(g * n + i - lo, stages)
+      t = g * n + i - lo
+      slot = lax.rem(t, stages)
       q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
       plgpu.barrier_wait(q_ready.at[slot])
       plgpu.barrier_wait(do_ready.at[slot])
@@ -696,6 +779,8 @@ def _dkv_program(refs, scratch, segs, cfg, tiles, interpret):
       dv, dk = _mma_acc([(dv, pt.astype(dtype), do_slot), (dk, dst.astype(dtype), q_slot)],
                         interpret)
       plgpu.barrier_arrive(done.at[slot])
+      if add_dq:
+        add_dq(dst, t, kv_head * groups + g, i * bq)
       return dk, dv
 
     def head(g, carry):
@@ -703,6 +788,8 @@ def _dkv_program(refs, scratch, segs, cfg, tiles, interpret):
 
     zeros = _filled((r, k_smem.shape[-1]), 0.0, interpret)
     dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
+    if add_dq:
+      add_dq.finish(groups * n)
     k_mine[...] = (dk * cfg.scale).astype(k_mine.dtype)
     v_mine[...] = dv.astype(v_mine.dtype)
     plgpu.commit_smem()
@@ -728,6 +815,74 @@ def _dkv_program(refs, scratch, segs, cfg, tiles, interpret):
     ids = [segs.load(b, lambda t: head_and_row(t)[1])] if segs else []
     _produce(((done, [(rows_of(q_ref), q_smem, q_ready), (stats_of, stats_smem, stats_ready),
                       *ids, (rows_of(do_ref), do_smem, do_ready)]),), groups * n, stages)
+
+
+class _DqAdder:
+  """The fused backward's dQ: called with each step's dS^T [r, block_q] (fp32 registers)
+  in one compute warpgroup, it adds dS K of that q block into dq_acc [copies, B, Hq, T, D]
+  fp32 (TMA reduce-add; module comment above). copies: 1, or in the interpreter one per
+  warpgroup when both add the same columns."""
+
+  def __init__(self, dq_acc, k_smem, ds_smem, dq_smem, ds_ready, loaded, wg, c0, cfg,
+               interpret):
+    self.dq_acc, self.k_smem, self.ds_smem = dq_acc, k_smem, ds_smem
+    self.dq_smem, self.ds_ready, self.loaded = dq_smem.at[wg], ds_ready, loaded.at[wg]
+    self.wg, self.cfg, self.interpret = wg, cfg, interpret
+    d = k_smem.shape[-1]
+    self.cols = _dq_columns(d)
+    self.shared = self.cols < d  # both warpgroups' keys, half of D each
+    self.key_ok = None
+    if cfg.mask_kv_padding:
+      # Padded keys (zero rows of K) may meet real queries unmasked here: zero their dS so
+      # an overflowing exp cannot turn 0 * inf into NaN in dQ.
+      self.key_ok = c0 + _iota((ds_smem.shape[2], ds_smem.shape[3]), 0, interpret) < cfg.kv_len
+
+  def __call__(self, dst, t, head, row):
+    wg, interpret = self.wg, self.interpret
+    if self.key_ok is not None:
+      dst = jnp.where(self.key_ok, dst, 0.0)
+    # Two steps' buffers: a warpgroup rewrites step t's only at step t + 2, after both
+    # passed step t + 1's ds_ready, so after both finished step t's dQ matmul.
+    parity = lax.rem(t, 2)
+    self.ds_smem.at[parity, wg][...] = dst.astype(self.ds_smem.dtype)
+    plgpu.commit_smem()  # visible to wgmma (the async proxy)
+    if self.shared:
+      plgpu.barrier_arrive(self.ds_ready.at[parity])
+      plgpu.barrier_wait(self.ds_ready.at[parity])
+      col0 = wg * self.cols
+      pairs = [(self.ds_smem.at[parity, w], self.k_smem.at[w, :, pl.ds(col0, self.cols)])
+               for w in range(COMPUTE_WGS)]
+    else:
+      col0 = 0
+      pairs = [(self.ds_smem.at[parity, wg], self.k_smem.at[wg])]
+    bq = self.dq_smem.shape[0]
+    dq = _mma_tn(pairs, (bq, self.cols), interpret)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read dq_smem
+    copy = wg if self.dq_acc.shape[0] > 1 else 0
+    dst_ref = self.dq_acc.at[copy, lax.axis_index('batch'), head, pl.ds(row, bq),
+                             pl.ds(col0, self.cols)]
+    if interpret:
+      # Mosaic GPU's interpreter has no TMA reduction: load, add and store instead. It
+      # runs programs one at a time, and the warpgroups add disjoint columns or their own
+      # copies of dQ, so this is the same sum without the atomicity.
+      plgpu.copy_gmem_to_smem(dst_ref, self.dq_smem, self.loaded)
+      plgpu.barrier_wait(self.loaded)
+      dq = dq + self.dq_smem[...]
+    self.dq_smem[...] = dq
+    plgpu.commit_smem()
+    if interpret:
+      plgpu.copy_smem_to_gmem(self.dq_smem, dst_ref)
+    else:
+      plgpu.copy_smem_to_gmem(self.dq_smem, dst_ref, reduction_op='add')
+
+  def finish(self, num_steps):
+    """After the last step: in shared mode the other warpgroup's last dQ matmul may
+    still read this one's K, which dK is about to overwrite: wait for each other (on
+    the buffer the next step would have used, so every phase is waited on by both)."""
+    if self.shared:
+      parity = lax.rem(num_steps, 2)
+      plgpu.barrier_arrive(self.ds_ready.at[parity])
+      plgpu.barrier_wait(self.ds_ready.at[parity])
 
 
 def _bcast_cols(x, shape):

@@ -61,14 +61,17 @@ def test_pallas_under_per_shard_grad_accumulation():
   assert max(jax.tree.leaves(jax.tree.map(rel_err, grads, ref_grads))) < 1e-5
 
 
-def test_pallas_backend_reaches_the_kernel(monkeypatch):
-  """model.pallas_backend picks flash_attention's backend inside the sharded model. The
-  Mosaic kernels themselves are checked in test_flash_attention_mgpu; here the call is
-  recorded and served by the portable kernels."""
+@pytest.mark.parametrize('pallas_backend, kernels', [
+    ('mosaic_gpu', ('mosaic_gpu', None)),
+    ('mosaic_gpu_fused', ('mosaic_gpu', 'mosaic_gpu_fused'))])
+def test_pallas_backend_reaches_the_kernel(monkeypatch, pallas_backend, kernels):
+  """model.pallas_backend picks flash_attention's forward and backward kernels inside the
+  sharded model. The Mosaic kernels themselves are checked in test_flash_attention_mgpu;
+  here the call is recorded and served by the portable kernels."""
   real, seen = transformer.flash_attention, []
 
-  def recording(*args, backend=None, **kwargs):
-    seen.append(backend)
+  def recording(*args, backend=None, backend_bwd=None, **kwargs):
+    seen.append((backend, backend_bwd))
     return real(*args, **kwargs)
 
   monkeypatch.setattr(transformer, 'flash_attention', recording)
@@ -76,15 +79,18 @@ def test_pallas_backend_reaches_the_kernel(monkeypatch):
   mesh_cfg = MeshConfig(data=1, fsdp=2, tensor=4)
   loss, _ = sharded_loss_and_grads(cfg, mesh_cfg, 3, True)
   cfg.model = dataclasses.replace(cfg.model, attention_impl='pallas',
-                                  pallas_backend='mosaic_gpu')
+                                  pallas_backend=pallas_backend)
   p_loss, _ = sharded_loss_and_grads(cfg, mesh_cfg, 3, True)
-  assert seen and set(seen) == {'mosaic_gpu'}
+  assert seen and set(seen) == {kernels}
   assert rel_err(p_loss, loss) < 1e-5
 
 
 @pytest.mark.parametrize('overrides, message', [
     (dict(pallas_backend='cuda'), "pallas_backend='cuda': choose one of"),
     (dict(pallas_backend='mosaic_gpu', dtype='float32'), "set model.dtype='bfloat16'"),
+    (dict(pallas_backend='mosaic_gpu_fused', dtype='float32'), "set model.dtype='bfloat16'"),
+    (dict(pallas_backend='mosaic_gpu_fused', dtype='bfloat16', head_dim=32),
+     "'mosaic_gpu_fused' takes head_dim 64 or 128"),
 ])
 def test_pallas_backend_is_validated(overrides, message):
   cfg = dataclasses.replace(tiny_config().model, **overrides)

@@ -88,6 +88,17 @@ CASES = {
     # Programs whose documents meet no block: empty walks in all three kernels.
     'cross_disjoint_segments': (1, 256, 256, 2, 1, 64, False, None,
                                 dict(segments='disjoint')),
+    # The fused backward (dQ added per step). d 128: the two warpgroups share their dS
+    # and each adds half of D; three q heads per kv head and an odd q-block count, so the
+    # two dS buffers alternate across heads.
+    'fused_causal_d128_gqa3': (1, 320, 320, 3, 1, 128, True, None,
+                               dict(backend_bwd='mosaic_gpu_fused')),
+    # d 64: each warpgroup adds its own keys' dQ; packed documents and a window.
+    'fused_packed_gqa2_window': (2, 256, 256, 4, 2, 64, True, 90,
+                                 dict(segments='packed', backend_bwd='mosaic_gpu_fused')),
+    # Padded keys met unmasked by real queries (their dS is zeroed for dQ).
+    'fused_cross_padded_keys_d128': (1, 130, 300, 2, 1, 128, False, None,
+                                     dict(backend_bwd='mosaic_gpu_fused')),
 }
 
 
@@ -102,13 +113,69 @@ def test_mosaic_kernels_match_reference(case):
 
 @pytest.mark.skipif(interpreter is None, reason='this jax has no Mosaic GPU interpreter')
 @pytest.mark.timeout(300, method='thread')
-def test_mosaic_kernels_skip_other_documents_blocks():
+@pytest.mark.parametrize('backend_bwd', ['mosaic_gpu', 'mosaic_gpu_fused'])
+def test_mosaic_kernels_skip_other_documents_blocks(backend_bwd):
   # Documents of 128 rows: one program each in all three kernels, whose walks must stay
-  # inside their own document (the NaN first and last documents show any other read).
+  # inside their own document (the NaN first and last documents show any other read;
+  # fused, also any dQ added from another document's keys).
   interpreter.reset_gpu_interpret_mode_state()
   check_other_documents_are_never_read(True, (128, 128, 128), 2, 1, 64, jnp.bfloat16, 2e-2,
-                                       backend='mosaic_gpu')
+                                       backend='mosaic_gpu', backend_bwd=backend_bwd)
   assert not interpreter.get_races().races_found, 'race between warpgroups'
+
+
+@pytest.mark.skipif(interpreter is None, reason='this jax has no Mosaic GPU interpreter')
+@pytest.mark.timeout(300, method='thread')
+def test_fused_backward_under_shard_map():
+  # As the model runs it: per shard, jitted, differentiated. The fused kernel's in-place
+  # dQ buffer (a jax Ref) must survive shard_map. One device: the interpreter stalls
+  # when two devices run Mosaic kernels at once (the two-kernel backward too).
+  rng, q, k, v = _inputs(3, 2, 128, 128, 2, 1, 64, jnp.bfloat16)
+  do = jnp.asarray(rng.normal(size=q.shape), jnp.bfloat16)
+  mesh = jax.make_mesh((1,), ('x',), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:1])
+  spec = jax.sharding.PartitionSpec('x')
+
+  def grads(attend):
+    fn = jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                       check_vma=False)
+    return jax.jit(lambda q, k, v: jax.vjp(fn, q, k, v)[1](do))(q, k, v)
+
+  interpreter.reset_gpu_interpret_mode_state()
+  got = jax.block_until_ready(grads(lambda q, k, v: fa.flash_attention(
+      q, k, v, backend='mosaic_gpu', backend_bwd='mosaic_gpu_fused')))
+  want = grads(fa.flash_attention_reference)
+  for name, g, w in zip(('dq', 'dk', 'dv'), got, want):
+    _assert_close(g, w, 2e-2, name)
+
+
+@pytest.mark.skipif(interpreter is None, reason='this jax has no Mosaic GPU interpreter')
+@pytest.mark.timeout(300, method='thread')
+def test_fused_dq_ignores_padded_keys_when_exp_overflows():
+  # Real scores are -300 +- 40, so lse is about -200, and a padded key's unmasked score of
+  # 0 gives exp(0 - lse) = inf in the fused kernel's dS. Its K row is 0, but inf * 0 is
+  # NaN: dQ stays finite only if padded keys' dS is zeroed.
+  rng = np.random.default_rng(4)
+  d, t, s = 64, 64, 130
+  u = rng.normal(size=d)
+  u *= math.sqrt(300 * math.sqrt(d)) / np.linalg.norm(u)     # -u . u / sqrt(d) = -300
+  q = jnp.asarray(np.broadcast_to(-u, (1, t, 2, d)), jnp.bfloat16)
+  noise = rng.normal(size=(1, s, 1, d)) * np.linalg.norm(u) / math.sqrt(d)
+  k = jnp.asarray(np.broadcast_to(u, (1, s, 1, d)) + noise, jnp.bfloat16)
+  v = jnp.asarray(rng.normal(size=(1, s, 1, d)), jnp.bfloat16)
+  do = jnp.asarray(rng.normal(size=q.shape), jnp.bfloat16)
+
+  def grads(attend):
+    return jax.jit(lambda q, k, v: jax.vjp(attend, q, k, v)[1](do))(q, k, v)
+
+  interpreter.reset_gpu_interpret_mode_state()
+  got = jax.block_until_ready(grads(lambda q, k, v: fa.flash_attention(
+      q, k, v, causal=False, backend='mosaic_gpu', backend_bwd='mosaic_gpu_fused')))
+  want = grads(lambda q, k, v: fa.flash_attention_reference(q, k, v, causal=False))
+  lse = fa.flash_attention_reference(q, k, v, causal=False, return_lse=True)[1]
+  assert float(lse.max()) < -90  # exp(-lse) overflows fp32
+  for name, g, w in zip(('dq', 'dk', 'dv'), got, want):
+    _assert_close(g, w, 2e-2, name)
 
 
 def test_walk_is_unmasked_only_inside_one_document():
@@ -241,6 +308,25 @@ def test_mosaic_backward_steps_lower_for_hopper(block_q_bwd, block_k_bwd):
   assert _mosaic_calls(_lower_for_h100(grad, q, kv, kv)) == 3
 
 
+@pytest.mark.parametrize('d, causal, segments, block_q_bwd', [
+    (128, True, False, None), (128, False, False, None), (128, True, True, None),
+    (64, True, False, None), (64, False, True, None)])
+def test_fused_backward_lowers_for_hopper(d, causal, segments, block_q_bwd):
+  """backend_bwd='mosaic_gpu_fused' lowers at the benchmark shapes: one kernel after the
+  forward, which takes the fp32 dQ buffer in place (an aliased operand) and issues the
+  transposed-dS wgmma, the column halves of K (d 128) and the TMA reduce-adds."""
+  q = jax.ShapeDtypeStruct((1, 8192, 32, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 8192, 8, d), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 8192), jnp.int32)
+  fn = lambda q, k, v, seg: fa.flash_attention(
+      q, k, v, causal=causal, segment_ids=seg if segments else None, backend='mosaic_gpu',
+      backend_bwd='mosaic_gpu_fused', block_q_bwd=block_q_bwd, interpret=False)
+  grad = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  text = _lower_for_h100(grad, q, kv, kv, seg)
+  assert _mosaic_calls(text) == 2
+  assert 'output_operand_aliases' in text
+
+
 def _mosaic_calls(lowered_text):
   return len(re.findall(r'custom_call @mosaic_gpu', lowered_text))
 
@@ -265,12 +351,18 @@ def test_shared_memory_estimate_is_what_the_lowering_enforces():
   with pytest.raises(ValueError, match='shared memory'):
     _lower_for_h100(lambda *a: fa_mgpu.backward(*a, _config(128), too_big),
                     q, q, q, q, stats, stats)
+  fused = fa_mgpu.MosaicBwdTiles(block_q=128, fused=True)
+  assert fused.smem_bytes(128) > fa_mgpu.SMEM_LIMIT  # fits unfused (below)
+  with pytest.raises(ValueError, match='shared memory'):
+    _lower_for_h100(lambda *a: fa_mgpu.backward(*a, _config(128), fused),
+                    q, q, q, q, stats, stats)
   for d in fa_mgpu.SUPPORTED_HEAD_DIMS:
     assert fa_mgpu.MosaicTiles.default(d).smem_bytes(d) <= fa_mgpu.SMEM_LIMIT
   for d in fa_mgpu.BWD_HEAD_DIMS:
     for bq in (64, 128):
       for bk in (64, 128):
         assert fa_mgpu.MosaicBwdTiles(bq, bk).smem_bytes(d) <= fa_mgpu.SMEM_LIMIT
+    assert fa_mgpu.MosaicBwdTiles(fused=True).smem_bytes(d) <= fa_mgpu.SMEM_LIMIT
 
 
 @pytest.mark.parametrize('kwargs, dtype, d, message', [
@@ -285,6 +377,10 @@ def test_shared_memory_estimate_is_what_the_lowering_enforces():
     (dict(backend_bwd='mosaic_gpu'), jnp.float32, 64,
      "backend_bwd='mosaic_gpu' does not take dtype"),
     (dict(backend='mosaic_gpu', block_q_bwd=32), jnp.bfloat16, 64, 'block_k_bwd in'),
+    (dict(backend_bwd='mosaic_gpu_fused'), jnp.bfloat16, 256,
+     "backend_bwd='mosaic_gpu_fused' does not take head_dim 256"),
+    (dict(backend_bwd='mosaic_gpu_fused', block_q_bwd=128), jnp.bfloat16, 128,
+     'KiB of shared memory'),
 ])
 def test_mosaic_backend_rejects_what_it_cannot_run(kwargs, dtype, d, message):
   q = jnp.zeros((1, 256, 2, d), dtype)
@@ -295,7 +391,7 @@ def test_mosaic_backend_rejects_what_it_cannot_run(kwargs, dtype, d, message):
 @pytest.mark.parametrize('kwargs', [dict(backend='cuda'), dict(backend_bwd='cuda')])
 def test_unknown_backend_is_named(kwargs):
   q = jnp.zeros((1, 16, 1, 16), jnp.float32)
-  with pytest.raises(ValueError, match="'triton' or 'mosaic_gpu'"):
+  with pytest.raises(ValueError, match="'triton',? (or )?'mosaic_gpu'"):
     fa.flash_attention(q, q, q, **kwargs)
 
 
@@ -304,6 +400,7 @@ def test_unknown_backend_is_named(kwargs):
     ('mosaic_gpu', None, 256, None),        # no Mosaic backward at d 256: Triton's
     ('mosaic_gpu', 'triton', 64, None),
     (None, 'mosaic_gpu', 64, fa_mgpu.MosaicBwdTiles()),
+    ('mosaic_gpu', 'mosaic_gpu_fused', 128, fa_mgpu.MosaicBwdTiles(fused=True)),
     (None, None, 128, None),
 ])
 def test_backward_kernel_choice(backend, backend_bwd, d, want):

@@ -62,6 +62,13 @@ MOSAIC = {
     'd128_long_documents': (2, 2048, 2048, 16, 4, 128, True, None, dict(segments='long')),
     'd64_cross_pair_segments_bk64': (1, 300, 520, 4, 2, 64, False, None,
                                      dict(segments='pair', block_k=64)),
+    # The fused backward: dQ by TMA reduce-add, shared dS (d 128) or own keys (d 64).
+    'd128_fused_gqa_causal': (1, 2048, 2048, 32, 8, 128, True, None,
+                              dict(backend_bwd='mosaic_gpu_fused')),
+    'd64_fused_window_gqa4': (1, 1000, 1000, 16, 4, 64, True, 300,
+                              dict(backend_bwd='mosaic_gpu_fused')),
+    'd128_fused_cross_padded_packed': (1, 300, 520, 4, 2, 128, False, None,
+                                       dict(segments='pair', backend_bwd='mosaic_gpu_fused')),
 }
 
 
@@ -71,11 +78,12 @@ def test_flash_attention_mosaic_compiled(case):
   check_mosaic_against_reference(7, *shape, **tiles)
 
 
-@pytest.mark.parametrize('backend', ['triton', 'mosaic_gpu'])
-def test_flash_attention_skips_other_documents_compiled(backend):
+@pytest.mark.parametrize('backend, backend_bwd', [('triton', None), ('mosaic_gpu', None),
+                                                  ('mosaic_gpu', 'mosaic_gpu_fused')])
+def test_flash_attention_skips_other_documents_compiled(backend, backend_bwd):
   # Documents of 256 rows, aligned to every default tile of both kernel sets.
   check_other_documents_are_never_read(True, (512, 256, 256), 16, 4, 128, jnp.bfloat16,
-                                       2e-2, backend=backend)
+                                       2e-2, backend=backend, backend_bwd=backend_bwd)
 
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
