@@ -6,13 +6,13 @@
 #   machine       GPU, clocks, jax and jaxlib versions                          ~10 s
 #   tests         kernels compiled on the GPU against their references, and the
 #                 cuDNN path (tests/test_gpu.py, tests/test_flash_attention.py)  ~3 min
-#   attention     benchmarks.attention: Triton and Mosaic GPU kernels vs cuDNN vs
-#                 XLA, 8K/16K/64K                                               ~4 min
+#   attention     benchmarks.attention: Triton and Mosaic GPU kernels (two-kernel
+#                 and fused backward) vs cuDNN vs XLA, 8K/16K/64K               ~5 min
 #   tiles         benchmarks.attention --tiles: our tile choices at 8K          ~4 min
 #   paged_decode  benchmarks.paged_decode: 8x4K .. 256x8K vs copy bandwidth     ~1 min
 #   paged_tiles   benchmarks.paged_decode --tiles: the kernel's tile choices    ~1 min
 #   packed        benchmarks.attention --packed: 8K rows of 8K/2K/512-token
-#                 documents, Triton and Mosaic GPU (document block skipping)    ~2 min
+#                 documents, Triton and Mosaic GPU (document block skipping)    ~3 min
 #
 # The device tool stops a command at 10 minutes, so split the stages over four calls, made
 # back to back (the machine is given back after 30 s idle):
@@ -48,7 +48,7 @@ jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'" ;;
     paged_decode) stage paged_decode "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode ;;
     paged_tiles) stage paged_tiles "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode \
       --tiles ;;
-    packed) stage packed "${PACKED_LIMIT:-180}" "$PY" -m benchmarks.attention --packed ;;
+    packed) stage packed "${PACKED_LIMIT:-240}" "$PY" -m benchmarks.attention --packed ;;
     *) echo "unknown stage '$1': use machine, tests, attention, tiles, paged_decode, \
 paged_tiles or packed"
        return 2 ;;

@@ -73,7 +73,8 @@ class ModelConfig:
          f'{self.num_heads}: set model.head_dim explicitly.')
     need(self.pallas_backend != 'mosaic_gpu_fused' or self.resolved_head_dim in (64, 128),
          f"model.pallas_backend='mosaic_gpu_fused' takes head_dim 64 or 128 (it is "
-         f"{self.resolved_head_dim}); use model.pallas_backend='mosaic_gpu'.")
+         f"{self.resolved_head_dim}); use 'mosaic_gpu' (head_dim 64/128/256, the Triton "
+         f"backward at 256) or 'triton'.")
     need(self.resolved_head_dim % 2 == 0,
          f'head_dim={self.resolved_head_dim} must be even for RoPE.')
     for name in ('dtype', 'param_dtype'):

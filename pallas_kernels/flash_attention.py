@@ -413,7 +413,8 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
       Hopper backward: bf16/fp16, head_dim 64/128; block_q_bwd and
       block_k_bwd in (64, 128) set its q and kv steps) or 'mosaic_gpu_fused' (its one-
       kernel backward: dQ summed in fp32 by TMA reduce-adds, 5 matmuls a block instead
-      of 7, dQ's low bits not deterministic; block_k_bwd unused). Default: `backend`,
+      of 7, dQ's low bits not deterministic; block_q_bwd 64 only; not vmappable over an
+      axis larger than 1: fold it into B). Default: `backend`,
       except that 'mosaic_gpu' at head_dim 256 takes the Triton backward.
     interpret: run the Pallas interpreter; default: when the backend is CPU.
     _poison_outputs: test only; kernel outputs start as NaN so unwritten blocks show.

@@ -541,7 +541,10 @@ class MosaicBwdTiles:
   block_k: int = 64
   stages: int = 2
   rows: int = 64
-  fused: bool = False  # one kernel, dQ by TMA reduce-add (see above); block_k unused
+  # One kernel, dQ by TMA reduce-add (see above). block_k then only pads S, and its
+  # dQ staging and two dS buffers fit 227 KiB at block_q 64 only. Registers: a [block_q,
+  # D/2] (D 128) or [block_q, D] (D 64) fp32 dQ accumulator beside dK, dV, briefly.
+  fused: bool = False
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
     """The larger of the two kernels' shared memory (the fused kernel's alone)."""
@@ -584,6 +587,8 @@ def backward(q, k, v, do, lse, delta, cfg, tiles: MosaicBwdTiles | None = None, 
   r, interpret = tiles.rows, cfg.interpret
   inputs = (q, k, v, do, stats)
   if tiles.fused:
+    # Its in-place dQ buffer (a jax Ref in pl.kernel) has no vmap rule past a mapped
+    # axis of 1 (custom_vmap cannot hold Refs in jax 0.10): fold such an axis into B.
     return _dkv(inputs, cfg, tiles, q_seg, kv_seg)
 
   dq_scratch = (_smem((COMPUTE_WGS, r, d), q.dtype),                 # Q, then dQ
@@ -718,7 +723,7 @@ def _dq_program(refs, scratch, segs, cfg, tiles, interpret):
 def _q_ranges(c0, rows, block_q, num_q_blocks, cfg):
   """For key rows [c0, c0 + rows): q blocks [lo, hi) that see any of them, and the part
   [lo_full, hi_full) in which every query sees every key (no mask). Padded keys need no
-  mask here: their dK, dV rows are sliced off and nothing else reads them."""
+  mask here: their dK, dV rows are sliced off (the fused dQ zeroes their dS itself)."""
   lo, hi = 0, num_q_blocks
   lo_full, hi_full = 0, num_q_blocks
   if cfg.causal:
@@ -776,11 +781,11 @@ def _dkv_program(refs, scratch, segs, cfg, tiles, interpret):
       delta = _vector(stats_smem.at[slot, 1], 0, interpret)  # loaded late: fewer live regs
       dst = pt * (dpt - _bcast_cols(delta, dpt.shape))
       dtype = q_slot.dtype
-      dv, dk = _mma_acc([(dv, pt.astype(dtype), do_slot), (dk, dst.astype(dtype), q_slot)],
-                        interpret)
+      dst = add_dq.stage(dst, t) if add_dq else dst.astype(dtype)
+      dv, dk = _mma_acc([(dv, pt.astype(dtype), do_slot), (dk, dst, q_slot)], interpret)
       plgpu.barrier_arrive(done.at[slot])
       if add_dq:
-        add_dq(dst, t, kv_head * groups + g, i * bq)
+        add_dq.add(t, kv_head * groups + g, i * bq)
       return dk, dv
 
     def head(g, carry):
@@ -818,37 +823,49 @@ def _dkv_program(refs, scratch, segs, cfg, tiles, interpret):
 
 
 class _DqAdder:
-  """The fused backward's dQ: called with each step's dS^T [r, block_q] (fp32 registers)
-  in one compute warpgroup, it adds dS K of that q block into dq_acc [copies, B, Hq, T, D]
-  fp32 (TMA reduce-add; module comment above). copies: 1, or in the interpreter one per
-  warpgroup when both add the same columns."""
+  """The fused backward's dQ in one compute warpgroup: each step, `stage` stores its dS^T
+  [r, block_q] in SMEM (before the dK, dV matmuls, so only the bf16 copy stays live) and
+  `add` then adds dS K of that q block into dq_acc [copies, B, Hq, T, D] fp32 (TMA
+  reduce-add; module comment above). copies: 1, or in the interpreter one per warpgroup
+  when both add the same columns."""
 
   def __init__(self, dq_acc, k_smem, ds_smem, dq_smem, ds_ready, loaded, wg, c0, cfg,
                interpret):
     self.dq_acc, self.k_smem, self.ds_smem = dq_acc, k_smem, ds_smem
     self.dq_smem, self.ds_ready, self.loaded = dq_smem.at[wg], ds_ready, loaded.at[wg]
-    self.wg, self.cfg, self.interpret = wg, cfg, interpret
+    self.wg, self.interpret = wg, interpret
     d = k_smem.shape[-1]
     self.cols = _dq_columns(d)
     self.shared = self.cols < d  # both warpgroups' keys, half of D each
     self.key_ok = None
     if cfg.mask_kv_padding:
-      # Padded keys (zero rows of K) may meet real queries unmasked here: zero their dS so
-      # an overflowing exp cannot turn 0 * inf into NaN in dQ.
-      self.key_ok = c0 + _iota((ds_smem.shape[2], ds_smem.shape[3]), 0, interpret) < cfg.kv_len
+      # Padded keys (zero rows of K) may meet real queries unmasked here: zero their dS,
+      # so an overflowing exp cannot turn 0 * inf into NaN in dQ (their dK, dV are cut).
+      # One value per dS^T row (few registers across the loop), broadcast each step.
+      r = ds_smem.shape[2]
+      rows = (lax.iota(jnp.int32, r) if interpret else plgpu.broadcasted_iota(
+          jnp.int32, (r,), 0, layout=plgpu.Layout.WGMMA.reduce(1)))
+      self.key_ok = c0 + rows < cfg.kv_len
 
-  def __call__(self, dst, t, head, row):
-    wg, interpret = self.wg, self.interpret
+  def stage(self, dst, t):
+    """dS^T (fp32) of step t -> its bf16 copy, also stored for both warpgroups' dQ."""
     if self.key_ok is not None:
-      dst = jnp.where(self.key_ok, dst, 0.0)
+      dst = jnp.where(_bcast_rows(self.key_ok, dst.shape), dst, 0.0)
+    ds = dst.astype(self.ds_smem.dtype)
     # Two steps' buffers: a warpgroup rewrites step t's only at step t + 2, after both
     # passed step t + 1's ds_ready, so after both finished step t's dQ matmul.
     parity = lax.rem(t, 2)
-    self.ds_smem.at[parity, wg][...] = dst.astype(self.ds_smem.dtype)
+    self.ds_smem.at[parity, self.wg][...] = ds
     plgpu.commit_smem()  # visible to wgmma (the async proxy)
     if self.shared:
       plgpu.barrier_arrive(self.ds_ready.at[parity])
-      plgpu.barrier_wait(self.ds_ready.at[parity])
+    return ds
+
+  def add(self, t, head, row):
+    wg, interpret = self.wg, self.interpret
+    parity = lax.rem(t, 2)
+    if self.shared:
+      plgpu.barrier_wait(self.ds_ready.at[parity])  # the other warpgroup's dS is stored
       col0 = wg * self.cols
       pairs = [(self.ds_smem.at[parity, w], self.k_smem.at[w, :, pl.ds(col0, self.cols)])
                for w in range(COMPUTE_WGS)]

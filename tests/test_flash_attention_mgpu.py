@@ -89,16 +89,22 @@ CASES = {
     'cross_disjoint_segments': (1, 256, 256, 2, 1, 64, False, None,
                                 dict(segments='disjoint')),
     # The fused backward (dQ added per step). d 128: the two warpgroups share their dS
-    # and each adds half of D; three q heads per kv head and an odd q-block count, so the
-    # two dS buffers alternate across heads.
-    'fused_causal_d128_gqa3': (1, 320, 320, 3, 1, 128, True, None,
+    # and each adds half of D; three q heads per kv head, and a window that gives the
+    # first program an odd walk (3 q blocks), so the two dS buffers swap roles at each
+    # new head.
+    'fused_window_d128_gqa3': (1, 320, 320, 3, 1, 128, True, 40,
                                dict(backend_bwd='mosaic_gpu_fused')),
     # d 64: each warpgroup adds its own keys' dQ; packed documents and a window.
     'fused_packed_gqa2_window': (2, 256, 256, 4, 2, 64, True, 90,
                                  dict(segments='packed', backend_bwd='mosaic_gpu_fused')),
-    # Padded keys met unmasked by real queries (their dS is zeroed for dQ).
+    # Padded keys met unmasked by real queries, at d 128 (their dS zeroed for dQ; the
+    # overflow test below is the one that fails without it).
     'fused_cross_padded_keys_d128': (1, 130, 300, 2, 1, 128, False, None,
                                      dict(backend_bwd='mosaic_gpu_fused')),
+    # Empty walks at d 128: a program with no steps still meets the other warpgroup once
+    # before dK overwrites K (_DqAdder.finish), and adds no dQ.
+    'fused_disjoint_segments_d128': (1, 256, 256, 2, 1, 128, False, None,
+                                     dict(segments='disjoint', backend_bwd='mosaic_gpu_fused')),
 }
 
 
@@ -308,19 +314,20 @@ def test_mosaic_backward_steps_lower_for_hopper(block_q_bwd, block_k_bwd):
   assert _mosaic_calls(_lower_for_h100(grad, q, kv, kv)) == 3
 
 
-@pytest.mark.parametrize('d, causal, segments, block_q_bwd', [
-    (128, True, False, None), (128, False, False, None), (128, True, True, None),
-    (64, True, False, None), (64, False, True, None)])
-def test_fused_backward_lowers_for_hopper(d, causal, segments, block_q_bwd):
+@pytest.mark.parametrize('d, causal, segments, s', [
+    (128, True, False, 8192), (128, False, False, 8000), (128, True, True, 8192),
+    (64, True, False, 8192), (64, False, True, 8192)])
+def test_fused_backward_lowers_for_hopper(d, causal, segments, s):
   """backend_bwd='mosaic_gpu_fused' lowers at the benchmark shapes: one kernel after the
   forward, which takes the fp32 dQ buffer in place (an aliased operand) and issues the
-  transposed-dS wgmma, the column halves of K (d 128) and the TMA reduce-adds."""
+  transposed-dS wgmma, the column halves of K (d 128), the padded keys' dS mask
+  (S = 8000) and the TMA reduce-adds."""
   q = jax.ShapeDtypeStruct((1, 8192, 32, d), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((1, 8192, 8, d), jnp.bfloat16)
-  seg = jax.ShapeDtypeStruct((1, 8192), jnp.int32)
+  kv = jax.ShapeDtypeStruct((1, s, 8, d), jnp.bfloat16)
+  seg = (jax.ShapeDtypeStruct((1, 8192), jnp.int32), jax.ShapeDtypeStruct((1, s), jnp.int32))
   fn = lambda q, k, v, seg: fa.flash_attention(
       q, k, v, causal=causal, segment_ids=seg if segments else None, backend='mosaic_gpu',
-      backend_bwd='mosaic_gpu_fused', block_q_bwd=block_q_bwd, interpret=False)
+      backend_bwd='mosaic_gpu_fused', interpret=False)
   grad = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
   text = _lower_for_h100(grad, q, kv, kv, seg)
   assert _mosaic_calls(text) == 2
