@@ -738,7 +738,7 @@ def _q_ranges(c0, rows, block_q, num_q_blocks, cfg):
 
 
 def _dkv_program(refs, scratch, segs, cfg, tiles, interpret):
-  q_ref, k_ref, v_ref, do_ref, stats_ref = refs[:5]
+  q_ref, k_ref, v_ref = refs[:3]
   dk_ref, dv_ref = refs[-2:]
   (k_smem, v_smem, q_smem, do_smem, stats_smem, own_ready, q_ready, do_ready, stats_ready,
    done) = scratch[:10]
@@ -802,24 +802,33 @@ def _dkv_program(refs, scratch, segs, cfg, tiles, interpret):
     plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[own])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == COMPUTE_WGS)
-  def _():
-    def head_and_row(t):  # step t: q head kv_head * groups + t // n, q block lo + t % n
-      return kv_head * groups + lax.div(t, n), (lo + lax.rem(t, n)) * bq
+  pl.when(wg == COMPUTE_WGS)(lambda: _dkv_produce(refs, scratch, segs, lo, n, tiles, groups))
 
-    def rows_of(ref):
-      def src(t):
-        h, row = head_and_row(t)
-        return ref.at[b, pl.ds(row, bq), h]
-      return src
 
-    def stats_of(t):
+def _dkv_produce(refs, scratch, segs, lo, n, tiles, groups):
+  """The dk/dv kernel's producer: step t streams q head kv_head * groups + t // n's
+  Q, stats, (ids) and dO rows of q block lo + t % n."""
+  q_ref, _, _, do_ref, stats_ref = refs[:5]
+  _, _, q_smem, do_smem, stats_smem, _, q_ready, do_ready, stats_ready, done = scratch[:10]
+  bq = tiles.block_q
+  b, kv_head = lax.axis_index('batch'), lax.axis_index('heads')
+
+  def head_and_row(t):
+    return kv_head * groups + lax.div(t, n), (lo + lax.rem(t, n)) * bq
+
+  def rows_of(ref):
+    def src(t):
       h, row = head_and_row(t)
-      return stats_ref.at[b, h, :, pl.ds(row, bq)]
+      return ref.at[b, pl.ds(row, bq), h]
+    return src
 
-    ids = [segs.load(b, lambda t: head_and_row(t)[1])] if segs else []
-    _produce(((done, [(rows_of(q_ref), q_smem, q_ready), (stats_of, stats_smem, stats_ready),
-                      *ids, (rows_of(do_ref), do_smem, do_ready)]),), groups * n, stages)
+  def stats_of(t):
+    h, row = head_and_row(t)
+    return stats_ref.at[b, h, :, pl.ds(row, bq)]
+
+  ids = [segs.load(b, lambda t: head_and_row(t)[1])] if segs else []
+  _produce(((done, [(rows_of(q_ref), q_smem, q_ready), (stats_of, stats_smem, stats_ready),
+                    *ids, (rows_of(do_ref), do_smem, do_ready)]),), groups * n, tiles.stages)
 
 
 class _DqAdder:
