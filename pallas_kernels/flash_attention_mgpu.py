@@ -40,6 +40,7 @@ lowering for CUDA on CPU (tests) and by running on a GPU (tests/test_gpu.py).
 """
 
 import dataclasses
+import inspect
 import math
 import typing
 
@@ -136,7 +137,7 @@ def _mma_nt(pairs, shape, interpret, between=None):
 
   def run(*accs):
     for acc, (a, b) in zip(accs, pairs):
-      plgpu.wgmma(acc, a, plgpu.transpose_ref(b, (1, 0)))
+      plgpu.wgmma(acc, a, b.transpose((1, 0)))
     if between:
       between()
     return [acc[...] for acc in accs]
@@ -167,7 +168,7 @@ def _mma_tn(pairs, shape, interpret):
 
   def run(acc):
     for a, b in pairs:
-      plgpu.wgmma(acc, plgpu.transpose_ref(a, (1, 0)), b)
+      plgpu.wgmma(acc, a.transpose((1, 0)), b)
     return acc[...]
 
   return pl.run_scoped(run, _acc_type()(shape, jnp.float32))
@@ -302,6 +303,9 @@ def _produce(groups, num_steps, stages):
     for done, loads in groups:
       if wait_free:  # both compute warpgroups are done with step t - stages
         plgpu.barrier_wait(done.at[slot])
+        # Their reads through the generic proxy (ids, stats; every read in the
+        # interpreter) before the TMA's async-proxy write: a proxy fence.
+        plgpu.commit_smem()
       for src, smem, ready in loads:
         plgpu.copy_gmem_to_smem(src(t), smem.at[slot], ready.at[slot])
 
@@ -633,11 +637,12 @@ def _dkv(inputs, cfg, tiles, q_seg, kv_seg):
                 plgpu.SMEM((COMPUTE_WGS, bq, cols), jnp.float32,  # dQ, staged for TMA
                            transforms=(plgpu.TilingTransform((8, 32)),
                                        plgpu.SwizzleTransform(128))),
-                _released(2),                                    # ds_ready (two steps)
-                plgpu.Barrier(num_barriers=COMPUTE_WGS))         # interpreter's dQ load
-    # One fp32 dQ; in the interpreter one per compute warpgroup when both add the same
-    # columns (below D 128), as it has no atomic add (_DqAdder).
-    copies = COMPUTE_WGS if cfg.interpret and cols == d else 1
+                _released(2))                                    # ds_ready (two steps)
+    # One fp32 dQ; in the interpreter, which has no TMA reduction, one per program (and
+    # per compute warpgroup where both write the same columns), summed below (_DqAdder).
+    copies = 1
+    if cfg.interpret:
+      copies = s // (COMPUTE_WGS * r) * (COMPUTE_WGS if cols == d else 1)
     accumulators = (jnp.zeros((copies, b, hq, t, d), jnp.float32),)
   out = _launch(
       lambda refs, scratch, segs: _dkv_program(refs, scratch, segs, cfg, tiles,
@@ -658,7 +663,15 @@ def _vector(smem, reduced_dim, interpret):
   row) or its columns (reduced_dim 0: one per column)."""
   if interpret:
     return smem[...]
-  return plgpu.load(smem, (), layout=plgpu.Layout.WGMMA.reduce(reduced_dim))
+  return _load(smem, layout=plgpu.Layout.WGMMA.reduce(reduced_dim))
+
+
+def _load(ref, **kwargs):
+  """plgpu.load of the whole ref: jax 0.10 takes the index as an argument, jax 0.11
+  deprecates it (the ref carries its own, ref.at[...])."""
+  if inspect.signature(plgpu.load).parameters['idx'].default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), **kwargs)
+  return plgpu.load(ref, **kwargs)
 
 
 def _stats(stats_smem, reduced_dim, interpret):
@@ -835,17 +848,25 @@ class _DqAdder:
   """The fused backward's dQ in one compute warpgroup: each step, `stage` stores its dS^T
   [r, block_q] in SMEM (before the dK, dV matmuls, so only the bf16 copy stays live) and
   `add` then adds dS K of that q block into dq_acc [copies, B, Hq, T, D] fp32 (TMA
-  reduce-add; module comment above). copies: 1, or in the interpreter one per warpgroup
-  when both add the same columns."""
+  reduce-add; module comment above).
 
-  def __init__(self, dq_acc, k_smem, ds_smem, dq_smem, ds_ready, loaded, wg, c0, cfg,
-               interpret):
+  Mosaic GPU's interpreter has no TMA reduction, and its race detector treats programs
+  as concurrent, as they are on a GPU. There dq_acc holds one zeroed copy per program
+  (and per warpgroup where both write the same columns, below D 128), and each dQ
+  block is stored once: a program visits each (head, q block) once."""
+
+  def __init__(self, dq_acc, k_smem, ds_smem, dq_smem, ds_ready, wg, c0, cfg, interpret):
     self.dq_acc, self.k_smem, self.ds_smem = dq_acc, k_smem, ds_smem
-    self.dq_smem, self.ds_ready, self.loaded = dq_smem.at[wg], ds_ready, loaded.at[wg]
+    self.dq_smem, self.ds_ready = dq_smem.at[wg], ds_ready
     self.wg, self.interpret = wg, interpret
     d = k_smem.shape[-1]
     self.cols = _dq_columns(d)
     self.shared = self.cols < d  # both warpgroups' keys, half of D each
+    self.copy = 0
+    if interpret:
+      self.copy = lax.axis_index('kv_blocks')
+      if not self.shared:
+        self.copy = self.copy * COMPUTE_WGS + wg
     self.key_ok = None
     if cfg.mask_kv_padding:
       # Padded keys (zero rows of K) may meet real queries unmasked here: zero their dS,
@@ -884,22 +905,12 @@ class _DqAdder:
     bq = self.dq_smem.shape[0]
     dq = _mma_tn(pairs, (bq, self.cols), interpret)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read dq_smem
-    copy = wg if self.dq_acc.shape[0] > 1 else 0
-    dst_ref = self.dq_acc.at[copy, lax.axis_index('batch'), head, pl.ds(row, bq),
-                             pl.ds(col0, self.cols)]
-    if interpret:
-      # Mosaic GPU's interpreter has no TMA reduction: load, add and store instead. It
-      # runs programs one at a time, and the warpgroups add disjoint columns or their own
-      # copies of dQ, so this is the same sum without the atomicity.
-      plgpu.copy_gmem_to_smem(dst_ref, self.dq_smem, self.loaded)
-      plgpu.barrier_wait(self.loaded)
-      dq = dq + self.dq_smem[...]
     self.dq_smem[...] = dq
     plgpu.commit_smem()
-    if interpret:
-      plgpu.copy_smem_to_gmem(self.dq_smem, dst_ref)
-    else:
-      plgpu.copy_smem_to_gmem(self.dq_smem, dst_ref, reduction_op='add')
+    dst_ref = self.dq_acc.at[self.copy, lax.axis_index('batch'), head, pl.ds(row, bq),
+                             pl.ds(col0, self.cols)]
+    add = {} if interpret else dict(reduction_op='add')  # the interpreter: a plain store
+    plgpu.copy_smem_to_gmem(self.dq_smem, dst_ref, **add)
 
   def finish(self, num_steps):
     """After the last step: in shared mode the other warpgroup's last dQ matmul may
