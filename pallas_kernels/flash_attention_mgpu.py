@@ -620,6 +620,7 @@ def _dkv(inputs, cfg, tiles, q_seg, kv_seg):
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   r, bq = tiles.rows, tiles.block_q
+  kv_programs = s // (COMPUTE_WGS * r)
   scratch = (_smem((COMPUTE_WGS, r, d), k.dtype),                # K, then dK
              _smem((COMPUTE_WGS, r, d), k.dtype),                # V, then dV
              _smem((tiles.stages, bq, d), q.dtype),              # Q slots
@@ -638,17 +639,18 @@ def _dkv(inputs, cfg, tiles, q_seg, kv_seg):
                            transforms=(plgpu.TilingTransform((8, 32)),
                                        plgpu.SwizzleTransform(128))),
                 _released(2))                                    # ds_ready (two steps)
-    # One fp32 dQ; in the interpreter, which has no TMA reduction, one per program (and
-    # per compute warpgroup where both write the same columns), summed below (_DqAdder).
+    # One fp32 dQ; in the interpreter, which has no TMA reduction, one per kv block of
+    # the grid (and per compute warpgroup where both write the same columns), summed
+    # below (_DqAdder). Their size grows as S * T: fine at the interpreter's sizes.
     copies = 1
     if cfg.interpret:
-      copies = s // (COMPUTE_WGS * r) * (COMPUTE_WGS if cols == d else 1)
+      copies = kv_programs * (COMPUTE_WGS if cols == d else 1)
     accumulators = (jnp.zeros((copies, b, hq, t, d), jnp.float32),)
   out = _launch(
       lambda refs, scratch, segs: _dkv_program(refs, scratch, segs, cfg, tiles,
                                                cfg.interpret),
       scratch, (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      grid=(hkv, s // (COMPUTE_WGS * r), b), grid_names=('heads', 'kv_blocks', 'batch'),
+      grid=(hkv, kv_programs, b), grid_names=('heads', 'kv_blocks', 'batch'),
       interpret=cfg.interpret, inputs=inputs,
       segments=_SegmentSpec.of(q_seg, kv_seg, False, r, bq, tiles.stages),
       accumulators=accumulators)
@@ -667,9 +669,10 @@ def _vector(smem, reduced_dim, interpret):
 
 
 def _load(ref, **kwargs):
-  """plgpu.load of the whole ref: jax 0.10 takes the index as an argument, jax 0.11
-  deprecates it (the ref carries its own, ref.at[...])."""
-  if inspect.signature(plgpu.load).parameters['idx'].default is inspect.Parameter.empty:
+  """plgpu.load of the whole ref: jax 0.10 requires the index as an argument, 0.11
+  deprecates it and 0.12 has none (the ref carries its own, ref.at[...])."""
+  idx = inspect.signature(plgpu.load).parameters.get('idx')
+  if idx is not None and idx.default is inspect.Parameter.empty:
     return plgpu.load(ref, (), **kwargs)
   return plgpu.load(ref, **kwargs)
 
@@ -851,9 +854,10 @@ class _DqAdder:
   reduce-add; module comment above).
 
   Mosaic GPU's interpreter has no TMA reduction, and its race detector treats programs
-  as concurrent, as they are on a GPU. There dq_acc holds one zeroed copy per program
-  (and per warpgroup where both write the same columns, below D 128), and each dQ
-  block is stored once: a program visits each (head, q block) once."""
+  as concurrent, as they are on a GPU. There dq_acc holds one zeroed copy per kv block
+  of the grid (programs of other batches and kv heads write other slices of it), and
+  per warpgroup where both write the same columns (below D 128). Each warpgroup visits
+  each (head, q block) once, so each block of a copy is stored once, never re-read."""
 
   def __init__(self, dq_acc, k_smem, ds_smem, dq_smem, ds_ready, wg, c0, cfg, interpret):
     self.dq_acc, self.k_smem, self.ds_smem = dq_acc, k_smem, ds_smem
