@@ -10,32 +10,54 @@ REMAT_POLICIES = ('none', 'full', 'save_matmuls')
 
 @dataclasses.dataclass
 class ModelConfig:
+  """The transformer's shape, numerics and kernels."""
   vocab_size: int = 320
+  """Embedding rows; at least the tokenizer's vocabulary (pad it for even sharding)."""
   num_layers: int = 4
+  """Transformer blocks (scanned: compile time does not grow with depth)."""
   embed_dim: int = 256
+  """Width of the residual stream."""
   num_heads: int = 4
+  """Query heads."""
   num_kv_heads: int = 2
-  head_dim: int = 0          # 0: embed_dim // num_heads
-  mlp_dim: int = 0           # 0: SwiGLU width 8/3 * embed_dim rounded up to mlp_multiple
+  """Key/value heads (grouped-query attention); must divide num_heads."""
+  head_dim: int = 0
+  """Per-head width; 0: embed_dim // num_heads."""
+  mlp_dim: int = 0
+  """SwiGLU hidden width; 0: 8/3 * embed_dim rounded up to mlp_multiple."""
   mlp_multiple: int = 64
+  """Rounding of the derived mlp_dim."""
   max_seq_len: int = 2048
+  """Longest sequence the model is built for (training and serving)."""
   rope_theta: float = 10000.0
-  # Llama-3 style RoPE scaling; factor 1.0 disables it.
+  """RoPE base frequency."""
   rope_scaling_factor: float = 1.0
+  """Llama-3 RoPE scaling: long wavelengths slowed this much; 1.0 disables it."""
   rope_original_max_len: int = 8192
+  """Llama-3 RoPE scaling: the context the unscaled frequencies were trained for."""
   rope_low_freq_factor: float = 1.0
+  """Llama-3 RoPE scaling: wavelengths above original_max_len / this are scaled fully."""
   rope_high_freq_factor: float = 4.0
+  """Llama-3 RoPE scaling: wavelengths below original_max_len / this are kept."""
   norm_eps: float = 1e-5
+  """RMSNorm epsilon."""
   tie_embeddings: bool = True
-  dtype: str = 'float32'         # compute dtype of activations and matmuls
-  param_dtype: str = 'float32'   # master weights
-  remat: str = 'none'            # one of REMAT_POLICIES
-  attention_impl: str = 'xla'    # one of ATTENTION_IMPLS
-  # One of PALLAS_BACKENDS. mosaic_gpu: the Hopper kernels (bf16/fp16); mosaic_gpu_fused:
-  # the same forward and their one-kernel backward (head_dim 64/128).
+  """Use the embedding table as the output head (no separate lm_head)."""
+  dtype: str = 'float32'
+  """Compute dtype of activations and matmuls: float32, bfloat16 or float16."""
+  param_dtype: str = 'float32'
+  """Master-weight dtype (and optimizer state): float32, bfloat16 or float16."""
+  remat: str = 'none'
+  """Activation recomputation per block: none, full or save_matmuls."""
+  attention_impl: str = 'xla'
+  """Attention: xla (einsums), cudnn (GPU only) or pallas (our flash kernels)."""
   pallas_backend: str = 'triton'
+  """Flash kernels for attention_impl=pallas: triton, mosaic_gpu (Hopper, bf16/fp16) or
+  mosaic_gpu_fused (the same forward, one-kernel backward, head_dim 64/128)."""
   init_std: float = 0.02
-  loss_chunk: int = 0            # >0: compute logits+loss this many tokens at a time
+  """Standard deviation of the initial weights (residual outputs scaled by depth)."""
+  loss_chunk: int = 0
+  """>0: logits and loss this many tokens at a time (never all [b, t, vocab] at once)."""
 
   @property
   def resolved_head_dim(self) -> int:

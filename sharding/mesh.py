@@ -14,11 +14,17 @@ MESH_AXES = ('data', 'stage', 'fsdp', 'expert', 'context', 'tensor')
 class MeshConfig:
   """Size of each mesh axis; one may be -1 (takes the remaining devices)."""
   data: int = -1
+  """Data parallelism: batch split, everything else replicated."""
   stage: int = 1
+  """Pipeline parallelism (not built yet: must be 1)."""
   fsdp: int = 1
+  """Batch split whose devices also share the ZeRO-sharded state (parallel.zero_stage)."""
   expert: int = 1
+  """Expert parallelism (not built yet: must be 1)."""
   context: int = 1
+  """Context parallelism (not built yet: must be 1)."""
   tensor: int = 1
+  """Tensor parallelism: heads, MLP and vocab split (Megatron layout)."""
 
 
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
@@ -39,13 +45,28 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
       raise ValueError(
           f'{named} (product {fixed}) does not divide the {num_devices} devices, so '
           f'mesh.{free[0]}=-1 cannot take the rest. Choose sizes whose product divides '
-          f'{num_devices}.')
+          f'{num_devices}.{_simulate_hint(fixed, num_devices)}')
     sizes[free[0]] = num_devices // fixed
   elif fixed != num_devices:
     raise ValueError(
         f'{named} multiply to {fixed} but there are {num_devices} devices. Set one axis '
-        f'to -1 (e.g. --config.mesh.data=-1) or make the product {num_devices}.')
+        f'to -1 (e.g. --config.mesh.data=-1) or make the product {num_devices}.'
+        f'{_simulate_hint(fixed, num_devices)}')
   return sizes
+
+
+def mesh_devices(cfg: MeshConfig, available: int) -> int:
+  """Devices the mesh asks for: the product of its sizes, or `available` with a -1."""
+  sizes = [getattr(cfg, a) for a in MESH_AXES]
+  return available if -1 in sizes else math.prod(sizes)
+
+
+def _simulate_hint(wanted: int, have: int) -> str:
+  if wanted <= have:
+    return ''
+  # JAX reads JAX_NUM_CPU_DEVICES (its jax_num_cpu_devices option) before the first use.
+  return (f' To try this layout on a CPU, simulate the devices: '
+          f'JAX_NUM_CPU_DEVICES={wanted} python train.py ...')
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:

@@ -182,7 +182,6 @@ def test_bad_input_fails_with_a_clear_message(args, expected, tmp_path):
 
 
 @pytest.mark.parametrize('overrides, message', [
-    ({'parallel__zero_stage': 3}, 'mesh.fsdp=1'),
     ({'mesh__data': 2, 'mesh__tensor': 4, 'data__seq_len': 30}, 'data.seq_len=30'),
     ({'mesh__stage': 2, 'mesh__data': 4}, 'mesh.stage=2'),
     ({'optim__grad_accum': 3}, 'optim.grad_accum=3'),

@@ -1,22 +1,36 @@
 """`python train.py --config=NAME.py[:variant] [--config.a.b=value ...]`."""
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import re
 import sys
 
-from absl import app, flags, logging
+import jax
+from absl import flags, logging
 from ml_collections import config_flags
 
-from training import checkpoint, trainer
+from training import checkpoint, describe, trainer
 from training import config as config_lib
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            'configs')
-_CONFIG = config_flags.DEFINE_config_file(
-    'config', os.path.join(CONFIGS_DIR, 'default.py'),
-    'A config file: a path, or a bare name in configs/ (e.g. gpt_64k.py:smoke).')
+
+
+@functools.cache
+def _config_flag():
+  # Defined on first use, after check_overrides: at definition ml_collections already
+  # reads sys.argv's overrides, and an unknown field there raises a bare KeyError.
+  return config_flags.DEFINE_config_file(
+      'config', os.path.join(CONFIGS_DIR, 'default.py'),
+      'A config file: a path, or a bare name in configs/ (e.g. gpt_64k.py:smoke).')
+
+
+def fail(message: str) -> None:
+  """Bad input at start: one line on stderr, exit status 2, never a traceback."""
+  print(f'error: {message}', file=sys.stderr)
+  sys.exit(2)
 
 
 def resolve_config_argv(argv: list[str]) -> list[str]:
@@ -32,7 +46,7 @@ def resolve_config_argv(argv: list[str]) -> list[str]:
       out[i] = prefix + bundled + variant
     elif not os.path.exists(path):
       names = sorted(f for f in os.listdir(CONFIGS_DIR) if f.endswith('.py'))
-      sys.exit(f'error: --config={path}: no such file here or in configs/ (has {names}).')
+      fail(f'--config={path}: no such file here or in configs/ (has {names}).')
   return out
 
 
@@ -64,27 +78,61 @@ def check_overrides(argv: list[str], root: type = config_lib.Config) -> None:
       fields = {f.name: f.type for f in dataclasses.fields(holder)}
       where = '.'.join(['config'] + match.group(1).split('.')[:depth])
       if name not in fields:
-        sys.exit(f'error: --{where}.{name}: unknown config field {name!r}; '
-                 f'{where} has {sorted(fields)}.')
+        fail(f'--{where}.{name}: unknown config field {name!r}; {where} has '
+             f'{sorted(fields)}. `python train.py --help` lists them all.')
       holder = fields[name]
       if not dataclasses.is_dataclass(holder):
+        if depth + 1 < len(match.group(1).split('.')):
+          fail(f'--{where}.{name}: {name!r} is a {holder.__name__}, not a section.')
         break
 
 
+def config_spec(argv: list[str]) -> str:
+  """The `--config=` value (resolved path and variant), or the default file."""
+  for arg in argv:
+    match = re.fullmatch(r'--?config=(.+)', arg)
+    if match:
+      return match.group(1)
+  return os.path.join(CONFIGS_DIR, 'default.py')
+
+
+def parse(argv: list[str]) -> tuple[config_lib.Config, str]:
+  """(config with overrides, its file spec); every problem is one line and exit 2."""
+  spec = config_spec(argv)
+  try:
+    load_config_file(spec)   # a raising get_config or unknown variant: one clean line
+  except Exception as e:  # pylint: disable=broad-except
+    fail(f'--config={spec}: get_config failed: {type(e).__name__}: {e}')
+  config = _config_flag()
+  try:
+    rest = flags.FLAGS(argv)
+  except flags.Error as e:
+    fail(str(e).replace('\n', ' '))
+  if len(rest) > 1:
+    fail(f'unexpected arguments {rest[1:]}; use --config.FIELD=VALUE (see --help).')
+  return config.value, spec
+
+
 def run(job=trainer.train) -> None:
-  """Parses `--config=...` and its overrides, then calls job(config) with clean errors."""
-  sys.argv = resolve_config_argv(sys.argv)
-  check_overrides(sys.argv[1:])
-
-  def main(argv):
-    if len(argv) > 1:
-      raise app.UsageError(f'unexpected arguments {argv[1:]}; use --config.FIELD=VALUE.')
-    if not flags.FLAGS['verbosity'].present:
-      logging.set_verbosity(logging.WARNING)   # orbax logs every file it writes at INFO
+  """`train.py [--help | --check]`: parses the config and its overrides, then runs."""
+  argv = resolve_config_argv(sys.argv)
+  modes = {a for a in argv[1:] if a in ('--help', '-h', '--check')}
+  argv = [a for a in argv if a not in modes]
+  check_overrides(argv[1:])
+  cfg, spec = parse(argv)
+  if modes & {'--help', '-h'}:
+    module = load_config_module(spec.partition(':')[0])
+    print(describe.help_text(cfg, spec, getattr(module, 'VARIANTS', ())))
+    return
+  if '--check' in modes:
     try:
-      config_lib.init_distributed(_CONFIG.value.distributed)
-      job(_CONFIG.value)
-    except (trainer.ConfigError, checkpoint.CheckpointError, FileNotFoundError) as e:
-      sys.exit(f'error: {e}')
-
-  app.run(main)
+      print(describe.check_report(cfg, jax.device_count()))
+    except ValueError as e:
+      fail(str(e))
+    return
+  logging.set_verbosity(logging.WARNING)   # orbax logs every file it writes at INFO
+  try:
+    config_lib.init_distributed(cfg.distributed)
+    job(cfg)
+  except (trainer.ConfigError, checkpoint.CheckpointError, FileNotFoundError) as e:
+    fail(str(e))

@@ -17,69 +17,110 @@ from sharding.mesh import MeshConfig, mesh_shape
 
 @dataclasses.dataclass
 class ParallelConfig:
-  zero_stage: int = 0              # 0 DP, 1 opt state sharded, 2 + grads, 3 + params (FSDP)
-  sequence_parallel: bool = True   # with tensor > 1: residual stream sharded on seq
+  """How the mesh is used beyond the rules table."""
+  zero_stage: int = 0
+  """0 DP; 1 optimizer state sharded over fsdp; 2 + gradients; 3 + parameters (FSDP)."""
+  sequence_parallel: bool = True
+  """With mesh.tensor > 1: the residual stream between blocks is split on the sequence."""
 
 
 @dataclasses.dataclass
 class DataConfig:
-  train_files: str = ''     # comma-separated globs of token files ('' = default corpus)
-  tokenizer: str = 'byte'   # 'byte' or a path to a HF tokenizer.json
-  batch_size: int = 16      # global sequences per step
+  """Token files, tokenizer and batch shape."""
+  train_files: str = ''
+  """Comma-separated globs of token files ('' = the default corpus)."""
+  tokenizer: str = 'byte'
+  """'byte', or a path to a Hugging Face tokenizer.json."""
+  batch_size: int = 16
+  """Global sequences per step (all processes, all microbatches)."""
   seq_len: int = 128
-  pack_documents: bool = True   # segment ids + positions restart at document boundaries
+  """Tokens per training sequence."""
+  pack_documents: bool = True
+  """Segment ids and positions restart at document boundaries."""
   shuffle: bool = True
-  worker_count: int = 0     # grain worker processes (0: in the main process)
-  cache_dir: str = '~/.cache/meshlm'   # where the default corpus is built once
-  corpus_max_mb: int = 8    # size cap of the default corpus
+  """Shuffle the windows by seed (a new order each epoch)."""
+  worker_count: int = 0
+  """Grain worker processes (0: read in the main process)."""
+  cache_dir: str = '~/.cache/meshlm'
+  """Where the default corpus is built once."""
+  corpus_max_mb: int = 8
+  """Size cap of the default corpus, in MB of source text."""
 
 
 @dataclasses.dataclass
 class OptimConfig:
+  """AdamW with warmup and cosine decay."""
   learning_rate: float = 3e-3
-  min_lr_ratio: float = 0.1   # cosine decays to learning_rate * min_lr_ratio
+  """Peak learning rate."""
+  min_lr_ratio: float = 0.1
+  """The cosine decays to learning_rate * min_lr_ratio."""
   warmup_steps: int = 20
-  decay_steps: int = 0        # 0: decay over the run's `steps`
+  """Linear warmup from 0."""
+  decay_steps: int = 0
+  """Length of the schedule; 0: the run's `steps` (set it to keep the schedule fixed)."""
   b1: float = 0.9
+  """Adam beta1."""
   b2: float = 0.95
+  """Adam beta2."""
   eps: float = 1e-8
+  """Adam epsilon."""
   weight_decay: float = 0.1
-  grad_clip: float = 1.0      # global-norm clipping; 0 disables
-  grad_accum: int = 1         # microbatches per step
+  """Decoupled weight decay (not applied to norm scales)."""
+  grad_clip: float = 1.0
+  """Global-norm gradient clipping; 0 disables it."""
+  grad_accum: int = 1
+  """Microbatches per step (their gradients summed before one update)."""
 
 
 @dataclasses.dataclass
 class CheckpointConfig:
+  """Orbax checkpoints under workdir/checkpoints."""
   every_steps: int = 100
+  """Save every this many steps (and always at the last step)."""
   keep: int = 3
+  """Checkpoints kept; older ones are pruned."""
   async_save: bool = True
+  """Write in the background while training continues."""
 
 
 @dataclasses.dataclass
 class MetricsConfig:
+  """What each step reports."""
   log_every: int = 1
-  peak_tflops_per_device: float = 0.0   # 0: from the device kind (unknown: no MFU)
+  """Write metrics every this many steps."""
+  peak_tflops_per_device: float = 0.0
+  """Peak TFLOP/s for MFU; 0: from the device kind (unknown kinds: no MFU)."""
   tensorboard: bool = True
+  """Also write TensorBoard events under workdir/tensorboard."""
   progress_bar: bool = True
+  """Show a progress bar with loss and tokens/s."""
 
 
 @dataclasses.dataclass
 class SampleConfig:
+  """A short sample printed after training."""
   prompt: str = 'def '
-  num_tokens: int = 0        # tokens generated after training (0: no sample)
+  """Text the sample continues."""
+  num_tokens: int = 0
+  """Tokens generated after training (0: no sample)."""
   temperature: float = 0.8
+  """Sampling temperature (0: greedy)."""
 
 
 @dataclasses.dataclass
 class DistributedConfig:
   """Multi-process runs: one process per host (or per GPU), joined before any device use."""
-  coordinator: str = ''     # '' single process; 'auto' (SLURM, Open MPI, ...); or HOST:PORT
-  num_processes: int = 1    # with HOST:PORT
-  process_id: int = 0       # with HOST:PORT
+  coordinator: str = ''
+  """'' single process; 'auto' (SLURM, Open MPI, ...); or HOST:PORT."""
+  num_processes: int = 1
+  """Processes in the run (with HOST:PORT)."""
+  process_id: int = 0
+  """This process's index (with HOST:PORT)."""
 
 
 @dataclasses.dataclass
 class Config:
+  """A training run."""
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -90,8 +131,11 @@ class Config:
   sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
   distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
   steps: int = 200
+  """Training steps in all (a rerun with more resumes from the last checkpoint)."""
   workdir: str = 'runs/default'
+  """Run directory: config.json, metrics.jsonl, tensorboard/, checkpoints/."""
   seed: int = 0
+  """Seed of the initial weights and the data order."""
 
 
 def init_distributed(cfg: DistributedConfig) -> None:
@@ -107,16 +151,22 @@ def init_distributed(cfg: DistributedConfig) -> None:
                                num_processes=cfg.num_processes, process_id=cfg.process_id)
 
 
-def validate(cfg: Config, num_devices: int, process_count: int = 1) -> None:
-  """Checks what can be checked before touching a device; errors name field and fix."""
+def validate(cfg: Config, num_devices: int, process_count: int = 1,
+             platform: str | None = None) -> None:
+  """Checks what can be checked before touching a device; errors name field and fix.
+
+  An axis of size 1 is always valid: ZeRO over fsdp=1 shards nothing and runs as DP.
+  `platform` (jax.default_backend()) also checks that the attention runs there.
+  """
   cfg.model.validate()
   sizes = mesh_shape(cfg.mesh, num_devices)
   if cfg.parallel.zero_stage not in (0, 1, 2, 3):
     raise ValueError(f'parallel.zero_stage={cfg.parallel.zero_stage}: choose 0, 1, 2 or 3.')
-  if cfg.parallel.zero_stage and sizes['fsdp'] == 1:
+  if platform not in (None, 'gpu') and cfg.model.attention_impl == 'cudnn':
     raise ValueError(
-        f'parallel.zero_stage={cfg.parallel.zero_stage} shards over the fsdp mesh axis, but '
-        'mesh.fsdp=1: set e.g. --config.mesh.fsdp=-1 --config.mesh.data=1.')
+        f"model.attention_impl='cudnn' needs a GPU, and this run has {platform} devices: "
+        "set --config.model.attention_impl=xla (or pallas), or size the run without "
+        "running it with --check.")
   seq_shards = sizes['context'] * (sizes['tensor'] if cfg.parallel.sequence_parallel else 1)
   if cfg.data.seq_len % seq_shards:
     raise ValueError(

@@ -122,8 +122,17 @@ def _checked_doc(doc, index: int, vocab_size: int) -> np.ndarray:
 
 def open_token_file(path: str) -> tuple[np.ndarray, dict]:
   """Memory-maps a token file; returns (ids, metadata). Nothing is read into memory."""
-  meta = read_metadata(path)
+  meta = checked_metadata(path)
   dtype = np.dtype(meta['dtype']).newbyteorder('<')
+  if meta['num_tokens'] == 0:
+    return np.zeros(0, dtype), meta   # np.memmap refuses empty files
+  return np.memmap(path, dtype=dtype, mode='r'), meta
+
+
+def checked_metadata(path: str) -> dict:
+  """The sidecar, after checking that the token file has exactly the bytes it promises."""
+  meta = read_metadata(path)
+  dtype = np.dtype(meta['dtype'])
   size = os.path.getsize(path)
   if size != meta['num_tokens'] * dtype.itemsize:
     raise ValueError(
@@ -131,9 +140,7 @@ def open_token_file(path: str) -> tuple[np.ndarray, dict]:
         f'{dtype.name} tokens ({meta["num_tokens"] * dtype.itemsize} bytes): the file is '
         'truncated or does not belong to this sidecar. Re-create it with '
         '`python -m training.prepare`.')
-  if meta['num_tokens'] == 0:
-    return np.zeros(0, dtype), meta   # np.memmap refuses empty files
-  return np.memmap(path, dtype=dtype, mode='r'), meta
+  return meta
 
 
 def read_metadata(path: str) -> dict:
@@ -234,7 +241,9 @@ def data_info(cfg: config_lib.DataConfig) -> DataInfo:
   the configured token files' metadata; builds nothing."""
   tok = tokenizer_lib.load_tokenizer(cfg.tokenizer)
   for path in _dedupe_sidecars(config_lib.data_files(cfg)):
-    _check_matches_tokenizer(path, read_metadata(path), tok)
+    # Checked here, before compiling: a truncated file would otherwise stop the run
+    # mid-way, in a grain worker.
+    _check_matches_tokenizer(path, checked_metadata(path), tok)
   return DataInfo(tokenizer=tok, vocab_size=tok.vocab_size, eos_id=tok.eos_id)
 
 

@@ -1,7 +1,6 @@
 """Per-step metrics: metrics.jsonl, TensorBoard events and a progress bar."""
 
 import json
-import logging
 import os
 
 import jax
@@ -9,8 +8,6 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeRemainingColumn)
 
 from training.config import MetricsConfig
-
-log = logging.getLogger(__name__)
 
 # Dense bf16 peak FLOP/s per device, by a substring of `device.device_kind`.
 PEAK_FLOPS = {
@@ -22,6 +19,7 @@ PEAK_FLOPS = {
 
 
 def peak_flops_per_device(cfg: MetricsConfig, device=None) -> float | None:
+  """Dense bf16 peak of one device; None when the device kind is not in PEAK_FLOPS."""
   if cfg.peak_tflops_per_device > 0:
     return cfg.peak_tflops_per_device * 1e12
   kind = (device or jax.devices()[0]).device_kind.lower()
@@ -29,9 +27,16 @@ def peak_flops_per_device(cfg: MetricsConfig, device=None) -> float | None:
   for name in sorted(PEAK_FLOPS, key=len, reverse=True):
     if name.lower() in kind:
       return PEAK_FLOPS[name]
-  log.warning('peak FLOP/s of device kind %r unknown: MFU not reported. Set '
-              '--config.metrics.peak_tflops_per_device to report it.', kind)
   return None
+
+
+def mfu_note(cfg: MetricsConfig, device=None) -> str:
+  """What the start-up line says about MFU: '' when it is reported."""
+  if peak_flops_per_device(cfg, device) is not None:
+    return ''
+  kind = (device or jax.devices()[0]).device_kind
+  return (f'MFU not reported: peak FLOP/s of a {kind!r} device unknown (set '
+          '--config.metrics.peak_tflops_per_device)')
 
 
 class MetricsLogger:

@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 from rich import console as console_lib
@@ -71,15 +71,22 @@ def _batched(texts: Iterator[str], size: int) -> Iterator[list[str]]:
     yield batch
 
 
-def documents(path: str, tok, field: str) -> Iterator[np.ndarray]:
-  """The token ids of each document in one input file."""
+def documents(path: str, tok, field: str,
+              warn: Callable[[str], None] = print) -> Iterator[np.ndarray]:
+  """The token ids of each document in one input file; warns of empty documents."""
   if path.endswith('.jsonl'):
     for batch in _batched(jsonl_texts(path, field), _BATCH_LINES):
-      yield from tok.encode_batch(batch)
+      for ids in tok.encode_batch(batch):
+        if not ids.size:
+          warn(f'warning: {path}: an empty {field!r} adds only an end-of-document token.')
+        yield ids
   else:
     with open(path, 'rb') as f:
       # A stray invalid byte should not stop a whole corpus; it becomes U+FFFD.
-      yield tok.encode(f.read().decode('utf-8', errors='replace'))
+      ids = tok.encode(f.read().decode('utf-8', errors='replace'))
+    if not ids.size:
+      warn(f'warning: {path} is empty: it adds only an end-of-document token.')
+    yield ids
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -94,14 +101,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
       def all_docs():
         for path in args.input:
           bar.update(task, description=f'Tokenizing {os.path.basename(path)}')
-          yield from documents(path, tok, args.jsonl_field)
+          yield from documents(path, tok, args.jsonl_field, warn=lambda m: console.print(
+              m, style='yellow', markup=False, highlight=False, soft_wrap=True))
           bar.advance(task)
 
       meta = data.write_token_file(args.output, all_docs(), tok)
   except (OSError, ValueError) as e:
-    console.print(f'error: {e}\nNothing was written.', style='red', markup=False,
+    console.print(f'error: {e} Nothing was written.', style='red', markup=False,
                   highlight=False, soft_wrap=True)
-    sys.exit(1)
+    sys.exit(2)
   summary = (f'{meta["num_documents"]:,} documents, {meta["num_tokens"]:,} tokens '
              f'({meta["tokenizer"]}, vocab {meta["vocab_size"]}) -> {args.output}')
   console_lib.Console().print(summary, markup=False, highlight=False)

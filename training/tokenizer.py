@@ -41,7 +41,12 @@ class HFTokenizer:
     import tokenizers  # pylint: disable=import-outside-toplevel
     with open(path, 'rb') as f:
       digest = hashlib.sha256(f.read()).hexdigest()[:12]
-    self._tok = tokenizers.Tokenizer.from_file(path)
+    try:
+      self._tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # pylint: disable=broad-except
+      # The Rust side raises a bare Exception ('EOF while parsing a value', ...).
+      raise ValueError(f'{path} is not a Hugging Face tokenizer.json ({e}): pass `byte` or '
+                       'the tokenizer.json saved with the model.') from None
     self.path = path
     self.name = f'hf-{digest}'
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)

@@ -42,7 +42,7 @@ class Trainer:
 def setup(cfg: config_lib.Config) -> Trainer:
   """Everything a run needs, each config problem reported before any device work."""
   try:
-    config_lib.validate(cfg, jax.device_count(), jax.process_count())
+    config_lib.validate(cfg, jax.device_count(), jax.process_count(), jax.default_backend())
     info = data.data_info(cfg.data)
     if info.vocab_size > cfg.model.vocab_size:
       raise ValueError(f'model.vocab_size={cfg.model.vocab_size} is smaller than the '
@@ -167,6 +167,17 @@ def _record(step, out, elapsed, tokens_per_step, flops_per_step, peak) -> dict:
           'tokens_per_sec': tokens_per_step / elapsed, 'step_time_s': elapsed, 'mfu': mfu}
 
 
+def startup_line(t: Trainer, start: int) -> str:
+  cfg, shape = t.cfg, dict(t.plan.mesh.shape)
+  zero = f'ZeRO-{cfg.parallel.zero_stage}'
+  if cfg.parallel.zero_stage and shape['fsdp'] == 1:
+    zero += ' (fsdp=1: nothing to shard, so data parallel)'
+  notes = [f'{model.count_params(cfg.model) / 1e6:.2f}M parameters on mesh {shape}, {zero}',
+           f'steps {start} -> {cfg.steps}', f'workdir {os.path.abspath(cfg.workdir)}',
+           metrics.mfu_note(cfg.metrics)]
+  return '; '.join(filter(None, notes))
+
+
 def print_sample(t: Trainer, params) -> str:
   cfg = t.cfg.sample
   prompt = t.tokenizer.encode(cfg.prompt)
@@ -185,9 +196,7 @@ def train(cfg: config_lib.Config) -> list[dict]:
   t = setup(cfg)
   train_state, start = restore_or_init(t)
   if t.is_main:
-    console.print(f'{model.count_params(cfg.model) / 1e6:.2f}M parameters on mesh '
-                  f'{dict(t.plan.mesh.shape)}, ZeRO-{cfg.parallel.zero_stage}; steps '
-                  f'{start} -> {cfg.steps}; workdir {os.path.abspath(cfg.workdir)}')
+    console.print(startup_line(t, start), markup=False, highlight=False)
   train_state, history = run_loop(t, train_state, start)
   if history and t.is_main:
     console.print(json.dumps({k: history[-1][k] for k in ('step', 'loss')}))

@@ -1,0 +1,108 @@
+"""Every shell command in README.md's code blocks runs as written, on one CPU device.
+
+Commands are parsed from the README, so one added later is covered too. Each code block
+runs in order in its own temporary directory (relative paths such as runs/ and data/ land
+there). `python train.py` commands are sized with `--check` first; those not marked
+(GPU) then train for 2 steps. Commands marked (GPU) or (server) in the README, the
+install and the test suite itself are skipped by name.
+"""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SKIP_PREFIXES = {'pip install': 'the install (CI runs it first)',
+                 'python -m pytest': "the test suite (this test's own runner)"}
+# An absl log record (`W1124 15:38:09.485875 1398... file.py:32] ...`): user messages
+# must print as plain lines.
+ABSL_RECORD = re.compile(r'^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]', re.M)
+
+
+def readme_blocks(path=os.path.join(ROOT, 'README.md')) -> list[list[str]]:
+  """The commands of each ```bash block, continuation lines joined, comments kept."""
+  blocks = re.findall(r'```bash\n(.*?)```', open(path, encoding='utf-8').read(), re.S)
+  return [[c.strip() for c in block.replace('\\\n', ' ').splitlines() if c.strip()]
+          for block in blocks]
+
+
+CASES = [(i, j) for i, block in enumerate(readme_blocks()) for j in range(len(block))]
+
+
+def skip_reason(command: str) -> str | None:
+  if '(server)' in command:
+    return 'needs a running server'
+  for prefix, why in SKIP_PREFIXES.items():
+    if command.startswith(prefix):
+      return why
+  return None
+
+
+def split(command: str) -> tuple[dict, list[str]]:
+  """(environment assignments, argv) of one command line, comment dropped."""
+  words = shlex.split(command, comments=True)
+  env = {}
+  while words and re.fullmatch(r'[A-Z_][A-Z0-9_]*=.*', words[0]):
+    key, _, value = words.pop(0).partition('=')
+    env[key] = value
+  return env, words
+
+
+def run(argv, env, cwd):
+  result = subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, 'JAX_PLATFORMS': 'cpu', **env})
+  output = result.stdout + result.stderr
+  assert result.returncode == 0, f'{argv}:\n{output[-3000:]}'
+  assert not ABSL_RECORD.search(output), f'absl log record in the output of {argv}:\n{output}'
+  return output
+
+
+def run_command(command: str, cwd, cache_dir) -> None:
+  env, words = split(command)
+  env.setdefault('JAX_NUM_CPU_DEVICES', '1')   # one device unless the README says more
+  assert words[0] == 'python', f'README command {command!r} is not a python command'
+  argv = words[1:]
+  if argv[0] == 'train.py':
+    argv[0] = os.path.join(ROOT, 'train.py')
+    if '--check' in argv or '--help' in argv:
+      run(argv, env, cwd)
+      return
+    run([*argv, '--check'], env, cwd)
+    if '(GPU)' in command:
+      return
+    argv += ['--config.steps=2', '--config.sample.num_tokens=4',
+             '--config.metrics.progress_bar=False', f'--config.data.cache_dir={cache_dir}',
+             '--config.data.corpus_max_mb=1']
+  elif '(GPU)' in command:
+    pytest.skip(f'needs a GPU: {command}')
+  run(argv, env, cwd)
+
+
+@pytest.fixture(scope='module')
+def workspace(tmp_path_factory):
+  """One directory per code block, holding README.md (an input of the data example)."""
+  root = tmp_path_factory.mktemp('readme')
+  for i in range(len(readme_blocks())):
+    (root / str(i)).mkdir()
+    (root / str(i) / 'README.md').write_text(open(os.path.join(ROOT, 'README.md')).read())
+  return root
+
+
+@pytest.mark.parametrize('block, index', CASES,
+                         ids=[readme_blocks()[i][j][:60] for i, j in CASES])
+def test_readme_command(block, index, workspace):
+  command = readme_blocks()[block][index]
+  reason = skip_reason(command)
+  if reason:
+    pytest.skip(f'{reason}: {command}')
+  run_command(command, workspace / str(block), workspace / 'cache')
+
+
+def test_readme_commands_are_found():
+  commands = [c for block in readme_blocks() for c in block]
+  assert 'python train.py --config=gpt_64k.py:smoke' in ' '.join(commands)
+  assert any(c.startswith('JAX_NUM_CPU_DEVICES=8 ') for c in commands)
