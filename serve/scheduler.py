@@ -261,7 +261,7 @@ class Scheduler:
     params = request.sampling_params
     if token == request.eos_token_id and not params.ignore_eos:
       return RequestStatus.FINISHED_STOPPED
-    if token in params.stop_token_ids:
+    if params.stop_token_ids and token in params.stop_token_ids:
       request.stop_reason = token
       return RequestStatus.FINISHED_STOPPED
     num_outputs = len(outputs)
