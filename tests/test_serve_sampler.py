@@ -11,20 +11,18 @@ VOCAB, PADDED = 257, 320
 
 
 def np_filtered_logprobs(logits, temperature, top_k, top_p, min_p):
-  """Reference: HF's order (temperature, top-k, top-p on the survivors, min-p), float64."""
+  """Reference: HF's order (temperature, top-k, top-p on the survivors, min-p), float64,
+  by sorting; tokens tied with the last one a filter needs are kept."""
   x = np.asarray(logits, np.float64) / temperature
   keep = np.ones(x.shape, bool)
-  order = np.argsort(-x, kind='stable')
   if top_k > 0:
-    keep[order[top_k:]] = False
+    keep &= x >= np.sort(x)[::-1][min(top_k, len(x)) - 1]
   if top_p < 1.0:
     probs = np.where(keep, np.exp(x - x.max()), 0.0)
     probs /= probs.sum()
-    mass = 0.0
-    for token in order:           # keep the most likely tokens until their mass reaches p
-      if mass >= top_p:
-        keep[token] = False
-      mass += probs[token]
+    desc = np.sort(probs)[::-1]
+    needed = np.searchsorted(np.cumsum(desc), top_p)    # first prefix with mass >= top_p
+    keep &= probs >= desc[min(needed, len(x) - 1)]
   full = np.exp(x - x.max())
   keep &= full >= min_p * full.max()
   kept = np.where(keep, x, -np.inf)
@@ -48,21 +46,36 @@ def as_arrays(settings):
           np.asarray(settings['top_p'], np.float32), np.asarray(settings['min_p'], np.float32))
 
 
-@pytest.mark.parametrize('sort', [True, False])
-def test_filtered_logprobs_match_numpy(sort):
+@pytest.mark.parametrize('top_filters', [True, False])
+def test_filtered_logprobs_match_numpy(top_filters):
   rng = np.random.default_rng(0)
-  n, v = 96, 64
+  n, v = 128, 64
   logits = (rng.normal(size=(n, v)) * 3).astype(np.float32)
+  logits[::2] = np.round(logits[::2])      # every other row full of ties
   settings = random_settings(rng, n)
-  if not sort:   # the cheaper program: only temperature and min-p in play
+  if not top_filters:   # the cheaper program: only temperature and min-p in play
     settings.update(top_k=np.zeros(n, int), top_p=np.ones(n))
-  got = np.asarray(sampler.filtered_logprobs(logits, *as_arrays(settings), sort=sort))
+  got = np.asarray(sampler.filtered_logprobs(logits, *as_arrays(settings),
+                                             top_filters=top_filters))
   for i in range(n):
     want = np_filtered_logprobs(logits[i], *(settings[k][i] for k in settings))
     np.testing.assert_array_equal(np.isfinite(got[i]), np.isfinite(want), err_msg=f'row {i}')
     np.testing.assert_allclose(got[i][np.isfinite(want)], want[np.isfinite(want)], atol=2e-5)
   kept = np.isfinite(got).sum(axis=1)
   assert kept.min() == 1 and kept.max() == v and len(set(kept)) > 10   # the filters bit
+
+
+def test_filters_separate_neighbouring_floats():
+  # 64 logits 16 float32 steps apart, plus a far outlier: thresholds must be exact
+  close = np.float32(0.5) + np.arange(64, dtype=np.float32) * np.float32(16 * 2.0 ** -24)
+  logits = np.concatenate([close, [-1e30]]).astype(np.float32)[None].repeat(3, 0)
+  settings = dict(temperature=np.ones(3), top_k=np.array([10, 0, 40]),
+                  top_p=np.array([1.0, 0.26, 0.3]), min_p=np.zeros(3))
+  got = np.asarray(sampler.filtered_logprobs(logits, *as_arrays(settings)))
+  for i in range(3):
+    want = np_filtered_logprobs(logits[i], *(settings[k][i] for k in settings))
+    np.testing.assert_array_equal(np.isfinite(got[i]), np.isfinite(want))
+  assert np.isfinite(got).sum(axis=1).tolist() == [10, 17, 12]
 
 
 def chi_square(counts, probs):
@@ -195,7 +208,7 @@ def test_one_program_per_bucket_and_mode():
   rng = np.random.default_rng(7)
   kinds = [dict(temperature=0.0), dict(top_k=3), dict(top_p=0.5, min_p=0.1), dict(seed=3)]
   before = sampler._sample_rows._cache_size()   # pylint: disable=protected-access
-  for n in [5, 6, 7, 8, 5, 8]:      # one bucket (8); every mix in the 'sort' mode
+  for n in [5, 6, 7, 8, 5, 8]:      # one bucket (8); every mix in the 'filter' mode
     params = [SamplingParams(**kinds[i % 4]) for i in range(n)]
     # a vocab size no other test uses, so no earlier test compiled this program
     sample(rng.normal(size=(n, PADDED)).astype(np.float32), params, [0] * n, VOCAB - 1)
