@@ -2,7 +2,7 @@
 
 Per-row settings travel as arrays, so one program serves any mix of greedy, temperature,
 top-k, top-p and min-p rows; programs differ only by the row bucket (a power of two), by
-`mode` (all greedy / temperature and min-p only / top-k or top-p too) and by whether any row wants top logprobs.
+which filters some row uses and by whether any row wants top logprobs.
 
 Filters apply in the order Hugging Face applies them: temperature, top-k, top-p (on the
 top-k survivors, renormalised), min-p (relative to the most likely token, so it commutes
@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from serve.sampling_params import GREEDY_BELOW, MAX_LOGPROBS, SamplingParams
+
+FEW_TOP_K = 256     # top-k up to this many works on lax.top_k's candidates, not a bisection
 
 
 @dataclasses.dataclass
@@ -58,8 +60,8 @@ def sample(logits: jax.Array, params: list[SamplingParams], steps: list[int], vo
   logits = jnp.asarray(logits)
   padded = jnp.pad(logits, ((0, rows - n), (0, 0))) if rows > n else logits
   want_top = any(p.logprobs for p in params)
-  out = _sample_rows(padded, *rows_args, vocab_size=vocab_size, mode=_mode(params),
-                     logprobs=any(p.logprobs is not None for p in params),
+  out = _sample_rows(padded, *rows_args, vocab_size=vocab_size,
+                     filters=_filters(params, vocab_size), logprobs=any(p.logprobs is not None for p in params),
                      top_n=min(MAX_LOGPROBS, vocab_size) if want_top else 0)
   return _result(params, jax.device_get(out), n)
 
@@ -68,11 +70,20 @@ def _bucket(n: int) -> int:
   return 1 << max(0, n - 1).bit_length()
 
 
-def _mode(params: list[SamplingParams]) -> str:
+def _filters(params: list[SamplingParams], vocab_size: int) -> tuple[int, bool] | None:
+  """The static part of the program: None if all rows are greedy, else (top_k_cap, top_p)
+  as filtered_logprobs takes them, from the rows that sample."""
   sampled = [p for p in params if not p.greedy]
   if not sampled:
-    return 'greedy'
-  return 'filter' if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else 'plain'
+    return None
+  ks = [p.top_k for p in sampled]
+  if not any(k > 0 for k in ks):
+    cap = 0
+  elif all(0 < k <= FEW_TOP_K for k in ks):
+    cap = min(_bucket(max(ks)), vocab_size)
+  else:
+    cap = -1
+  return cap, any(p.top_p < 1.0 for p in sampled)
 
 
 def _key_data(seed: int) -> tuple[int, int]:
@@ -94,14 +105,13 @@ def _row_arrays(params, steps, rng, rows):
           keys, column(steps, 0, np.int32))
 
 
-@functools.partial(jax.jit, static_argnames=('vocab_size', 'mode', 'logprobs', 'top_n'))
+@functools.partial(jax.jit, static_argnames=('vocab_size', 'filters', 'logprobs', 'top_n'))
 def _sample_rows(logits, temperature, top_k, top_p, min_p, key_data, steps, *,
-                 vocab_size, mode, logprobs, top_n):
+                 vocab_size, filters, logprobs, top_n):
   logits = logits[:, :vocab_size].astype(jnp.float32)
   token = jnp.argmax(logits, axis=-1)
-  if mode != 'greedy':
-    filtered = filtered_logprobs(logits, temperature, top_k, top_p, min_p,
-                                 top_filters=mode == 'filter')
+  if filters is not None:
+    filtered = filtered_logprobs(logits, temperature, top_k, top_p, min_p, *filters)
     drawn = _draw(jax.vmap(_row_key)(key_data, steps), filtered)
     token = jnp.where(temperature < GREEDY_BELOW, token, drawn)
   token = token.astype(jnp.int32)
@@ -129,26 +139,48 @@ def _draw(keys, logprobs):
   return jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
 
 
-def filtered_logprobs(logits, temperature, top_k, top_p, min_p, top_filters=True):
+def filtered_logprobs(logits, temperature, top_k, top_p, min_p, top_k_cap=-1, use_top_p=True):
   """log p of the distribution rows are sampled from: -inf outside the kept tokens.
 
-  logits [N, V]; the rest [N]. top_filters=False skips top-k and top-p (callers pass it
-  only when every row has them off). Greedy rows (temperature ~0) come back at temperature 1.
+  logits [N, V]; the rest [N]. Greedy rows (temperature ~0) come back at temperature 1.
+  The static arguments only pick the cheapest exact program for the rows at hand:
+  top_k_cap -1: any k; 0: no row uses top-k; K > 0: every row's k is in 1..K (top-k and
+  top-p then look at the K largest logits only). use_top_p=False: no row uses top-p.
   """
   temperature = jnp.where(temperature < GREEDY_BELOW, 1.0, temperature)
   scaled = logits / temperature[:, None]
   # min-p: p_i >= min_p * p_max, in a form that needs no normalisation.
   keep = jnp.exp(scaled - scaled.max(axis=-1, keepdims=True)) >= min_p[:, None]
-  if top_filters:
-    in_top_k = _in_top_k(scaled, top_k)
-    probs = jax.nn.softmax(jnp.where(in_top_k, scaled, -jnp.inf), axis=-1)
-    keep &= in_top_k & _in_top_p(probs, top_p)
+  if top_k_cap > 0:
+    keep &= _in_few_top_k_top_p(scaled, top_k, top_p, top_k_cap, use_top_p)
+  elif top_k_cap < 0 or use_top_p:
+    in_top_k = _in_top_k(scaled, top_k) if top_k_cap < 0 else jnp.ones_like(keep)
+    if use_top_p:
+      in_top_k &= _in_top_p(jax.nn.softmax(jnp.where(in_top_k, scaled, -jnp.inf), axis=-1),
+                            top_p)
+    keep &= in_top_k
   return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
 
 
-# Top-k and top-p keep every token at least as likely as a per-row threshold. The
-# thresholds are found by bisection over the float32 bit patterns (32 masked reductions
-# per row, exact): a sort of the vocabulary costs 30x more on CPU at 32k tokens.
+def _in_few_top_k_top_p(scaled, top_k, top_p, cap, use_top_p):
+  """Top-k, then top-p, when every k is <= cap: both from the cap largest logits, sorted."""
+  values = jax.lax.top_k(scaled, cap)[0]                              # [N, cap] descending
+  k = jnp.clip(jnp.where(top_k > 0, top_k, cap), 1, cap)
+  kth = jnp.take_along_axis(values, (k - 1)[:, None], axis=1)
+  in_top_k = scaled >= kth
+  if not use_top_p:
+    return in_top_k
+  # normalised over the whole top-k set: ties with the k-th may lie beyond the cap
+  log_total = jax.nn.logsumexp(jnp.where(in_top_k, scaled, -jnp.inf), axis=-1, keepdims=True)
+  probs = jnp.where(values >= kth, jnp.exp(values - log_total), 0.0)
+  needed = (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]) & (values >= kth)
+  cut = jnp.min(jnp.where(needed, values, jnp.inf), axis=-1, keepdims=True)
+  return in_top_k & ((scaled >= cut) | (top_p[:, None] >= 1.0))
+
+
+# Otherwise top-k and top-p keep every token at least as likely as a per-row threshold
+# found by bisection over the float32 bit patterns (32 masked reductions per row, exact):
+# a sort of the vocabulary costs 30x more on CPU at 32k tokens.
 
 def _in_top_k(scaled, top_k):
   """Tokens whose logit is >= the k-th largest (ties at it kept); k <= 0 keeps all."""
