@@ -56,12 +56,13 @@ def sample(logits: jax.Array, params: list[SamplingParams], steps: list[int], vo
     raise ValueError(f'sample: logits have {logits.shape[1]} columns, fewer than the '
                      f'vocabulary ({vocab_size}); pass the tokenizer vocab_size')
   rows = _bucket(n)
-  rows_args = _row_arrays(params, steps, rng or np.random.default_rng(), rows)
+  row_args = _row_arrays(params, steps, rng or np.random.default_rng(), rows, vocab_size)
   logits = jnp.asarray(logits)
   padded = jnp.pad(logits, ((0, rows - n), (0, 0))) if rows > n else logits
   want_top = any(p.logprobs for p in params)
-  out = _sample_rows(padded, *rows_args, vocab_size=vocab_size,
-                     filters=_filters(params, vocab_size), logprobs=any(p.logprobs is not None for p in params),
+  out = _sample_rows(padded, *row_args, vocab_size=vocab_size,
+                     filters=_filters(params, vocab_size),
+                     logprobs=any(p.logprobs is not None for p in params),
                      top_n=min(MAX_LOGPROBS, vocab_size) if want_top else 0)
   return _result(params, jax.device_get(out), n)
 
@@ -92,14 +93,17 @@ def _key_data(seed: int) -> tuple[int, int]:
   return seed >> 32, seed & 0xFFFFFFFF
 
 
-def _row_arrays(params, steps, rng, rows):
+def _row_arrays(params, steps, rng, rows, vocab_size):
   """Per-row settings as arrays of `rows` entries; padding rows are greedy and unseeded."""
   pad = rows - len(params)
-  column = lambda values, fill, dtype: np.asarray(list(values) + [fill] * pad, dtype)  # noqa
+
+  def column(values, fill, dtype):
+    return np.asarray(list(values) + [fill] * pad, dtype)
+
   seeds = [p.seed if p.seed is not None else int(rng.integers(1 << 63)) for p in params]
   keys = np.asarray([_key_data(s) for s in seeds] + [(0, 0)] * pad, np.uint32)
   return (column((p.temperature for p in params), 0.0, np.float32),
-          column((p.top_k for p in params), 0, np.int32),
+          column((min(max(p.top_k, 0), vocab_size) for p in params), 0, np.int32),
           column((p.top_p for p in params), 1.0, np.float32),
           column((p.min_p for p in params), 0.0, np.float32),
           keys, column(steps, 0, np.int32))
@@ -194,9 +198,12 @@ def _in_top_k(scaled, top_k):
 def _in_top_p(probs, top_p):
   """The most likely tokens whose mass first reaches top_p (ties at the last one kept)."""
   bits = jax.lax.bitcast_convert_type(probs, jnp.int32)   # monotone for p >= 0
-  mass_from = lambda t: jnp.sum(jnp.where(bits >= t[:, None], probs, 0.0), axis=-1)  # noqa
+
+  def reaches_top_p(t):
+    return jnp.sum(jnp.where(bits >= t[:, None], probs, 0.0), axis=-1) >= top_p
+
   cut = _largest_passing(jnp.zeros_like(top_p, jnp.int32), bits.max(axis=-1) + 1,
-                         lambda t: mass_from(t) >= top_p)
+                         reaches_top_p)
   # top_p == 1 keeps everything, also where a float32 sum falls short of 1.0.
   return (bits >= cut[:, None]) | (top_p[:, None] >= 1.0)
 

@@ -258,6 +258,16 @@ def test_valid_params_pass():
                  stop=['a'] * 16, stop_token_ids=[0, VOCAB - 1], logprobs=20).validate(VOCAB)
 
 
+def test_extreme_but_valid_values_sample():
+  params = [SamplingParams(top_k=10**12, seed=-3), SamplingParams(top_k=-1, seed=2**70),
+            SamplingParams(top_k=VOCAB + 5, top_p=0.5, seed=0), SamplingParams(temperature=1e-6)]
+  for p in params:
+    p.validate(VOCAB)
+  logits = np.random.default_rng(8).normal(size=(4, PADDED)).astype(np.float32)
+  got = sample(logits, params, [0] * 4, VOCAB).token_ids
+  assert (got < VOCAB).all() and got[3] == logits[3, :VOCAB].argmax()
+
+
 def test_from_openai_defaults_and_mapping():
   assert from_openai({'model': 'm', 'prompt': 'x'}, VOCAB) == SamplingParams()
   got = from_openai({'max_tokens': 5, 'temperature': 0, 'top_k': -1, 'top_p': 0.5, 'min_p': 0.1,
