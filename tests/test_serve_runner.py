@@ -141,6 +141,18 @@ def test_cache_donated(setup):
   assert not runner.cache[0].is_deleted()
 
 
+def test_xla_step_updates_cache_in_place(setup):
+  """Compiled step of a 4096-page cache: the cache is aliased to the output (donated)
+  and the step's temporaries stay far below one layer's K pages (no per-layer copy)."""
+  cfg, params, _ = setup
+  runner = tiny_runner(params, cfg, num_blocks=4096, block_size=16, max_model_len=256)
+  batch, _ = runner.build_batch([Chunk([1] * 10, 0, [3])])
+  mem = runner._step.lower(runner.params, runner.cache, batch).compile().memory_analysis()
+  cache_bytes = sum(c.nbytes for c in runner.cache)
+  assert mem.alias_size_in_bytes == cache_bytes
+  assert mem.temp_size_in_bytes < cache_bytes / (2 * cfg.num_layers) / 10
+
+
 def test_buckets():
   rc = RunnerConfig(max_num_seqs=24, max_num_batched_tokens=100)
   assert token_buckets(rc) == [8, 16, 32, 64, 100]
