@@ -1,12 +1,14 @@
 """ModelRunner: one jitted ragged step over a scheduler's output, the KV cache in place.
 
 The scheduler's chunks (decode tokens and prefill chunks, mixed) become one flat batch
-(model.paged.PagedBatch) padded to bucketed sizes: the token count to a power of two
-(at least MIN_TOKEN_BUCKET, at most max_num_batched_tokens) and the sequence count to a
-power of two up to max_num_seqs. A long run therefore compiles at most
-log2(tokens) x log2(seqs) programs, not one per step. The cache is donated to the step,
-so its buffers are reused in place; only the sampled chunks' last rows reach the
-vocabulary projection.
+(model.paged.PagedBatch) padded to bucketed sizes: the token count T to a power of two
+(at least MIN_TOKEN_BUCKET, at most max_num_batched_tokens), and the sequence slots to
+min(T, max_num_seqs), enough for any step of T tokens. So the sequence bucket follows
+the token bucket and a long run compiles one program per token bucket (8, 16, ..., 512:
+7 for the defaults), not one per step. Dead sequence slots cost nothing that grows with
+the context: the XLA attention never loops over them and the kernel's programs for them
+exit at once. The cache is donated to the step, so its buffers are reused in place;
+only the sampled chunks' last rows reach the vocabulary projection.
 """
 
 import dataclasses
@@ -61,8 +63,9 @@ def token_buckets(cfg: RunnerConfig) -> list[int]:
   return _powers_of_two(MIN_TOKEN_BUCKET, cfg.max_num_batched_tokens)
 
 
-def seq_buckets(cfg: RunnerConfig) -> list[int]:
-  return _powers_of_two(1, cfg.max_num_seqs)
+def seq_bucket(cfg: RunnerConfig, token_bucket: int) -> int:
+  """Sequence slots of a step with `token_bucket` tokens: each chunk has a token."""
+  return min(token_bucket, cfg.max_num_seqs)
 
 
 def _powers_of_two(lo: int, cap: int) -> list[int]:
@@ -96,7 +99,7 @@ class ModelRunner:
     self.model_cfg, self.cfg = model_cfg, runner_cfg
     self.plan = serving_plan(mesh)
     self.impl = runner_cfg.resolved_attention
-    self._tokens, self._seqs = token_buckets(runner_cfg), seq_buckets(runner_cfg)
+    self._tokens = token_buckets(runner_cfg)
     cache_sharding = None
     if self.plan is None:
       params = jax.device_put(params)
@@ -136,7 +139,8 @@ class ModelRunner:
     cfg = self.cfg
     num_tokens = sum(len(c.token_ids) for c in chunks)
     self._check_sizes(len(chunks), num_tokens)
-    t, s = _bucket(num_tokens, self._tokens), _bucket(len(chunks), self._seqs)
+    t = _bucket(num_tokens, self._tokens)
+    s = seq_bucket(cfg, t)
     a = _empty_batch(t, s, cfg)
     row, sampled = 0, 0
     for i, c in enumerate(chunks):
