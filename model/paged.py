@@ -82,9 +82,8 @@ def paged_attend(q, k_pages, v_pages, batch: PagedBatch, impl: str, plan):
   q_spec = spec((None, 'act_heads', None))
   kv_spec = spec((None, None, 'act_kv_heads', None))
   rep = jax.sharding.PartitionSpec()
-  return jax.shard_map(lambda q, k, v, *m: fn(q, k, v, *m), mesh=plan.mesh,
-                       in_specs=(q_spec, kv_spec, kv_spec) + (rep,) * 4, out_specs=q_spec,
-                       check_vma=False)(q, k_pages, v_pages, *meta)
+  return jax.shard_map(fn, mesh=plan.mesh, in_specs=(q_spec, kv_spec, kv_spec) + (rep,) * 4,
+                       out_specs=q_spec, check_vma=False)(q, k_pages, v_pages, *meta)
 
 
 def layer_pages(cache: KVCache, index, batch: PagedBatch, impl: str):
