@@ -20,11 +20,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from model import paged
 from model.config import ModelConfig
-from model.transformer import logical_axes
-from sharding.rules import REPLICATED, ShardingPlan, activation_rules
+from model.transformer import abstract_params, logical_axes
+from sharding.rules import REPLICATED, ShardingPlan, activation_rules, check_divisible
 
 ATTENTION = ('xla', 'pallas')
 MIN_TOKEN_BUCKET = 8
+_FIELD_OF_AXIS = {'vocab': 'model.vocab_size', 'heads': 'model.num_heads',
+                  'kv_heads': 'model.num_kv_heads', 'mlp': 'model.mlp_dim'}
 
 
 @dataclasses.dataclass
@@ -100,20 +102,23 @@ class ModelRunner:
     self.plan = serving_plan(mesh)
     self.impl = runner_cfg.resolved_attention
     self._tokens = token_buckets(runner_cfg)
-    cache_sharding = None
-    if self.plan is None:
-      params = jax.device_put(params)
-    else:
-      param_shardings = self.plan.tree(self.plan.params, logical_axes(model_cfg))
-      params = jax.device_put(params, param_shardings)
-      cache_sharding = self.plan.sharding(self.plan.params, paged.KV_CACHE_AXES)
-    self.params = params
+    self.params, cache_sharding = self._place(params)
     self.cache = paged.init_kv_cache(model_cfg, runner_cfg.num_blocks,
                                      runner_cfg.block_size, cache_sharding)
     out_sh = None
     if self.plan is not None:   # logits gathered whole for the sampler
       out_sh = (NamedSharding(mesh, PartitionSpec()), (cache_sharding,) * 2)
     self._step = jax.jit(self._run, donate_argnums=(1,), out_shardings=out_sh)
+
+  def _place(self, params):
+    """Parameters on the device(s), and the cache's sharding (None: one device)."""
+    if self.plan is None:
+      return jax.device_put(params), None
+    axes = logical_axes(self.model_cfg)
+    check_divisible(self.plan, self.plan.params, abstract_params(self.model_cfg), axes,
+                    _FIELD_OF_AXIS)
+    params = jax.device_put(params, self.plan.tree(self.plan.params, axes))
+    return params, self.plan.sharding(self.plan.params, paged.KV_CACHE_AXES)
 
   def _run(self, params, cache, batch):
     return paged.sampled_logits(params, cache, batch, self.model_cfg, impl=self.impl,

@@ -177,6 +177,9 @@ def test_bad_config_refused(setup):
   cfg, params, _ = setup
   with pytest.raises(ValueError, match="attention='flash'"):
     tiny_runner(params, cfg, attention='flash')
+  mesh = make_mesh(MeshConfig(data=1, tensor=4), jax.devices()[:4])
+  with pytest.raises(ValueError, match='model.num_kv_heads divisible by 4'):
+    tiny_runner(params, cfg, mesh=mesh)
 
 
 # ---------------------------------------------------------------------------- sizing
