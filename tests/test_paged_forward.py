@@ -3,8 +3,9 @@ paged attention against the jnp reference.
 
 The training `model.forward` + `model.logits` on the whole token sequence is the
 independent reference: a prompt prefilled in one chunk, in several chunks, or token by
-token through the paged cache must give its logits at every sampled position (fp32,
-measured max error ~5e-6 on logits of magnitude ~8, i.e. ~1e-6 relative).
+token through the paged cache must give its logits at every sampled position. Measured
+(fp32, logits of magnitude ~8): at most 9e-7 relative to the largest |logit| (1e-5
+absolute), XLA and Pallas paths alike.
 """
 
 import dataclasses
