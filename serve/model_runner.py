@@ -128,6 +128,14 @@ class ModelRunner:
   def num_compiles(self) -> int:
     return self._step._cache_size()
 
+  def warmup(self) -> None:
+    """Compiles every token bucket's program now (a step of padding only, which writes
+    nothing), so no request waits for a compile later."""
+    for t in self._tokens:
+      batch = _empty_batch(t, seq_bucket(self.cfg, t), self.cfg)
+      batch = paged.PagedBatch(**{k: jnp.asarray(v) for k, v in batch.items()})
+      _, self.cache = self._step(self.params, self.cache, batch)
+
   def execute(self, out) -> jax.Array:
     """float32 logits [chunks with sample=True, vocab] in chunk order; the step's K/V
     written into the cache. `out.chunks` items need token_ids, start_position, block_ids

@@ -134,6 +134,16 @@ def test_compiles_bounded_by_buckets(setup):
   assert 2 <= len(seen) <= len(token_buckets(runner.cfg)) == 3   # 8, 16, 32 tokens
 
 
+def test_warmup_compiles_every_bucket_and_writes_nothing(setup):
+  cfg, params, prompts = setup
+  runner = tiny_runner(params, cfg)
+  runner.warmup()
+  assert runner.num_compiles == len(token_buckets(runner.cfg)) == 3
+  assert not any(np.asarray(c).any() for c in runner.cache)
+  runner.execute(Out([Chunk(prompts[2], 0, [1, 2, 3, 4, 5])]))
+  assert runner.num_compiles == 3
+
+
 def test_cache_donated(setup):
   cfg, params, prompts = setup
   runner = tiny_runner(params, cfg)
