@@ -215,8 +215,9 @@ def test_num_blocks_for_memory():
   # CPU: memory_stats() is None, so the machine's physical memory is used.
   phys = kv_cache.device_memory_bytes(jax.devices('cpu')[0])
   assert phys > 0
-  assert kv_cache.num_blocks_for_memory(cfg, 16, fraction=0.1, param_bytes=0,
-                                        device=jax.devices('cpu')[0]) == int(0.1 * phys) // 8192
+  got = kv_cache.num_blocks_for_memory(cfg, 16, fraction=0.1, param_bytes=0,
+                                       device=jax.devices('cpu')[0])
+  assert got == int(0.1 * phys) // 8192
 
 
 def test_describe_capacity():
