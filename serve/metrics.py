@@ -1,12 +1,10 @@
 """Prometheus metrics of one server, named as vLLM names them with our prefix.
 
 Each app gets its own CollectorRegistry, so two servers in one process (tests) never share
-counts. Engine-wide numbers (running, waiting, KV usage, prefix cache) are read from the
-engine when scraped; per-request numbers (tokens, latencies, finish reasons) are recorded by
-the server as a request's stream goes by.
+a registry. Counts and gauges (running, waiting, KV usage, prefix cache, tokens, finish
+reasons) are the engine's own, read when scraped; the latency histograms are fed by the
+engine's observer hook with each finished request's timestamps (engine time, HTTP excluded).
 """
-
-import time
 
 import prometheus_client as prom
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -25,40 +23,41 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 
 
 class _EngineCollector:
-  """Reads the engine's scheduler numbers at scrape time (no polling thread)."""
+  """Reads the engine's counters at scrape time (no polling thread, nothing to drift)."""
 
-  def __init__(self, stats_fn):
-    self._stats_fn = stats_fn
+  def __init__(self, engine):
+    self._engine = engine
 
   def collect(self):
-    stats = self._stats_fn()
-    gauges = (('num_requests_running', 'Requests running in the engine (in the batch).'),
-              ('num_requests_waiting', 'Requests waiting to be scheduled.'),
-              ('kv_cache_usage_perc', 'Fraction of KV cache blocks in use (1 = full).'))
-    for name, doc in gauges:
-      yield GaugeMetricFamily(PREFIX + name, doc, value=float(stats[name]))
-    counters = (('prefix_cache_queries', 'Prompt tokens looked up in the prefix cache.'),
-                ('prefix_cache_hits', 'Prompt tokens found in the prefix cache.'))
-    for name, doc in counters:
-      yield CounterMetricFamily(PREFIX + name, doc, value=float(stats[name]))
+    stats = self._engine.stats()
+    gauges = (('num_requests_running', 'Requests in the running batch.', stats.num_running),
+              ('num_requests_waiting', 'Requests waiting to be scheduled.', stats.num_waiting),
+              ('kv_cache_usage_perc', 'Fraction of KV cache blocks in use (1 = full).',
+               stats.kv_cache_usage))
+    for name, doc, value in gauges:
+      yield GaugeMetricFamily(PREFIX + name, doc, value=float(value))
+    counters = (('prefix_cache_queries', 'Prompt tokens looked up in the prefix cache.',
+                 stats.prefix_cache_queries),
+                ('prefix_cache_hits', 'Prompt tokens found in the prefix cache.',
+                 stats.prefix_cache_hits),
+                ('prompt_tokens', 'Prompt tokens prefilled.', stats.prompt_tokens),
+                ('generation_tokens', 'Tokens generated.', stats.generation_tokens))
+    for name, doc, value in counters:
+      yield CounterMetricFamily(PREFIX + name, doc, value=float(value))
+    success = CounterMetricFamily(PREFIX + 'request_success', 'Finished requests by reason.',
+                                  labels=['finished_reason'])
+    for reason in FINISH_REASONS:
+      success.add_metric([reason], float(stats.finished.get(reason, 0)))
+    yield success
 
 
 class ServerMetrics:
-  """The registry of one app, and what the server records per request."""
+  """One app's registry: engine counters read on scrape, latency histograms per request."""
 
-  def __init__(self, stats_fn):
+  def __init__(self, engine):
     self.registry = prom.CollectorRegistry()
-    self.registry.register(_EngineCollector(stats_fn))
+    self.registry.register(_EngineCollector(engine))
     reg = self.registry
-    self.prompt_tokens = prom.Counter(PREFIX + 'prompt_tokens', 'Prompt tokens processed.',
-                                      registry=reg)
-    self.generation_tokens = prom.Counter(PREFIX + 'generation_tokens',
-                                          'Tokens generated.', registry=reg)
-    self.request_success = prom.Counter(PREFIX + 'request_success',
-                                        'Finished requests by finish reason.',
-                                        ['finished_reason'], registry=reg)
-    for reason in FINISH_REASONS:
-      self.request_success.labels(reason)   # present at 0 before the first request
     self.ttft = prom.Histogram(PREFIX + 'time_to_first_token_seconds',
                                'Time from arrival to the first generated token.',
                                buckets=TTFT_BUCKETS, registry=reg)
@@ -68,40 +67,16 @@ class ServerMetrics:
     self.e2e = prom.Histogram(PREFIX + 'e2e_request_latency_seconds',
                               'Time from arrival to the last token.',
                               buckets=E2E_BUCKETS, registry=reg)
+    engine.add_observer(self.observe)
+
+  def observe(self, m) -> None:
+    """Called by the engine thread with a finished request's RequestMetrics."""
+    if m.ttft is not None:
+      self.ttft.observe(m.ttft)
+    for gap in m.inter_token_latencies:
+      self.itl.observe(gap)
+    if m.e2e is not None:
+      self.e2e.observe(m.e2e)
 
   def render(self) -> bytes:
     return prom.generate_latest(self.registry)
-
-  def tracker(self) -> 'RequestTracker':
-    return RequestTracker(self)
-
-
-class RequestTracker:
-  """Timestamps of one request's stream, turned into the histograms above."""
-
-  def __init__(self, metrics: ServerMetrics):
-    self._m = metrics
-    self.arrival = time.perf_counter()
-    self._last = None
-    self._done = False
-
-  def on_output(self, num_new_tokens: int) -> None:
-    if num_new_tokens <= 0:
-      return
-    now = time.perf_counter()
-    if self._last is None:
-      self._m.ttft.observe(now - self.arrival)
-    else:
-      # Several tokens in one delta share the gap: one observation per token.
-      for _ in range(num_new_tokens):
-        self._m.itl.observe((now - self._last) / num_new_tokens)
-    self._last = now
-    self._m.generation_tokens.inc(num_new_tokens)
-
-  def on_finish(self, reason: str, num_prompt_tokens: int) -> None:
-    if self._done:
-      return
-    self._done = True
-    self._m.prompt_tokens.inc(num_prompt_tokens)
-    self._m.request_success.labels(reason if reason in FINISH_REASONS else 'error').inc()
-    self._m.e2e.observe(time.perf_counter() - self.arrival)

@@ -22,7 +22,7 @@ from fastapi import responses
 
 from serve import metrics as metrics_lib
 from serve import sampling_params as sp_lib
-from serve.engine import QueueFull
+from serve.engine import EngineClosed, QueueFull
 
 
 class ApiError(Exception):
@@ -80,7 +80,6 @@ class _Req:
   index: int
   prompt_ids: list[int]
   stream: object
-  tracker: metrics_lib.RequestTracker
   text: str = ''
   token_ids: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
@@ -97,7 +96,7 @@ class ServerState:
     self.max_model_len = max_model_len
     self.vocab_size = served.tokenizer.vocab_size
     self.created = int(time.time())
-    self.metrics = metrics_lib.ServerMetrics(lambda: engine_stats(engine))
+    self.metrics = metrics_lib.ServerMetrics(engine)
     self.draining = False
     self.active: dict[str, _Req] = {}
     self.shutdown_aborted: set[str] = set()
@@ -115,15 +114,6 @@ class ServerState:
     deadline = time.monotonic() + 5.0
     while self.active and time.monotonic() < deadline:
       await asyncio.sleep(0.05)
-
-
-def engine_stats(engine) -> dict:
-  """The scheduler numbers /metrics shows, from the engine."""
-  return engine.stats()
-
-
-def _engine_max_model_len(engine, served) -> int:
-  return engine.max_model_len
 
 
 # --- parsing ---
@@ -202,9 +192,9 @@ def _prompt_ids(state: ServerState, prompt, param: str = 'prompt') -> list[int]:
 
 
 def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
-  from serve.hf_llama import render_chat  # pylint: disable=import-outside-toplevel
   if not body.messages:
     raise ApiError(400, 'messages: the list of messages is empty.', param='messages')
+  from serve.hf_llama import render_chat  # pylint: disable=import-outside-toplevel
   messages = [{'role': m.role, 'content': _message_text(m.content)} for m in body.messages]
   try:
     text = render_chat(state.served, messages)
@@ -223,10 +213,9 @@ def _message_text(content) -> str:
 def _sampling_params(state: ServerState, body: dict, prompt_len: int, chat: bool):
   """D's OpenAI mapping, then our context limit: prompt + max_tokens must fit."""
   try:
-    params = sp_lib.from_openai(body, chat=chat)
-    if chat and params.max_tokens is None:
-      params = dataclasses.replace(params, max_tokens=state.max_model_len - prompt_len)
-    params.validate(state.vocab_size)
+    # Chat's default: the room left in the context (OpenAI's); completions': 16.
+    default = max(state.max_model_len - prompt_len, 1) if chat else 16
+    params = sp_lib.from_openai(body, state.vocab_size, chat=chat, default_max_tokens=default)
   except sp_lib.SamplingParamsError as e:
     raise ApiError(400, str(e), param=e.param) from None
   param = 'messages' if chat else 'prompt'
@@ -251,12 +240,15 @@ def _submit(state: ServerState, prompts: list[list[int]], params: list) -> list[
     for i, (ids, p) in enumerate(zip(prompts, params)):
       rid = f'{base}-{i}'
       stream = state.engine.add_request(ids, p, request_id=rid)
-      reqs.append(_Req(rid, i, ids, stream, state.metrics.tracker()))
+      reqs.append(_Req(rid, i, ids, stream))
       state.active[rid] = reqs[-1]
   except QueueFull as e:
     _abort(state, reqs)
-    raise ApiError(429, f'The server is busy: its waiting queue is full ({e}). Retry later.',
+    raise ApiError(429, f'The server is busy: its waiting queue is full ({e}).',
                    type_='rate_limit_error', code='queue_full') from None
+  except EngineClosed as e:
+    _abort(state, reqs)
+    raise ApiError(503, str(e), type_='server_error', code='shutting_down') from None
   except ValueError as e:   # the engine refusing a request that can never fit
     _abort(state, reqs)
     raise ApiError(400, str(e)) from None
@@ -272,7 +264,6 @@ def _abort(state: ServerState, reqs: list[_Req]) -> None:
 
 def _finish(state: ServerState, r: _Req, reason: str) -> None:
   r.finish_reason = reason
-  r.tracker.on_finish(reason, len(r.prompt_ids))
   state.active.pop(r.rid, None)
 
 
@@ -281,8 +272,7 @@ def _apply(state: ServerState, r: _Req, out) -> None:
   r.text += out.new_text
   r.token_ids.extend(out.new_token_ids)
   if out.logprobs:
-    r.logprobs.extend(out.logprobs)
-  r.tracker.on_output(len(out.new_token_ids))
+    r.logprobs.extend(_logprob_entries(out))
   if out.finished:
     _finish(state, r, out.finish_reason)
 
@@ -418,7 +408,7 @@ def _chat_logprobs(tokenizer, entries) -> dict:
 
 def _logprob_entries(out) -> list:
   """(token_id, logprob, [(id, logprob)] | None) for each new token of a delta."""
-  return list(out.logprobs or ())
+  return [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or ()]
 
 
 def _meta(kind: str, state: ServerState) -> dict:
@@ -611,7 +601,7 @@ def create_app(engine, served, *, api_key: str | None = None, model_name: str | 
                max_model_len: int | None = None) -> fastapi.FastAPI:
   """The app over a running engine; `app.state.meshlm` is its ServerState."""
   state = ServerState(engine, served, api_key, model_name or served.name,
-                      max_model_len or _engine_max_model_len(engine, served))
+                      max_model_len or engine.max_model_len)
   app = fastapi.FastAPI(title='meshlm', docs_url=None, redoc_url=None, openapi_url=None)
   app.state.meshlm = state
   app.add_middleware(_Gate, state=state)

@@ -1,0 +1,312 @@
+"""The HTTP server: OpenAI protocol, errors, disconnects, queue limit, auth, metrics, drain.
+
+Protocol and error tests run on a fake engine (echoes the prompt on a thread, at a pace
+the test sets); end-to-end tests run the real Engine on the shared tiny trained model and
+talk to it with the official `openai` client. Every server binds 127.0.0.1 on a free port
+and is stopped by its fixture.
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from serve import engine as engine_lib
+from serve.server import create_app
+from training.tokenizer import ByteTokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------ fake engine
+
+@dataclasses.dataclass
+class FakeServed:
+  tokenizer: object = dataclasses.field(default_factory=ByteTokenizer)
+  name: str = 'fake'
+  eos_token_ids: list = dataclasses.field(default_factory=lambda: [256])
+  chat_template: str | None = None
+
+
+class FakeEngine:
+  """Echoes each prompt back, one token per step of step_s; `paused` stops all progress.
+
+  `held` counts requests holding (pretend) blocks: a leak shows as held > 0 at rest.
+  """
+
+  def __init__(self, step_s: float = 0.002, max_waiting: int = 64, max_model_len: int = 64):
+    self.step_s, self.max_waiting, self.max_model_len = step_s, max_waiting, max_model_len
+    self.vocab_size = 257
+    self.paused = False
+    self.aborted = []
+    self._live = {}            # request id -> [stream, prompt, params, num emitted]
+    self._lock = threading.Lock()
+    self._observers = []
+    self._stop = False
+    self._thread = threading.Thread(target=self._loop, daemon=True)
+    self._thread.start()
+
+  @property
+  def held(self) -> int:
+    with self._lock:
+      return len(self._live)
+
+  def add_request(self, prompt_ids, params, request_id=None):
+    params.validate(self.vocab_size)
+    with self._lock:
+      if len(self._live) >= self.max_waiting:
+        raise engine_lib.QueueFull(f'{len(self._live)} requests are already waiting')
+      stream = engine_lib.RequestStream(request_id, list(prompt_ids), self)
+      self._live[request_id] = [stream, list(prompt_ids), params, 0]
+    return stream
+
+  def abort(self, request_id):
+    with self._lock:
+      item = self._live.pop(request_id, None)
+    if item:
+      self.aborted.append(request_id)
+      self._put(item, [], True, 'abort')
+
+  def stats(self):
+    return engine_lib.EngineStats(self.held, 0, self.held / 10, 0, 0, 0, 0, {})
+
+  def add_observer(self, fn):
+    self._observers.append(fn)
+
+  def shutdown(self):
+    self._stop = True
+    self._thread.join(5)
+
+  def _put(self, item, tokens, finished, reason):
+    stream, prompt, params, _ = item
+    logprobs = ([engine_lib.TokenLogprob(t, -0.5, [(t, -0.5)] * (params.logprobs or 0))
+                 for t in tokens] if params.logprobs is not None else None)
+    stream.put(engine_lib.RequestOutput(
+        stream.request_id, tokens, ByteTokenizer().decode(tokens), logprobs, finished,
+        reason, len(prompt), item[3]))
+
+  def _loop(self):
+    while not self._stop:
+      time.sleep(self.step_s)
+      if self.paused:
+        continue
+      with self._lock:
+        items = list(self._live.items())
+      for rid, item in items:
+        prompt, params = item[1], item[2]
+        token = prompt[item[3] % len(prompt)]
+        item[3] += 1
+        done = item[3] >= params.max_tokens
+        if done:
+          with self._lock:
+            self._live.pop(rid, None)
+        self._put(item, [token], done, 'length' if done else None)
+
+
+# ------------------------------------------------------------------ server fixtures
+
+class ServerThread:
+  """uvicorn on 127.0.0.1 and a free port, in a thread."""
+
+  def __init__(self, app):
+    sock = socket.socket()
+    sock.bind(('127.0.0.1', 0))
+    self.url = f'http://127.0.0.1:{sock.getsockname()[1]}'
+    self.app = app
+    self.server = uvicorn.Server(uvicorn.Config(app, log_level='warning', lifespan='off'))
+    self.thread = threading.Thread(target=self.server.run, kwargs={'sockets': [sock]},
+                                   daemon=True)
+    self.thread.start()
+    deadline = time.monotonic() + 30
+    while not self.server.started:
+      assert time.monotonic() < deadline and self.thread.is_alive(), 'server did not start'
+      time.sleep(0.01)
+
+  def stop(self):
+    self.server.should_exit = True
+    self.thread.join(10)
+
+
+@pytest.fixture
+def fake():
+  engine = FakeEngine()
+  yield engine
+  engine.shutdown()
+
+
+@pytest.fixture
+def fake_server(fake):
+  server = ServerThread(create_app(fake, FakeServed()))
+  yield server
+  server.stop()
+
+
+def _client(server, **kw) -> openai.OpenAI:
+  return openai.OpenAI(base_url=server.url + '/v1', api_key=kw.pop('api_key', 'none'),
+                       max_retries=0, timeout=30, **kw)
+
+
+def _wait_for(predicate, timeout=10.0):
+  deadline = time.monotonic() + timeout
+  while not predicate():
+    assert time.monotonic() < deadline, 'timed out waiting'
+    time.sleep(0.01)
+
+
+# ------------------------------------------------------------------ protocol (fake engine)
+
+def test_models_health_and_completion_stream(fake_server, fake):
+  client = _client(fake_server)
+  assert [m.id for m in client.models.list().data] == ['fake']
+  assert httpx.get(fake_server.url + '/health').status_code == 200
+  full = client.completions.create(model='fake', prompt='abc', max_tokens=7)
+  assert full.choices[0].text == 'abcabca'
+  assert full.choices[0].finish_reason == 'length'
+  assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (3, 7)
+  chunks = list(client.completions.create(model='fake', prompt='abc', max_tokens=7,
+                                          stream=True,
+                                          stream_options={'include_usage': True}))
+  assert ''.join(c.choices[0].text for c in chunks if c.choices) == 'abcabca'
+  assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == 'length'
+  assert fake.held == 0
+
+
+def test_several_prompts_and_token_ids(fake_server):
+  client = _client(fake_server)
+  out = client.completions.create(model='fake', prompt=['ab', 'xyz'], max_tokens=4)
+  assert sorted((c.index, c.text) for c in out.choices) == [(0, 'abab'), (1, 'xyzx')]
+  out = client.completions.create(model='fake', prompt=[[104, 105]], max_tokens=3)
+  assert out.choices[0].text == 'hih'
+  pieces = {0: '', 1: ''}
+  for chunk in client.completions.create(model='fake', prompt=['ab', 'xyz'], max_tokens=4,
+                                         stream=True):
+    for c in chunk.choices:
+      pieces[c.index] += c.text
+  assert pieces == {0: 'abab', 1: 'xyzx'}
+
+
+def test_completion_logprobs_shape(fake_server):
+  out = _client(fake_server).completions.create(model='fake', prompt='ab', max_tokens=3,
+                                                logprobs=2)
+  lp = out.choices[0].logprobs
+  assert lp.tokens == ['a', 'b', 'a'] and lp.token_logprobs == [-0.5] * 3
+  assert lp.text_offset == [0, 1, 2] and lp.top_logprobs[0] == {'a': -0.5}
+
+
+BAD_INPUTS = [
+    ('/v1/completions', b'{"prompt": "hi", ', 'JSON', None),
+    ('/v1/completions', b'[1, 2]', 'JSON object', None),
+    ('/v1/completions', {'max_tokens': 4}, 'prompt', 'prompt'),
+    ('/v1/completions', {'prompt': 5}, 'prompt', 'prompt'),
+    ('/v1/completions', {'prompt': 'hi', 'stream': 'yes'}, 'stream', 'stream'),
+    ('/v1/completions', {'prompt': 'hi', 'model': 'gpt-9'}, 'gpt-9', 'model'),
+    ('/v1/completions', {'prompt': ''}, 'empty', 'prompt'),
+    ('/v1/completions', {'prompt': []}, 'empty', 'prompt'),
+    ('/v1/completions', {'prompt': [1, 300]}, 'vocabulary', 'prompt'),
+    ('/v1/completions', {'prompt': [[1], [-1]]}, 'vocabulary', 'prompt'),
+    ('/v1/completions', {'prompt': 'x' * 64}, 'context', 'prompt'),
+    ('/v1/completions', {'prompt': 'x' * 40, 'max_tokens': 30}, 'max_tokens', 'max_tokens'),
+    ('/v1/completions', {'prompt': 'hi', 'max_tokens': 0}, 'max_tokens', 'max_tokens'),
+    ('/v1/completions', {'prompt': 'hi', 'max_tokens': 'many'}, 'max_tokens', 'max_tokens'),
+    ('/v1/completions', {'prompt': 'hi', 'temperature': -1}, 'temperature', 'temperature'),
+    ('/v1/completions', {'prompt': 'hi', 'top_p': 0}, 'top_p', 'top_p'),
+    ('/v1/completions', {'prompt': 'hi', 'logprobs': 99}, 'logprobs', 'logprobs'),
+    ('/v1/completions', {'prompt': 'hi', 'stop': [3]}, 'stop', 'stop'),
+    ('/v1/completions', {'prompt': 'hi', 'n': 2}, 'n', 'n'),
+    ('/v1/completions', {'prompt': 'hi', 'echo': True}, 'echo', 'echo'),
+    ('/v1/chat/completions', {'messages': 'hi'}, 'messages', 'messages'),
+    ('/v1/chat/completions', {'messages': [{'content': 'hi'}]}, 'role', 'messages.0.role'),
+    ('/v1/chat/completions', {'messages': []}, 'empty', 'messages'),
+]
+
+
+@pytest.mark.parametrize('path,body,needle,param', BAD_INPUTS)
+def test_bad_input_is_a_400_naming_the_field(fake_server, fake, path, body, needle, param):
+  content = body if isinstance(body, bytes) else json.dumps(body).encode()
+  resp = httpx.post(fake_server.url + path, content=content,
+                    headers={'Content-Type': 'application/json'})
+  assert resp.status_code == 400, resp.text
+  error = resp.json()['error']
+  assert set(error) == {'message', 'type', 'param', 'code'}
+  assert needle.lower() in error['message'].lower() and error['param'] == param
+  assert fake.held == 0
+  # The server still answers.
+  ok = _client(fake_server).completions.create(model='fake', prompt='ok', max_tokens=2)
+  assert ok.choices[0].text == 'ok'
+
+
+def test_unknown_route_is_an_openai_error(fake_server):
+  resp = httpx.get(fake_server.url + '/v1/nothing')
+  assert resp.status_code == 404 and 'message' in resp.json()['error']
+
+
+def test_api_key(fake):
+  server = ServerThread(create_app(fake, FakeServed(), api_key='sesame'))
+  try:
+    with pytest.raises(openai.AuthenticationError):
+      _client(server, api_key='wrong').models.list()
+    assert httpx.get(server.url + '/v1/models').status_code == 401
+    assert _client(server, api_key='sesame').models.list().data[0].id == 'fake'
+    assert httpx.get(server.url + '/health').status_code == 200
+  finally:
+    server.stop()
+
+
+def test_queue_full_is_a_429(fake):
+  fake.max_waiting, fake.paused = 2, True
+  server = ServerThread(create_app(fake, FakeServed()))
+  try:
+    import serve.sampling_params as sp  # pylint: disable=import-outside-toplevel
+    for i in range(2):
+      fake.add_request([1, 2], sp.SamplingParams(), request_id=f'filler-{i}')
+    with pytest.raises(openai.RateLimitError, match='queue is full'):
+      _client(server).completions.create(model='fake', prompt='hi', max_tokens=2)
+    # A list of prompts is admitted whole or not at all.
+    fake.abort('filler-0')
+    resp = httpx.post(server.url + '/v1/completions',
+                      json={'prompt': ['a', 'b'], 'max_tokens': 2})
+    assert resp.status_code == 429 and fake.held == 1
+    fake.abort('filler-1')
+    fake.paused = False
+    assert _client(server).completions.create(prompt='hi', model='fake',
+                                              max_tokens=2).choices[0].text == 'hi'
+  finally:
+    server.stop()
+
+
+def test_disconnect_aborts_streaming_and_plain_requests(fake_server, fake):
+  fake.step_s = 0.02
+  with httpx.stream('POST', fake_server.url + '/v1/completions',
+                    json={'prompt': 'abc', 'max_tokens': 50, 'stream': True}) as resp:
+    first = next(resp.iter_lines())
+    assert first.startswith('data: ')
+  _wait_for(lambda: fake.held == 0)
+  assert len(fake.aborted) == 1
+  # Non-streaming: the client gives up before the answer.
+  with pytest.raises(httpx.ReadTimeout):
+    httpx.post(fake_server.url + '/v1/completions',
+               json={'prompt': 'abc', 'max_tokens': 50}, timeout=0.3)
+  _wait_for(lambda: fake.held == 0)
+  assert len(fake.aborted) == 2
+
+
+def test_disconnect_before_the_first_token(fake_server, fake):
+  fake.paused = True
+  with pytest.raises(httpx.ReadTimeout):
+    with httpx.stream('POST', fake_server.url + '/v1/completions',
+                      json={'prompt': 'abc', 'max_tokens': 5, 'stream': True},
+                      timeout=0.3) as resp:
+      list(resp.iter_lines())
+  _wait_for(lambda: fake.held == 0)
+  assert len(fake.aborted) == 1
