@@ -296,7 +296,7 @@ class Engine:
                   request_id: str | None = None, *, bounded: bool = True) -> RequestStream:
     """Queues a request; raises ValueError (bad input), QueueFull or EngineClosed."""
     params = self._prepare_params(params or SamplingParams())
-    prompt_ids = self._check_prompt(prompt_ids, params)
+    prompt_ids = self.check_prompt(prompt_ids, params)
     request_id = request_id or uuid.uuid4().hex
     eos = None if params.ignore_eos or not self.served.eos_token_ids else (
         self.served.eos_token_ids[0])
@@ -396,7 +396,7 @@ class Engine:
       changes['stop_token_ids'] = list(params.stop_token_ids) + list(extra_eos)
     return dataclasses.replace(params, **changes) if changes else params
 
-  def _check_prompt(self, prompt_ids, params: SamplingParams) -> list[int]:
+  def check_prompt(self, prompt_ids, params: SamplingParams) -> list[int]:
     ids = [int(t) for t in prompt_ids]
     if not ids:
       raise ValueError('prompt is empty: give at least one token.')
