@@ -26,7 +26,7 @@ import uuid
 import jax
 import numpy as np
 
-from serve import kv_cache, sampler
+from serve import sampler
 from serve.config import ServeConfig
 from serve.detokenizer import IncrementalDetokenizer
 from serve.model_runner import ModelRunner, RunnerConfig
@@ -214,23 +214,25 @@ def size_cache(served, cfg: ServeConfig, mesh, max_model_len: int) -> int:
   """Number of KV blocks; refuses a cache that cannot hold one full-length request."""
   num_blocks = cfg.num_blocks
   if not num_blocks:
+    from serve import kv_cache  # pylint: disable=import-outside-toplevel
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(served.params)) // cfg.tensor
     num_blocks = kv_cache.num_blocks_for_memory(
         served.model_cfg, cfg.block_size, fraction=cfg.memory_fraction,
         device=mesh.devices.flat[0], param_bytes=param_bytes)
-  needed = math.ceil(max_model_len / cfg.block_size)
+  # Block 0 is the scheduler's null block (padding writes land there).
+  needed = math.ceil(max_model_len / cfg.block_size) + 1
   if num_blocks < needed:
     raise ValueError(
         f'The KV cache has {num_blocks} blocks of {cfg.block_size} tokens '
-        f'({num_blocks * cfg.block_size} tokens), less than one request of the full '
-        f'context (--max-model-len={max_model_len} needs {needed} blocks). Give '
+        f'(one reserved), too few for one request of the full context '
+        f'(--max-model-len={max_model_len} needs {needed} blocks). Give '
         f'--num-blocks={needed} or more, lower --max-model-len to '
-        f'{num_blocks * cfg.block_size} or less, or raise --memory-fraction.')
+        f'{max(num_blocks - 1, 0) * cfg.block_size} or less, or raise --memory-fraction.')
   return num_blocks
 
 
 def describe_cache(num_blocks: int, cfg: ServeConfig, max_model_len: int) -> str:
-  tokens = num_blocks * cfg.block_size
+  tokens = (num_blocks - 1) * cfg.block_size
   return (f'KV cache: {num_blocks} blocks of {cfg.block_size} tokens = {tokens} tokens; '
           f'{tokens / max_model_len:.1f} requests at the full context of {max_model_len} '
           'tokens at once.')
