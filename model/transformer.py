@@ -181,7 +181,8 @@ def attention_pallas(q, k, v, segment_ids, plan, backend='triton'):
                        check_vma=False)(*args)
 
 
-def attention(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan):
+def project_qkv(x, layer, positions, inv_freq, plan):
+  """q [b,t,h,e], k/v [b,t,k,e]: projections and RoPE, shared by training and serving."""
   dtype = x.dtype
   q = jnp.einsum('btd,dhe->bthe', x, layer['wq'].astype(dtype))
   k = jnp.einsum('btd,dke->btke', x, layer['wk'].astype(dtype))
@@ -190,14 +191,22 @@ def attention(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan
   kv_axes = ('batch', 'act_seq', 'act_kv_heads', None)
   q = constrain(apply_rope(q, positions, inv_freq), q_axes, plan)
   k = constrain(apply_rope(k, positions, inv_freq), kv_axes, plan)
-  v = constrain(v, kv_axes, plan)
+  return q, k, constrain(v, kv_axes, plan)
+
+
+def attention(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan):
+  q, k, v = project_qkv(x, layer, positions, inv_freq, plan)
   if cfg.attention_impl == 'xla':
     out = attention_xla(q, k, v, segment_ids)
   elif cfg.attention_impl == 'cudnn':
     out = attention_cudnn(q, k, v, segment_ids)
   else:
     out = attention_pallas(q, k, v, segment_ids, plan, cfg.pallas_backend)
-  return jnp.einsum('bthe,hed->btd', out, layer['wo'].astype(dtype))
+  return output_projection(out, layer)
+
+
+def output_projection(out, layer):
+  return jnp.einsum('bthe,hed->btd', out, layer['wo'].astype(out.dtype))
 
 
 # ---------------------------------------------------------------------------- mlp, block
@@ -211,14 +220,20 @@ def mlp(x, layer, plan):
 
 
 def block(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan):
+  attend = lambda h: (attention(h, layer, cfg, positions, segment_ids, inv_freq, plan), None)
+  return residual_block(x, layer, cfg, plan, attend)[0]
+
+
+def residual_block(x, layer, cfg: ModelConfig, plan, attend):
+  """Pre-norm attention and MLP with residuals. attend(h) -> (out [b,t,d], aux): the
+  serving path's attention also returns its updated KV cache as aux."""
   with jax.named_scope('attention'):
-    h = rms_norm(x, layer['attn_norm'], cfg.norm_eps)
-    h = attention(h, layer, cfg, positions, segment_ids, inv_freq, plan)
+    h, aux = attend(rms_norm(x, layer['attn_norm'], cfg.norm_eps))
     x = constrain(x + h, RESIDUAL, plan)
   with jax.named_scope('mlp'):
     h = rms_norm(x, layer['mlp_norm'], cfg.norm_eps)
     x = constrain(x + mlp(h, layer, plan), RESIDUAL, plan)
-  return x
+  return x, aux
 
 
 def _remat(fn, policy: str):

@@ -108,6 +108,74 @@ def _token_layout(t, kv_lens, cu_q_lens, num_seqs):
   return seq, pos, live
 
 
+# ------------------------------------------------------------------------ XLA (serving)
+
+def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                        sm_scale=None, block_k=None):
+  """Ragged paged attention in plain jnp for serving without the kernel (CPU default).
+
+  Flash-style over key blocks: iteration j gathers, for every query row, block j of its
+  own sequence's pages ([T, block_k, Hkv, D]) and folds it into an online softmax. The
+  loop runs to the longest live sequence's last block (a dynamic trip count), so working
+  memory is O(T * block_k) whatever the context length, and the FLOPs are those of the
+  live keys (rounded up to a block) only; the reference's O(T * max_context) gather
+  never exists. What it does not do, unlike the kernel, is share a page block among the
+  query rows of one prefill chunk: each row gathers its own copy (bytes moved per step
+  T * context * Hkv * D, below the attention FLOPs by a factor of 4 * Hq / Hkv).
+  Same arguments and output as `paged_attention`; padding rows give exactly 0.
+  """
+  _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
+  t, hq, d = q.shape
+  _, page_size, hkv, _ = k_pages.shape
+  pages_per_seq = page_indices.shape[1]
+  ppb = max(1, min((block_k or _BLOCK_K_TOKENS) // page_size, pages_per_seq))
+  scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+  kv_lens, cu_q_lens, page_indices = (
+      jnp.asarray(x, jnp.int32) for x in (kv_lens, cu_q_lens, page_indices))
+  seq, pos, live = _token_layout(t, kv_lens, cu_q_lens, num_seqs)
+  # The table padded to whole blocks; slots past a sequence's pages read page 0 (masked).
+  table = jnp.pad(page_indices, ((0, 0), (0, -pages_per_seq % ppb)))[seq]   # [T, pages]
+  row_len = jnp.where(live, kv_lens[seq], 0)
+  qg = q.reshape(t, hkv, hq // hkv, d)
+  step = functools.partial(_xla_key_block, qg=qg, pages=(k_pages, v_pages), table=table,
+                           pos=pos, row_len=row_len, ppb=ppb, scale=scale)
+  carry = (jnp.full((t, hkv, hq // hkv), _MASK_VALUE, jnp.float32),
+           jnp.zeros((t, hkv, hq // hkv), jnp.float32),
+           jnp.zeros((t, hkv, hq // hkv, d), jnp.float32))
+  num_blocks = pl.cdiv(jnp.max(row_len), ppb * page_size)
+  _, l, acc = lax.fori_loop(0, num_blocks, step, carry)
+  out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(t, hq, d)
+  return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
+
+
+def _xla_key_block(j, carry, *, qg, pages, table, pos, row_len, ppb, scale):
+  """Online-softmax step over key block j of every row's sequence."""
+  m_prev, l_prev, acc_prev = carry
+  t = qg.shape[0]
+  k_pages, v_pages = pages
+  page_size = k_pages.shape[1]
+  block_k = ppb * page_size
+  ids = lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=1)               # [T, ppb]
+  k_pos = j * block_k + jnp.arange(block_k)
+  k_ok = k_pos[None, :] < row_len[:, None]                                  # [T, block_k]
+  ids = jnp.where(k_ok.reshape(t, ppb, page_size)[:, :, 0], ids, 0)
+  gather = lambda p: p[ids].reshape(t, block_k, *p.shape[2:])   # [T, block_k, Hkv, D]
+  # Junk past a sequence's end may be NaN; 0 * NaN would poison p @ v.
+  k = jnp.where(k_ok[..., None, None], gather(k_pages), 0)
+  v = jnp.where(k_ok[..., None, None], gather(v_pages), 0)
+  hi = lax.Precision.HIGHEST if qg.dtype == jnp.float32 else None
+  scores = jnp.einsum('tkgd,tskd->tkgs', qg, k, precision=hi,
+                      preferred_element_type=jnp.float32) * scale
+  visible = (k_ok & (k_pos[None, :] <= pos[:, None]))[:, None, None]       # [T,1,1,bk]
+  scores = jnp.where(visible, scores, _MASK_VALUE)
+  m = jnp.maximum(m_prev, scores.max(axis=-1))
+  p = jnp.where(visible, jnp.exp(scores - m[..., None]), 0.0)
+  alpha = jnp.exp(m_prev - m)
+  pv = jnp.einsum('tkgs,tskd->tkgd', p.astype(v.dtype), v, precision=hi,
+                  preferred_element_type=jnp.float32)
+  return m, alpha * l_prev + p.sum(axis=-1), alpha[..., None] * acc_prev + pv
+
+
 # --------------------------------------------------------------------------------- kernel
 
 def _paged_attention_kernel(

@@ -26,7 +26,7 @@ import uuid
 import jax
 import numpy as np
 
-from serve import kv_cache, sampler
+from serve import sampler
 from serve.config import ServeConfig
 from serve.detokenizer import IncrementalDetokenizer
 from serve.model_runner import ModelRunner, RunnerConfig
@@ -214,23 +214,25 @@ def size_cache(served, cfg: ServeConfig, mesh, max_model_len: int) -> int:
   """Number of KV blocks; refuses a cache that cannot hold one full-length request."""
   num_blocks = cfg.num_blocks
   if not num_blocks:
+    from serve import kv_cache  # pylint: disable=import-outside-toplevel
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(served.params)) // cfg.tensor
     num_blocks = kv_cache.num_blocks_for_memory(
         served.model_cfg, cfg.block_size, fraction=cfg.memory_fraction,
         device=mesh.devices.flat[0], param_bytes=param_bytes)
-  needed = math.ceil(max_model_len / cfg.block_size)
+  # Block 0 is the scheduler's null block (padding writes land there).
+  needed = math.ceil(max_model_len / cfg.block_size) + 1
   if num_blocks < needed:
     raise ValueError(
         f'The KV cache has {num_blocks} blocks of {cfg.block_size} tokens '
-        f'({num_blocks * cfg.block_size} tokens), less than one request of the full '
-        f'context (--max-model-len={max_model_len} needs {needed} blocks). Give '
+        f'(one reserved), too few for one request of the full context '
+        f'(--max-model-len={max_model_len} needs {needed} blocks). Give '
         f'--num-blocks={needed} or more, lower --max-model-len to '
-        f'{num_blocks * cfg.block_size} or less, or raise --memory-fraction.')
+        f'{max(num_blocks - 1, 0) * cfg.block_size} or less, or raise --memory-fraction.')
   return num_blocks
 
 
 def describe_cache(num_blocks: int, cfg: ServeConfig, max_model_len: int) -> str:
-  tokens = num_blocks * cfg.block_size
+  tokens = (num_blocks - 1) * cfg.block_size
   return (f'KV cache: {num_blocks} blocks of {cfg.block_size} tokens = {tokens} tokens; '
           f'{tokens / max_model_len:.1f} requests at the full context of {max_model_len} '
           'tokens at once.')
@@ -296,7 +298,7 @@ class Engine:
                   request_id: str | None = None, *, bounded: bool = True) -> RequestStream:
     """Queues a request; raises ValueError (bad input), QueueFull or EngineClosed."""
     params = self._prepare_params(params or SamplingParams())
-    prompt_ids = self._check_prompt(prompt_ids, params)
+    prompt_ids = self.check_prompt(prompt_ids, params)
     request_id = request_id or uuid.uuid4().hex
     eos = None if params.ignore_eos or not self.served.eos_token_ids else (
         self.served.eos_token_ids[0])
@@ -396,7 +398,7 @@ class Engine:
       changes['stop_token_ids'] = list(params.stop_token_ids) + list(extra_eos)
     return dataclasses.replace(params, **changes) if changes else params
 
-  def _check_prompt(self, prompt_ids, params: SamplingParams) -> list[int]:
+  def check_prompt(self, prompt_ids, params: SamplingParams) -> list[int]:
     ids = [int(t) for t in prompt_ids]
     if not ids:
       raise ValueError('prompt is empty: give at least one token.')

@@ -1,0 +1,125 @@
+"""The cached forward pass for serving: the training block, with K/V kept in pages.
+
+Reads top-down: the ragged batch and the cache -> writing new K/V into page slots ->
+paged attention (XLA or Pallas, per tensor shard) -> the layer scan -> sampled logits.
+Projections, RoPE, norms, the MLP and the residual block are model.transformer's own.
+
+A step takes a flat ragged batch: the tokens of every scheduled chunk (decode tokens and
+prefill chunks) concatenated along one axis, then padding up to a bucketed size T.
+
+    tokens     | seq 0: 1 decode token | seq 1: prefill chunk of 5 | pad pad pad |
+    slots      | page*size + offset    | ...                        | P*size ...  |  <- past
+                                                                                  the end:
+    Each layer first scatters the step's K and V into their slots, then attends through
+    the ragged paged interface (q [T, Hq, D], pages [P, page, Hkv, D], kv_lens,
+    page_indices, cu_q_lens, num_seqs), so a chunk sees its cached prefix and itself.
+
+The cache is a pair (k, v), each [L, P, page, Hkv, D], carried through the layer scan and
+updated in place (the caller donates it). Padding rows write to slot P * page_size, a
+page index past the end that the scatter drops: a negative "no slot" index would wrap
+onto the last page.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+from model.transformer import (RESIDUAL, Params, logits, output_projection, project_qkv,
+                               residual_block, rms_norm, rope_inv_freq)
+from pallas_kernels.paged_attention import paged_attention, paged_attention_xla
+from sharding.rules import ShardingPlan, constrain
+
+# Logical axes of one cache array [layers, pages, page slot, kv heads, head dim].
+KV_CACHE_AXES = ('layers', None, None, 'kv_heads', 'head_dim')
+PAGED_ATTENTION = {'xla': paged_attention_xla, 'pallas': paged_attention}
+
+KVCache = tuple[jax.Array, jax.Array]
+
+
+class PagedBatch(NamedTuple):
+  """One step's ragged batch; T and S are bucketed sizes, the tails padding."""
+  tokens: jax.Array        # [T] int32
+  positions: jax.Array     # [T] int32: position of each token in its sequence
+  slots: jax.Array         # [T] int32: page * page_size + offset; padding: P * page_size
+  kv_lens: jax.Array       # [S] int32: cached tokens after this step, new ones included
+  page_indices: jax.Array  # [S, pages_per_seq] int32: each sequence's block table
+  cu_q_lens: jax.Array     # [S + 1] int32: where each sequence's tokens start
+  num_seqs: jax.Array      # [1] int32: live sequences
+  sample_rows: jax.Array   # [S] int32: rows whose logits are wanted (padding: 0)
+
+
+def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
+  return (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.resolved_head_dim)
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, sharding=None) -> KVCache:
+  """Zeroed K and V pages in the compute dtype."""
+  shape = kv_cache_shape(cfg, num_pages, page_size)
+  zeros = jax.jit(lambda: jnp.zeros(shape, cfg.dtype), out_shardings=sharding)
+  return zeros(), zeros()
+
+
+# ------------------------------------------------------------------------- write, attend
+
+def write_kv(cache: KVCache, layer: jax.Array, k, v, slots) -> KVCache:
+  """Scatters k, v [T, Hkv, D] into layer `layer`'s slots; out-of-range slots drop."""
+  page_size = cache[0].shape[2]
+  pages, offsets = slots // page_size, slots % page_size
+  put = lambda c, x: c.at[layer, pages, offsets].set(x.astype(c.dtype), mode='drop')
+  return put(cache[0], k), put(cache[1], v)
+
+
+def paged_attend(q, k_pages, v_pages, batch: PagedBatch, impl: str, plan):
+  """q [T, Hq, D] over pages [P, page, Hkv, D]; with a plan, each tensor shard attends
+  its own kv heads and their q heads (the kernel is opaque to the partitioner)."""
+  fn = PAGED_ATTENTION[impl]
+  meta = (batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs)
+  if plan is None:
+    return fn(q, k_pages, v_pages, *meta)
+  spec = plan.activations.spec
+  q_spec = spec((None, 'act_heads', None))
+  kv_spec = spec((None, None, 'act_kv_heads', None))
+  rep = jax.sharding.PartitionSpec()
+  return jax.shard_map(lambda q, k, v, *m: fn(q, k, v, *m), mesh=plan.mesh,
+                       in_specs=(q_spec, kv_spec, kv_spec) + (rep,) * 4, out_specs=q_spec,
+                       check_vma=False)(q, k_pages, v_pages, *meta)
+
+
+def paged_attention_layer(x, layer, index, cache, batch, inv_freq, impl, plan):
+  """x [1, T, d] -> (attention output [1, T, d], cache with this layer's K/V written)."""
+  q, k, v = project_qkv(x, layer, batch.positions[None], inv_freq, plan)
+  cache = write_kv(cache, index, k[0], v[0], batch.slots)
+  out = paged_attend(q[0], cache[0][index], cache[1][index], batch, impl, plan)
+  return output_projection(out[None], layer), cache
+
+
+# -------------------------------------------------------------------------------- forward
+
+def paged_forward(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelConfig, *,
+                  impl: str = 'xla', plan: ShardingPlan | None = None):
+  """Final hidden states [1, T, d] of the batch's tokens, and the updated cache."""
+  inv_freq = rope_inv_freq(cfg)
+  x = params['embed'][batch.tokens[None]].astype(cfg.dtype)
+  x = constrain(x, RESIDUAL, plan)
+
+  def body(carry, layer_and_index):
+    x, cache = carry
+    layer, index = layer_and_index
+    attend = lambda h: paged_attention_layer(h, layer, index, cache, batch, inv_freq,
+                                             impl, plan)
+    return residual_block(x, layer, cfg, plan, attend), None
+
+  layers = (params['layers'], jnp.arange(cfg.num_layers))
+  (x, cache), _ = jax.lax.scan(body, (x, cache), layers)
+  return rms_norm(x, params['final_norm'], cfg.norm_eps), cache
+
+
+def sampled_logits(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelConfig, *,
+                   impl: str = 'xla', plan: ShardingPlan | None = None):
+  """float32 logits [S, vocab] of the batch's sample rows (only those reach the head),
+  and the updated cache."""
+  hidden, cache = paged_forward(params, cache, batch, cfg, impl=impl, plan=plan)
+  rows = hidden[:, batch.sample_rows]                                  # [1, S, d]
+  return logits(params, rows, cfg, plan)[0], cache

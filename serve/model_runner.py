@@ -1,0 +1,192 @@
+"""ModelRunner: one jitted ragged step over a scheduler's output, the KV cache in place.
+
+The scheduler's chunks (decode tokens and prefill chunks, mixed) become one flat batch
+(model.paged.PagedBatch) padded to bucketed sizes: the token count to a power of two
+(at least MIN_TOKEN_BUCKET, at most max_num_batched_tokens) and the sequence count to a
+power of two up to max_num_seqs. A long run therefore compiles at most
+log2(tokens) x log2(seqs) programs, not one per step. The cache is donated to the step,
+so its buffers are reused in place; only the sampled chunks' last rows reach the
+vocabulary projection.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from model import paged
+from model.config import ModelConfig
+from model.transformer import logical_axes
+from sharding.rules import REPLICATED, ShardingPlan, activation_rules
+
+ATTENTION = ('xla', 'pallas')
+MIN_TOKEN_BUCKET = 8
+
+
+@dataclasses.dataclass
+class RunnerConfig:
+  block_size: int = 16
+  num_blocks: int = 256
+  max_num_seqs: int = 32
+  max_num_batched_tokens: int = 512
+  max_model_len: int = 2048
+  attention: str | None = None   # 'xla' | 'pallas'; None: 'pallas' on GPU, else 'xla'
+
+  @property
+  def resolved_attention(self) -> str:
+    if self.attention is not None:
+      return self.attention
+    return 'pallas' if jax.default_backend() == 'gpu' else 'xla'
+
+  @property
+  def pages_per_seq(self) -> int:
+    return -(-self.max_model_len // self.block_size)
+
+  def validate(self) -> None:
+    if self.resolved_attention not in ATTENTION:
+      raise ValueError(f'runner attention={self.attention!r}: choose one of {ATTENTION}.')
+    for name in ('block_size', 'num_blocks', 'max_num_seqs', 'max_num_batched_tokens',
+                 'max_model_len'):
+      if getattr(self, name) <= 0:
+        raise ValueError(f'runner {name}={getattr(self, name)} must be positive.')
+    if self.max_num_batched_tokens < self.max_num_seqs:
+      raise ValueError(f'runner max_num_batched_tokens={self.max_num_batched_tokens} is '
+                       f'below max_num_seqs={self.max_num_seqs}: every running sequence '
+                       'needs a token per step; raise max_num_batched_tokens.')
+
+
+def token_buckets(cfg: RunnerConfig) -> list[int]:
+  return _powers_of_two(MIN_TOKEN_BUCKET, cfg.max_num_batched_tokens)
+
+
+def seq_buckets(cfg: RunnerConfig) -> list[int]:
+  return _powers_of_two(1, cfg.max_num_seqs)
+
+
+def _powers_of_two(lo: int, cap: int) -> list[int]:
+  out, n = [], 1
+  while n < cap:
+    if n >= lo:
+      out.append(n)
+    n *= 2
+  return out + [cap]
+
+
+def _bucket(n: int, buckets: list[int]) -> int:
+  return next(b for b in buckets if b >= n)
+
+
+def serving_plan(mesh) -> ShardingPlan | None:
+  """Tensor parallelism only: parameters by the tensor rules, activations whole except
+  heads, kv heads, mlp and vocab; other mesh axes just hold replicas."""
+  if mesh is None:
+    return None
+  acts = activation_rules(False).with_overrides('serve_activations', batch=None, seq=None,
+                                                act_seq=None)
+  return ShardingPlan(mesh, REPLICATED, REPLICATED, REPLICATED, acts)
+
+
+class ModelRunner:
+  """Runs scheduler outputs through the paged forward; owns the KV cache."""
+
+  def __init__(self, params, model_cfg: ModelConfig, runner_cfg: RunnerConfig, mesh=None):
+    runner_cfg.validate()
+    self.model_cfg, self.cfg = model_cfg, runner_cfg
+    self.plan = serving_plan(mesh)
+    self.impl = runner_cfg.resolved_attention
+    self._tokens, self._seqs = token_buckets(runner_cfg), seq_buckets(runner_cfg)
+    cache_sharding = None
+    if self.plan is None:
+      params = jax.device_put(params)
+    else:
+      param_shardings = self.plan.tree(self.plan.params, logical_axes(model_cfg))
+      params = jax.device_put(params, param_shardings)
+      cache_sharding = self.plan.sharding(self.plan.params, paged.KV_CACHE_AXES)
+    self.params = params
+    self.cache = paged.init_kv_cache(model_cfg, runner_cfg.num_blocks,
+                                     runner_cfg.block_size, cache_sharding)
+    out_sh = None
+    if self.plan is not None:   # logits gathered whole for the sampler
+      out_sh = (NamedSharding(mesh, PartitionSpec()), (cache_sharding,) * 2)
+    self._step = jax.jit(self._run, donate_argnums=(1,), out_shardings=out_sh)
+
+  def _run(self, params, cache, batch):
+    return paged.sampled_logits(params, cache, batch, self.model_cfg, impl=self.impl,
+                                plan=self.plan)
+
+  @property
+  def num_compiles(self) -> int:
+    return self._step._cache_size()
+
+  def execute(self, out) -> jax.Array:
+    """float32 logits [chunks with sample=True, vocab] in chunk order; the step's K/V
+    written into the cache. `out.chunks` items need token_ids, start_position, block_ids
+    and sample."""
+    chunks = list(out.chunks)
+    if not chunks:
+      return jnp.zeros((0, self.model_cfg.vocab_size), jnp.float32)
+    batch, num_sampled = self.build_batch(chunks)
+    logits, self.cache = self._step(self.params, self.cache, batch)
+    return logits[:num_sampled]
+
+  def build_batch(self, chunks) -> tuple[paged.PagedBatch, int]:
+    """The padded host-side batch for `chunks`, and how many of them are sampled."""
+    cfg = self.cfg
+    num_tokens = sum(len(c.token_ids) for c in chunks)
+    self._check_sizes(len(chunks), num_tokens)
+    t, s = _bucket(num_tokens, self._tokens), _bucket(len(chunks), self._seqs)
+    a = _empty_batch(t, s, cfg)
+    row, sampled = 0, 0
+    for i, c in enumerate(chunks):
+      n, start = len(c.token_ids), c.start_position
+      table = self._check_chunk(i, c)
+      pos = np.arange(start, start + n)
+      a['tokens'][row:row + n] = c.token_ids
+      a['positions'][row:row + n] = pos
+      a['slots'][row:row + n] = table[pos // cfg.block_size] * cfg.block_size + (
+          pos % cfg.block_size)
+      a['kv_lens'][i] = start + n
+      a['page_indices'][i, :len(table)] = table
+      row += n
+      a['cu_q_lens'][i + 1:] = row
+      if c.sample:
+        a['sample_rows'][sampled] = row - 1
+        sampled += 1
+    a['num_seqs'][0] = len(chunks)
+    return paged.PagedBatch(**{k: jnp.asarray(v) for k, v in a.items()}), sampled
+
+  def _check_sizes(self, num_chunks: int, num_tokens: int) -> None:
+    cfg = self.cfg
+    if num_chunks > cfg.max_num_seqs:
+      raise ValueError(f'{num_chunks} chunks in one step exceed runner max_num_seqs='
+                       f'{cfg.max_num_seqs}; schedule fewer or raise it.')
+    if num_tokens > cfg.max_num_batched_tokens:
+      raise ValueError(f'{num_tokens} tokens in one step exceed runner '
+                       f'max_num_batched_tokens={cfg.max_num_batched_tokens}.')
+
+  def _check_chunk(self, i: int, c) -> np.ndarray:
+    cfg = self.cfg
+    table = np.asarray(c.block_ids, np.int64)
+    end = c.start_position + len(c.token_ids)
+    if not c.token_ids or c.start_position < 0:
+      raise ValueError(f'chunk {i}: needs at least one token and start_position >= 0.')
+    if end > cfg.max_model_len:
+      raise ValueError(f'chunk {i} ends at position {end}, past max_model_len='
+                       f'{cfg.max_model_len}.')
+    if len(table) * cfg.block_size < end or len(table) > cfg.pages_per_seq:
+      raise ValueError(f'chunk {i}: {len(table)} blocks of {cfg.block_size} tokens do not '
+                       f'cover its {end} tokens (or exceed max_model_len).')
+    if table.size and (table.min() < 0 or table.max() >= cfg.num_blocks):
+      raise ValueError(f'chunk {i}: block ids must lie in [0, {cfg.num_blocks}).')
+    return table
+
+
+def _empty_batch(t: int, s: int, cfg: RunnerConfig) -> dict[str, np.ndarray]:
+  zeros = lambda *shape: np.zeros(shape, np.int32)
+  return dict(tokens=zeros(t), positions=zeros(t),
+              # Past the end of the cache: the scatter drops padding rows' K/V.
+              slots=np.full(t, cfg.num_blocks * cfg.block_size, np.int32),
+              kv_lens=zeros(s), page_indices=zeros(s, cfg.pages_per_seq),
+              cu_q_lens=zeros(s + 1), num_seqs=zeros(1), sample_rows=zeros(s))

@@ -1,0 +1,281 @@
+"""Continuous batching: which requests compute which tokens in the next model step.
+
+No prefill and decode phases: every request has a number of computed tokens (K/V in the
+cache) and a number of known tokens (prompt + outputs); a step gives each scheduled
+request a chunk of its uncomputed tokens. A fresh prompt, a prompt split over several
+steps (chunked prefill), the one token sampled last step (decode) and a preempted
+request's recompute are all the same thing, so they mix freely in one batch.
+
+Each step spends a token budget (max_num_batched_tokens): running requests first, oldest
+first, then waiting ones, first come first served, up to max_num_seqs running. When a
+running request needs a block and none is free, the most recently admitted running
+request is preempted by recompute: its blocks are freed, its computed count goes back to
+zero and it returns to the head of the waiting queue; resumed, it recomputes prompt and
+outputs (or finds them in the prefix cache) before sampling again.
+"""
+
+import collections
+import dataclasses
+
+from serve.kv_cache_manager import KVCacheManager
+from serve.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+  block_size: int = 16
+  num_blocks: int = 1024                 # block 0 is the null block: num_blocks - 1 usable
+  max_num_seqs: int = 256                # running requests at most
+  max_num_batched_tokens: int = 2048     # tokens computed per step at most
+  max_model_len: int = 2048              # prompt + max_tokens at most
+  enable_prefix_caching: bool = True
+  long_prefill_token_threshold: int = 0  # > 0: at most this many tokens per chunk
+
+  def validate(self) -> None:
+    for name in ('block_size', 'max_num_seqs', 'max_num_batched_tokens', 'max_model_len'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'{name}={getattr(self, name)}: must be at least 1')
+    if self.num_blocks < 2:
+      raise ValueError(f'num_blocks={self.num_blocks}: must be at least 2 '
+                       '(block 0 is reserved for padding writes)')
+    if self.long_prefill_token_threshold < 0:
+      raise ValueError(f'long_prefill_token_threshold={self.long_prefill_token_threshold}: '
+                       'must be 0 (off) or positive')
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+  request_id: str
+  token_ids: list[int]     # tokens whose K/V this step computes
+  start_position: int      # position of token_ids[0] (num_computed_tokens before the step)
+  block_ids: list[int]     # the whole block table, covering start_position + len(token_ids)
+  sample: bool             # ends at the request's last known token: sample the next one
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+  chunks: list[ScheduledChunk]
+  preempted_ids: list[str]     # sent back to waiting this step (blocks freed)
+  finished_ids: list[str]      # finished since the last step (aborts, stops; blocks freed)
+  num_batched_tokens: int
+
+
+class Scheduler:
+
+  def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager | None = None):
+    cfg.validate()
+    kv = kv or KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+    if (kv.block_size, kv.pool.num_blocks) != (cfg.block_size, cfg.num_blocks):
+      raise ValueError(f'the KVCacheManager has {kv.pool.num_blocks} blocks of '
+                       f'{kv.block_size} tokens but the SchedulerConfig says {cfg.num_blocks} '
+                       f'of {cfg.block_size}: build both from the same numbers')
+    self.cfg = cfg
+    self.kv = kv
+    self.requests: dict[str, Request] = {}   # waiting and running
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []          # in admission order: the last is the victim
+    self._finished_ids: list[str] = []
+    self.num_preemptions = 0
+
+  # Counters for /metrics.
+  @property
+  def num_running(self) -> int:
+    return len(self.running)
+
+  @property
+  def num_waiting(self) -> int:
+    return len(self.waiting)
+
+  @property
+  def kv_cache_usage(self) -> float:
+    return self.kv.usage
+
+  @property
+  def prefix_cache_queries(self) -> int:
+    return self.kv.prefix_cache_queries
+
+  @property
+  def prefix_cache_hits(self) -> int:
+    return self.kv.prefix_cache_hits
+
+  def has_unfinished_requests(self) -> bool:
+    return bool(self.requests)
+
+  def get_request(self, request_id: str) -> Request | None:
+    return self.requests.get(request_id)
+
+  def add_request(self, request: Request) -> None:
+    """Queues a request; ValueError if it could never run, even alone."""
+    self._check_fits(request)
+    request.status = RequestStatus.WAITING
+    self.requests[request.request_id] = request
+    self.waiting.append(request)
+
+  def schedule(self) -> SchedulerOutput:
+    budget = self.cfg.max_num_batched_tokens
+    chunks, preempted = [], []
+    budget = self._schedule_running(budget, chunks, preempted)
+    if not preempted:   # blocks are short: a newcomer now would only be preempted later
+      budget = self._schedule_waiting(budget, chunks)
+    finished, self._finished_ids = self._finished_ids, []
+    return SchedulerOutput(chunks, preempted, finished,
+                           self.cfg.max_num_batched_tokens - budget)
+
+  def update_from_output(self, out: SchedulerOutput,
+                         sampled: dict[str, int]) -> list[Request]:
+    """Records a step: advances computed counts, appends sampled tokens, finishes.
+
+    Returns the requests that finished (their blocks already freed). A request finished
+    by finish_request after schedule() is skipped.
+    """
+    finished = []
+    for chunk in out.chunks:
+      request = self.requests.get(chunk.request_id)
+      if request is None or request.status is not RequestStatus.RUNNING:
+        continue
+      request.num_computed_tokens = chunk.start_position + len(chunk.token_ids)
+      self.kv.cache_blocks(request)
+      if chunk.sample:
+        status = self._append_token(request, _sampled_token(sampled, chunk.request_id))
+        if status is not None:
+          self._finish(request, status)
+          finished.append(request)
+    if finished:
+      self.running = [r for r in self.running if not r.is_finished]
+    return finished
+
+  def finish_request(self, request_id: str, status: RequestStatus,
+                     stop_reason: str | int | None = None) -> None:
+    """Ends a waiting or running request (abort, stop string, error) and frees its blocks.
+
+    Unknown or already finished ids are ignored: an abort may race with a finish.
+    """
+    if not status.is_finished:
+      raise ValueError(f'finish_request needs a FINISHED_* status, got {status.name}')
+    request = self.requests.get(request_id)
+    if request is None:
+      return
+    if request.status is RequestStatus.RUNNING:
+      self.running.remove(request)
+    else:
+      self.waiting.remove(request)
+    request.stop_reason = stop_reason if stop_reason is not None else request.stop_reason
+    self._finish(request, status)
+
+  # Admission checks.
+  def _max_tokens(self, request: Request) -> int:
+    max_tokens = request.sampling_params.max_tokens
+    return self.cfg.max_model_len - request.num_prompt_tokens if max_tokens is None \
+        else max_tokens
+
+  def _check_fits(self, request: Request) -> None:
+    if request.request_id in self.requests:
+      raise ValueError(f'request id {request.request_id!r} is already queued or running: '
+                       'use a new id')
+    if not request.prompt_token_ids:
+      raise ValueError('the prompt is empty: give at least one token')
+    num_prompt, max_tokens = request.num_prompt_tokens, self._max_tokens(request)
+    if max_tokens < 1:
+      raise ValueError(f'max_tokens={max_tokens}: must be at least 1')
+    if num_prompt + max_tokens > self.cfg.max_model_len:
+      raise ValueError(
+          f'the prompt has {num_prompt} tokens and max_tokens is {max_tokens}: '
+          f'{num_prompt + max_tokens} > the model context of {self.cfg.max_model_len} '
+          'tokens; shorten the prompt or lower max_tokens')
+    # The last sampled token is never fed back: its K/V needs no slot.
+    num_blocks = -(-(num_prompt + max_tokens - 1) // self.cfg.block_size)
+    if num_blocks > self.kv.num_usable_blocks:
+      raise ValueError(
+          f'the prompt ({num_prompt} tokens) with max_tokens={max_tokens} needs '
+          f'{num_blocks} KV blocks of {self.cfg.block_size} tokens but the whole cache has '
+          f'{self.kv.num_usable_blocks}; lower max_tokens, shorten the prompt or give the '
+          'KV cache more memory (more blocks)')
+
+  # Scheduling, phase by phase.
+  def _schedule_running(self, budget: int, chunks: list, preempted: list) -> int:
+    i = 0
+    while i < len(self.running) and budget > 0:
+      request = self.running[i]
+      num_new = self._num_new_tokens(request.num_tokens, request.num_computed_tokens, budget)
+      if not self._allocate_or_preempt(request, num_new, preempted):
+        break   # the request was itself the last one running: nothing left after it
+      chunks.append(self._chunk(request, num_new))
+      budget -= num_new
+      i += 1
+    return budget
+
+  def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list) -> bool:
+    """Preempts the newest running requests until `request` fits; False if it went too."""
+    while self.kv.allocate_slots(request, num_new) is None:
+      victim = self.running.pop()
+      self._preempt(victim)
+      preempted.append(victim.request_id)
+      if victim is request:
+        return False
+    return True
+
+  def _schedule_waiting(self, budget: int, chunks: list) -> int:
+    while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+      request = self.waiting[0]
+      hits = self.kv.get_computed_blocks(request)
+      num_computed = len(hits) * self.cfg.block_size
+      num_new = self._num_new_tokens(request.num_tokens, num_computed, budget)
+      if self.kv.allocate_slots(request, num_new, hits) is None:
+        break   # first come, first served: nobody overtakes the head of the queue
+      self.waiting.popleft()
+      request.num_computed_tokens = num_computed
+      request.status = RequestStatus.RUNNING
+      self.running.append(request)
+      chunks.append(self._chunk(request, num_new))
+      budget -= num_new
+    return budget
+
+  def _num_new_tokens(self, num_tokens: int, num_computed: int, budget: int) -> int:
+    num_new = num_tokens - num_computed
+    threshold = self.cfg.long_prefill_token_threshold
+    if 0 < threshold < num_new:
+      num_new = threshold
+    return min(num_new, budget)
+
+  def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    start = request.num_computed_tokens
+    end = start + num_new
+    return ScheduledChunk(request.request_id, request.token_ids(start, end), start,
+                          list(self.kv.get_block_ids(request.request_id)),
+                          end == request.num_tokens)
+
+  def _preempt(self, request: Request) -> None:
+    self.kv.free(request)
+    request.num_computed_tokens = 0
+    request.status = RequestStatus.PREEMPTED
+    self.waiting.appendleft(request)
+    self.num_preemptions += 1
+
+  # Finishing.
+  def _append_token(self, request: Request, token: int) -> RequestStatus | None:
+    """Appends a sampled token; the finished status it causes, if any."""
+    request.output_token_ids.append(token)
+    params = request.sampling_params
+    if token == request.eos_token_id and not params.ignore_eos:
+      return RequestStatus.FINISHED_STOPPED
+    if token in params.stop_token_ids:
+      request.stop_reason = token
+      return RequestStatus.FINISHED_STOPPED
+    if (request.num_output_tokens >= self._max_tokens(request)
+        or request.num_tokens >= self.cfg.max_model_len):
+      return RequestStatus.FINISHED_LENGTH
+    return None
+
+  def _finish(self, request: Request, status: RequestStatus) -> None:
+    self.kv.free(request)
+    request.status = status
+    del self.requests[request.request_id]
+    self._finished_ids.append(request.request_id)
+
+
+def _sampled_token(sampled: dict[str, int], request_id: str) -> int:
+  token = sampled.get(request_id)
+  if token is None:
+    raise ValueError(f'no sampled token for request {request_id!r}, whose chunk had '
+                     'sample=True: pass one token per sampling chunk')
+  return int(token)
