@@ -310,3 +310,69 @@ def test_disconnect_before_the_first_token(fake_server, fake):
       list(resp.iter_lines())
   _wait_for(lambda: fake.held == 0)
   assert len(fake.aborted) == 1
+
+
+# ------------------------------------------------------------------ SIGTERM (subprocess)
+
+SUBPROCESS_SERVER = '''
+import sys
+from serve.__main__ import run
+from serve.server import create_app
+from tests.test_serve_server import FakeEngine, FakeServed
+engine = FakeEngine(step_s=0.05)
+run(create_app(engine, FakeServed()), engine, host='127.0.0.1', port=int(sys.argv[1]),
+    grace_s=float(sys.argv[2]), log_level='warning')
+'''
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _sse_stream(url, body, sink: list):
+  with httpx.stream('POST', url + '/v1/completions', json={**body, 'stream': True},
+                    timeout=30) as resp:
+    for line in resp.iter_lines():
+      if line.startswith('data: '):
+        sink.append(line[len('data: '):])
+
+
+def test_sigterm_drains_then_exits_cleanly():
+  port = _free_port()
+  url = f'http://127.0.0.1:{port}'
+  proc = subprocess.Popen([sys.executable, '-c', SUBPROCESS_SERVER, str(port), '1.5'],
+                          cwd=ROOT)
+  try:
+    _wait_for(lambda: proc.poll() is not None or _health(url) == 200, timeout=60)
+    assert proc.poll() is None, 'the server process died at start'
+    short, long = [], []   # 10 tokens (0.5 s) finish in the grace period; 60 do not
+    threads = [threading.Thread(target=_sse_stream, args=(url, body, sink)) for body, sink in
+               (({'prompt': 'ab', 'max_tokens': 10}, short),
+                ({'prompt': 'xy', 'max_tokens': 60}, long))]
+    for t in threads:
+      t.start()
+    _wait_for(lambda: short and long)
+    proc.send_signal(signal.SIGTERM)
+    _wait_for(lambda: _health(url) == 503, timeout=5)
+    refused = httpx.post(url + '/v1/completions', json={'prompt': 'hi'})
+    assert refused.status_code == 503 and 'shutting down' in refused.json()['error']['message']
+    for t in threads:
+      t.join(30)
+    assert proc.wait(timeout=30) == 0
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  chunks = [json.loads(c) for c in short[:-1]]
+  assert short[-1] == '[DONE]' and chunks[-1]['choices'][0]['finish_reason'] == 'length'
+  assert ''.join(c['choices'][0]['text'] for c in chunks) == 'ababababab'
+  assert long[-1] == '[DONE]' and 'grace period' in json.loads(long[-2])['error']['message']
+
+
+def _health(url) -> int | None:
+  try:
+    return httpx.get(url + '/health', timeout=2).status_code
+  except httpx.TransportError:
+    return None
