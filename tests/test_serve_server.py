@@ -376,3 +376,21 @@ def _health(url) -> int | None:
     return httpx.get(url + '/health', timeout=2).status_code
   except httpx.TransportError:
     return None
+
+
+# ------------------------------------------------------------------ load benchmark client
+
+def test_serve_load_measures_the_pace_it_is_served_at(fake_server, fake):
+  from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
+  fake.step_s = 0.02   # the fake emits one token per 20 ms: TPOT and ITL must say so
+  args = serve_load.parse_args(['--url', fake_server.url, '--num-prompts', '6',
+                                '--input-len', '5', '--output-len', '6',
+                                '--max-concurrency', '3', '--warmup', '0'])
+  summary = serve_load.benchmark(fake_server.url, args)
+  assert (summary['completed'], summary['failed']) == (6, 0)
+  assert summary['output_tokens'] == 36
+  for key in ('tpot_ms', 'itl_ms'):
+    assert 18 < summary[key]['p50'] < 60, (key, summary[key])
+  # Two waves of 3 (max concurrency): the whole run takes about 2 x 6 steps.
+  assert 0.2 < summary['wall_s'] < 1.5 and summary['ttft_ms']['p50'] > 0
+  assert fake.held == 0
