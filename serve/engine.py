@@ -261,7 +261,7 @@ class Engine:
     self.num_blocks = size_cache(served, cfg, self.mesh, self.max_model_len)
     print(describe_cache(self.num_blocks, cfg, self.max_model_len), flush=True)
     self.scheduler, self.runner = self._build_parts()
-    self._rng = np.random.default_rng(cfg.seed)
+    self.sampler = sampler.Sampler(cfg.seed)   # cfg.seed draws for unseeded requests
     self._tracked: dict[str, _Tracked] = {}
     self._aborts: dict[str, str] = {}   # request id -> why
     self._observers = []
@@ -391,8 +391,6 @@ class Engine:
   def _prepare_params(self, params: SamplingParams) -> SamplingParams:
     params.validate(self.vocab_size)
     changes = {}
-    if params.seed is None:   # reproducible runs: ServeConfig.seed draws the seeds
-      changes['seed'] = int(self._rng.integers(2**31))
     extra_eos = [] if params.ignore_eos else self.served.eos_token_ids[1:]
     if extra_eos:
       changes['stop_token_ids'] = list(params.stop_token_ids) + list(extra_eos)
@@ -460,7 +458,7 @@ class Engine:
     rows = [self._tracked[c.request_id] for c in out.chunks if c.sample]
     if not rows:
       return {}, {}
-    res = sampler.sample(logits, [t.request.sampling_params for t in rows],
+    res = self.sampler(logits, [t.request.sampling_params for t in rows],
                          [t.request.num_output_tokens for t in rows], self.vocab_size)
     tokens, logprobs = {}, {}
     for i, t in enumerate(rows):

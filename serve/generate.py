@@ -79,7 +79,8 @@ def prepare(job: Job, served, engine, path: str) -> None:
     job.params = from_openai(sampling, engine.vocab_size, chat='messages' in body)
     engine.check_prompt(job.prompt_ids, job.params)
   except SamplingParamsError as e:
-    raise BadLine(f'{where}: field {e.param!r}: {e}') from None
+    why = str(e).removeprefix(f'{e.param}: ')
+    raise BadLine(f'{where}: field {e.param!r}: {why}') from None
   except (ValueError, TypeError) as e:
     field = next(k for k in PROMPT_KEYS if k in body)
     raise BadLine(f'{where}: field {field!r}: {e}') from None
@@ -92,7 +93,7 @@ def _prompt_ids(body: dict, served) -> list[int]:
       raise ValueError('must be a list of integer token ids.')
     return ids
   if 'messages' in body:
-    from serve.hf_llama import render_chat  # pylint: disable=import-outside-toplevel
+    from serve.chat_template import render_chat  # pylint: disable=import-outside-toplevel
     if not isinstance(body['messages'], list):
       raise ValueError('must be a list of {"role": ..., "content": ...} objects.')
     return served.tokenizer.encode(render_chat(served, body['messages'])).tolist()

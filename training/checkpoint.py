@@ -107,3 +107,48 @@ class Checkpointer:
   def close(self) -> None:
     self._manager.close()
 
+
+
+def restore_params(directory: str, target) -> tuple[object, int]:
+  """(params, step) of the newest checkpoint whose parameters are intact, for serving.
+
+  Reads the `params` subtree of `state` only (orbax partial restore: the optimizer state
+  is never read) onto the shardings in `target` (ShapeDtypeStructs in the model's param
+  tree). The directory is opened read-only: a damaged newer step is skipped with a
+  warning and left as it is, for the training run to deal with.
+  """
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f'{directory} does not exist: pass the workdir of a train.py '
+                            'run (--config.workdir) that has saved a checkpoint.')
+  options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
+                                         save_interval_steps=0)
+  manager = ocp.CheckpointManager(directory, item_names=_ITEMS, options=options)
+  steps = sorted(manager.all_steps())
+  if not steps:
+    raise FileNotFoundError(f'{directory} holds no checkpoint yet: train until one is '
+                            'saved (checkpoint.every_steps) or pass another workdir.')
+  last_error = None
+  for step in reversed(steps):
+    try:
+      params, meta = _restore_params(manager, step, target)
+      # meta['checksums'] follows the TrainState leaves: step, then the params.
+      expected = list(meta['checksums'][1:1 + len(jax.tree.leaves(params))])
+      if checksums(params) == expected:
+        return params, step
+      last_error = 'parameter checksum mismatch'
+    except Exception as e:  # pylint: disable=broad-except
+      last_error = f'{type(e).__name__}: {e}'
+    log.warning('checkpoint %d cannot be served (%s); trying an older one', step,
+                str(last_error)[:300])
+  raise CheckpointError(f'no checkpoint in {directory} has intact parameters of this model '
+                        f'(newest error: {str(last_error)[:500]}).')
+
+
+def _restore_params(manager, step: int, target):
+  item = {'params': target}
+  restored = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(
+          item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+          partial_restore=True),
+      meta=ocp.args.JsonRestore()))
+  return restored.state['params'], restored.meta

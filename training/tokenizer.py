@@ -37,7 +37,9 @@ class ByteTokenizer:
 class HFTokenizer:
   """A `tokenizers.Tokenizer` read from a local tokenizer.json (no downloads)."""
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, eos: str | int | None = None):
+    """eos: the end-of-document token or id, when the model names it (a served Hugging
+    Face model's tokenizer_config.json); None: the first of EOS_CANDIDATES present."""
     import tokenizers  # pylint: disable=import-outside-toplevel
     with open(path, 'rb') as f:
       digest = hashlib.sha256(f.read()).hexdigest()[:12]
@@ -45,9 +47,16 @@ class HFTokenizer:
     self.path = path
     self.name = f'hf-{digest}'
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-    self.eos_id = self._find_eos()
+    self.eos_id = self._find_eos(eos)
 
-  def _find_eos(self) -> int:
+  def _find_eos(self, eos: str | int | None) -> int:
+    if isinstance(eos, int) and 0 <= eos < self.vocab_size:
+      return eos
+    if isinstance(eos, str) and self._tok.token_to_id(eos) is not None:
+      return self._tok.token_to_id(eos)
+    if eos is not None:
+      raise ValueError(f'{self.path} has no token {eos!r}, named as the end-of-sequence '
+                       'token: fix eos_token in tokenizer_config.json or eos_token_id.')
     for token in EOS_CANDIDATES:
       token_id = self._tok.token_to_id(token)
       if token_id is not None:

@@ -1,0 +1,95 @@
+"""Chat messages -> prompt text, with the model's jinja2 chat template.
+
+Rendered the way transformers' `apply_chat_template(..., tokenize=False)` does: a
+sandboxed environment (templates come from downloaded models), trim_blocks and
+lstrip_blocks, the `raise_exception` and `strftime_now` globals, a `tojson` filter that
+keeps non-ASCII text, and the tokenizer's special tokens (bos_token, eos_token, ...) as
+variables. A model without a template gets a plain "role: content" one.
+"""
+
+import datetime
+import functools
+import json
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# For models without a template (e.g. ones trained here): one line per message, then
+# the turn the model is to continue.
+DEFAULT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+ROLES = ('system', 'user', 'assistant', 'tool', 'developer')
+
+
+def _raise_exception(message):
+  raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+  return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                    sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+  return datetime.datetime.now().strftime(fmt)
+
+
+class _Generation(jinja2.ext.Extension):
+  """`{% generation %}...{% endgeneration %}` (assistant-mask markers): renders its body."""
+  tags = {'generation'}
+
+  def parse(self, parser):
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(('name:endgeneration',), drop_needle=True)
+    return jinja2.nodes.CallBlock(self.call_method('_body'), [], [], body).set_lineno(lineno)
+
+  def _body(self, caller):
+    return caller()
+
+
+@functools.lru_cache(maxsize=16)
+def compile_template(source: str) -> jinja2.Template:
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[_Generation, jinja2.ext.loopcontrols])
+  env.filters['tojson'] = _tojson
+  env.globals['raise_exception'] = _raise_exception
+  env.globals['strftime_now'] = _strftime_now
+  try:
+    return env.from_string(source)
+  except jinja2.TemplateSyntaxError as e:
+    raise ValueError(f'the chat template does not parse (line {e.lineno}: {e.message}); '
+                     'fix chat_template in tokenizer_config.json.') from e
+
+
+def validate_messages(messages) -> list[dict]:
+  """Plain copies of the messages; ValueError naming the bad one."""
+  if not isinstance(messages, list) or not messages:
+    raise ValueError('messages must be a non-empty list of {"role": ..., "content": ...} '
+                     'objects.')
+  out = []
+  for i, m in enumerate(messages):
+    if not isinstance(m, dict):
+      raise ValueError(f'messages[{i}] must be an object with "role" and "content", got '
+                       f'{type(m).__name__}.')
+    if m.get('role') not in ROLES:
+      raise ValueError(f'messages[{i}].role={m.get("role")!r}: choose one of {ROLES}.')
+    if not isinstance(m.get('content'), str):
+      raise ValueError(f'messages[{i}].content must be a string (content parts are not '
+                       f'supported), got {type(m.get("content")).__name__}.')
+    out.append(dict(m))
+  return out
+
+
+def render_chat(model, messages: list[dict], add_generation_prompt: bool = True) -> str:
+  """The prompt text for `messages` under `model`'s (a ServedModel's) chat template."""
+  template = compile_template(model.chat_template or DEFAULT_TEMPLATE)
+  try:
+    return template.render(messages=validate_messages(messages), tools=None, documents=None,
+                           add_generation_prompt=add_generation_prompt,
+                           **model.special_tokens)
+  except jinja2.TemplateError as e:
+    # raise_exception in a template: the template refused these messages.
+    raise ValueError(f'the chat template rejected the messages: {e}') from e

@@ -1,0 +1,227 @@
+"""A Hugging Face Llama-family directory as a model we serve.
+
+config.json -> ModelConfig, *.safetensors (read as numpy, no torch) -> our parameter tree,
+tokenizer.json -> HFTokenizer, tokenizer_config.json -> chat template and special tokens.
+Anything that is not plain Llama (biases, other activations, other RoPE scalings, other
+architectures) is refused with a ValueError naming it, rather than served wrong.
+"""
+
+import dataclasses
+import glob
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+from model.config import ModelConfig
+from training.tokenizer import HFTokenizer
+
+
+@dataclasses.dataclass
+class ServedModel:
+  model_cfg: ModelConfig
+  params: dict                 # our tree (model.param_specs layout)
+  tokenizer: object            # training.tokenizer.ByteTokenizer | HFTokenizer
+  eos_token_ids: list[int]
+  chat_template: str | None    # jinja2 source; None -> a simple built-in one
+  name: str                    # served model id (/v1/models)
+  # Strings the chat template may use (bos_token, eos_token, ...), from tokenizer_config.
+  special_tokens: dict = dataclasses.field(default_factory=dict)
+
+
+# HF config field -> the value it must have for our model to compute the same thing.
+_REQUIRED = {'model_type': 'llama', 'hidden_act': 'silu', 'attention_bias': False,
+             'mlp_bias': False}
+_SPECIAL_TOKENS = ('bos_token', 'eos_token', 'unk_token', 'pad_token')
+
+
+def load_hf_model(path: str, dtype: str = 'float32') -> ServedModel:
+  """The Llama model in a local Hugging Face directory, weights cast to `dtype`."""
+  path = os.path.expanduser(path)
+  hf = _read_json(os.path.join(path, 'config.json'), required=True)
+  model_cfg = model_config(hf, dtype)
+  tok_cfg = _read_json(os.path.join(path, 'tokenizer_config.json'))
+  gen_cfg = _read_json(os.path.join(path, 'generation_config.json'))
+  eos_ids = _as_ids(gen_cfg.get('eos_token_id', hf.get('eos_token_id')))
+  tokenizer = _tokenizer(path, tok_cfg, eos_ids)
+  if tokenizer.vocab_size > model_cfg.vocab_size:
+    raise ValueError(f'{path}: tokenizer.json has {tokenizer.vocab_size} tokens but '
+                     f'config.json vocab_size={model_cfg.vocab_size}: they do not belong '
+                     'together.')
+  params = _params(read_safetensors(path), model_cfg)
+  specials = {k: _token_text(tok_cfg.get(k)) for k in _SPECIAL_TOKENS}
+  return ServedModel(model_cfg=model_cfg, params=params, tokenizer=tokenizer,
+                     eos_token_ids=eos_ids or [tokenizer.eos_id],
+                     chat_template=_chat_template(path, tok_cfg),
+                     name=os.path.basename(os.path.normpath(path)),
+                     special_tokens={k: v for k, v in specials.items() if v is not None})
+
+
+def _read_json(path: str, required: bool = False) -> dict:
+  if not os.path.isfile(path):
+    if required:
+      raise FileNotFoundError(f'{path} not found: --hf-model takes a local Hugging Face '
+                              'model directory (config.json, *.safetensors, tokenizer.json).')
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
+def _as_ids(value) -> list[int]:
+  if value is None:
+    return []
+  return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def _token_text(token) -> str | None:
+  # tokenizer_config stores a special token as a string or an AddedToken dict.
+  return token.get('content') if isinstance(token, dict) else token
+
+
+# --------------------------------------------------------------------------------- config
+
+def check_supported(hf: dict) -> None:
+  """Raises ValueError naming the first thing our Llama would compute differently."""
+  archs = hf.get('architectures') or ['LlamaForCausalLM']
+  if archs != ['LlamaForCausalLM']:
+    raise ValueError(f'architectures={archs} is not supported: only LlamaForCausalLM '
+                     '(Llama-family decoders) can be served.')
+  for key, want in _REQUIRED.items():
+    got = hf.get(key, want)
+    if got != want:
+      raise ValueError(f'config.json {key}={got!r} is not supported: only Llama models '
+                       f'with {key}={want!r} can be served.')
+
+
+def _rope(hf: dict) -> tuple[float, dict]:
+  """(theta, scaling) from transformers 5's rope_parameters or the older rope_scaling."""
+  params = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
+  theta = float(params.get('rope_theta', hf.get('rope_theta', 10000.0)))
+  kind = params.get('rope_type', params.get('type', 'default'))
+  if kind not in ('default', 'llama3'):
+    raise ValueError(f"config.json rope scaling rope_type={kind!r} is not supported: only "
+                     "'llama3' scaling (or none) can be served.")
+  return theta, (params if kind == 'llama3' else {})
+
+
+def model_config(hf: dict, dtype: str = 'float32') -> ModelConfig:
+  """Our ModelConfig for a Hugging Face LlamaConfig dict (config.json)."""
+  check_supported(hf)
+  theta, scaling = _rope(hf)
+  heads = hf['num_attention_heads']
+  cfg = ModelConfig(
+      vocab_size=hf['vocab_size'], num_layers=hf['num_hidden_layers'],
+      embed_dim=hf['hidden_size'], mlp_dim=hf['intermediate_size'], num_heads=heads,
+      num_kv_heads=hf.get('num_key_value_heads') or heads,
+      head_dim=hf.get('head_dim') or hf['hidden_size'] // heads,
+      max_seq_len=hf.get('max_position_embeddings', 2048), rope_theta=theta,
+      norm_eps=hf.get('rms_norm_eps', 1e-6),
+      # LlamaConfig's default is untied.
+      tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
+      dtype=dtype, param_dtype=dtype)
+  if scaling:
+    cfg.rope_scaling_factor = float(scaling['factor'])
+    cfg.rope_original_max_len = int(scaling['original_max_position_embeddings'])
+    cfg.rope_low_freq_factor = float(scaling.get('low_freq_factor', 1.0))
+    cfg.rope_high_freq_factor = float(scaling.get('high_freq_factor', 4.0))
+  cfg.validate()
+  return cfg
+
+
+# -------------------------------------------------------------------------------- weights
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+  """Every tensor of the model, from one file or the shards an index names."""
+  index = os.path.join(path, 'model.safetensors.index.json')
+  if os.path.isfile(index):
+    files = sorted(set(_read_json(index)['weight_map'].values()))
+    files = [os.path.join(path, f) for f in files]
+  else:
+    files = sorted(glob.glob(os.path.join(path, '*.safetensors')))
+  if not files:
+    raise FileNotFoundError(f'{path} has no *.safetensors weights (PyTorch .bin files are '
+                            'not read): save the model with safe_serialization=True.')
+  tensors = {}
+  for file in files:
+    with safe_open(file, framework='np') as f:
+      for key in f.keys():
+        tensors[key] = f.get_tensor(key)
+  return tensors
+
+
+def _params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
+  """Our tree: per-layer weights stacked on a leading layers axis, [in, out] layouts."""
+  D, H, K, E = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+  used = set()
+
+  def take(name):
+    if name not in tensors:
+      raise ValueError(f'the safetensors files have no {name!r}: not a complete Llama '
+                       'checkpoint.')
+    used.add(name)
+    return tensors[name]
+
+  def layers(name, fn):
+    return np.stack([fn(take(f'model.layers.{i}.{name}')) for i in range(cfg.num_layers)])
+
+  tree = {
+      'embed': take('model.embed_tokens.weight'),
+      'final_norm': take('model.norm.weight'),
+      'layers': {
+          'attn_norm': layers('input_layernorm.weight', lambda w: w),
+          'wq': layers('self_attn.q_proj.weight', lambda w: w.T.reshape(D, H, E)),
+          'wk': layers('self_attn.k_proj.weight', lambda w: w.T.reshape(D, K, E)),
+          'wv': layers('self_attn.v_proj.weight', lambda w: w.T.reshape(D, K, E)),
+          'wo': layers('self_attn.o_proj.weight', lambda w: w.T.reshape(H, E, D)),
+          'mlp_norm': layers('post_attention_layernorm.weight', lambda w: w),
+          'w_gate': layers('mlp.gate_proj.weight', lambda w: w.T),
+          'w_up': layers('mlp.up_proj.weight', lambda w: w.T),
+          'w_down': layers('mlp.down_proj.weight', lambda w: w.T),
+      },
+  }
+  if not cfg.tie_embeddings:
+    tree['lm_head'] = take('lm_head.weight').T
+  used.add('lm_head.weight')   # a tied model may still store its (equal) head
+  _check_all_used(tensors, used)
+  dtype = jnp.dtype(cfg.param_dtype)
+  return {k: _to_jax(v, dtype) for k, v in tree.items()}
+
+
+def _check_all_used(tensors: dict, used: set) -> None:
+  # Weights we do not map (biases, extra norms) mean a model we would compute wrong.
+  extra = sorted(k for k in tensors if k not in used and not k.endswith('rotary_emb.inv_freq'))
+  if extra:
+    raise ValueError(f'unsupported weights {extra[:5]} (of {len(extra)}): this is not a '
+                     'plain Llama checkpoint.')
+
+
+def _to_jax(tree, dtype):
+  if isinstance(tree, dict):
+    return {k: _to_jax(v, dtype) for k, v in tree.items()}
+  return jnp.asarray(np.ascontiguousarray(tree), dtype=dtype)
+
+
+# ------------------------------------------------------------------------------ tokenizer
+
+def _tokenizer(path: str, tok_cfg: dict, eos_ids: list[int]) -> HFTokenizer:
+  file = os.path.join(path, 'tokenizer.json')
+  if not os.path.isfile(file):
+    raise FileNotFoundError(f'{path} has no tokenizer.json (the fast tokenizer file); '
+                            'save the tokenizer with tokenizers or transformers first.')
+  eos = _token_text(tok_cfg.get('eos_token')) or (eos_ids[0] if eos_ids else None)
+  return HFTokenizer(file, eos=eos)
+
+
+def _chat_template(path: str, tok_cfg: dict) -> str | None:
+  """chat_template.jinja (transformers 5 saves it there), else tokenizer_config's."""
+  file = os.path.join(path, 'chat_template.jinja')
+  if os.path.isfile(file):
+    with open(file) as f:
+      return f.read()
+  template = tok_cfg.get('chat_template')
+  if isinstance(template, list):   # named templates: serve the default one
+    named = {t['name']: t['template'] for t in template}
+    template = named.get('default')
+  return template

@@ -1,0 +1,82 @@
+"""A train.py workdir as a model we serve: its config, its tokenizer, its parameters.
+
+Only the parameters of the newest intact checkpoint are read (no optimizer state), onto
+the serving mesh, and the training run's directory is never written to.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+import model
+from model.config import ModelConfig
+from serve.hf_llama import ServedModel
+from sharding.rules import REPLICATED
+from training import checkpoint
+from training.tokenizer import load_tokenizer
+
+
+def default_mesh() -> Mesh:
+  """One device, with the `tensor` axis the serving code names."""
+  return jax.make_mesh((1,), ('tensor',), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:1])
+
+
+def param_shardings(model_cfg: ModelConfig, mesh: Mesh | None = None) -> dict:
+  """Where each parameter lives when serving: heads, kv heads, mlp and vocab split over
+  `tensor` (training's tensor-parallel rules), everything else replicated. Mesh axes the
+  rules name but `mesh` lacks are treated as size 1."""
+  mesh = mesh or default_mesh()
+
+  def sharding(axes):
+    spec = REPLICATED.spec(axes)
+    keep = [a if a in mesh.axis_names else None for a in spec]
+    return NamedSharding(mesh, PartitionSpec(*keep))
+
+  return jax.tree.map(sharding, model.logical_axes(model_cfg),
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+def shard_params(params: dict, model_cfg: ModelConfig, mesh: Mesh | None = None) -> dict:
+  """Places a loaded tree (e.g. load_hf_model's) on the serving mesh."""
+  return jax.device_put(params, param_shardings(model_cfg, mesh))
+
+
+def load_checkpoint(workdir: str, mesh: Mesh | None = None) -> ServedModel:
+  """The newest intact checkpoint of a train.py workdir, parameters only, on `mesh`."""
+  workdir = os.path.expanduser(workdir)
+  raw = _read_run_config(workdir)
+  model_cfg = _model_config(raw, workdir)
+  tokenizer = load_tokenizer(raw.get('data', {}).get('tokenizer', 'byte'))
+  shardings = param_shardings(model_cfg, mesh)
+  target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        model.abstract_params(model_cfg), shardings)
+  params, _ = checkpoint.restore_params(os.path.join(workdir, 'checkpoints'), target)
+  return ServedModel(model_cfg=model_cfg, params=params, tokenizer=tokenizer,
+                     eos_token_ids=[tokenizer.eos_id], chat_template=None,
+                     name=os.path.basename(os.path.normpath(os.path.abspath(workdir))))
+
+
+def _read_run_config(workdir: str) -> dict:
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(path):
+    what = 'does not exist' if not os.path.isdir(workdir) else 'has no config.json'
+    raise FileNotFoundError(f'{workdir} {what}: --checkpoint takes the workdir of a '
+                            'train.py run (its --config.workdir).')
+  with open(path) as f:
+    return json.load(f)
+
+
+def _model_config(raw: dict, workdir: str) -> ModelConfig:
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  given = raw.get('model', {})
+  unknown = sorted(set(given) - fields)
+  if unknown:
+    raise ValueError(f'{workdir}/config.json has model fields {unknown} this version does '
+                     'not know: serve it with the meshlm version that trained it.')
+  cfg = ModelConfig(**given)
+  cfg.validate()
+  return cfg

@@ -1,0 +1,247 @@
+"""The engine on the shared tiny trained model: greedy output equals argmax decoding with
+the training forward, whatever the batch, preemptions, prefix hits or mesh; aborts and
+failed steps free everything; the queue bound, the cache check and seeded sampling."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import model
+from serve.config import ServeConfig
+from serve.engine import Engine, QueueFull
+from serve.sampling_params import SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+SMALL = dict(max_num_seqs=32, max_num_batched_tokens=256)
+
+
+def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+  """n different byte prompts of 3..50 tokens; prompt 0 spans three 16-token blocks."""
+  rng = np.random.default_rng(seed)
+  lengths = [50] + list(rng.integers(3, 51, size=n - 1))
+  text = open(os.path.join(ROOT, 'model', 'transformer.py'), 'rb').read()
+  starts = rng.integers(0, len(text) - 64, size=n)
+  return [list(text[s:s + k]) for s, k in zip(starts, lengths)]
+
+
+def greedy_reference(served, prompts, num_tokens: int) -> list[list[int]]:
+  """Argmax decoding with model.forward + model.logits over a fixed causal buffer."""
+  cfg, vocab = served.model_cfg, served.tokenizer.vocab_size
+  params = jax.device_get(served.params)
+  step = jax.jit(lambda p, toks: model.logits(p, model.forward(p, toks, cfg), cfg))
+  buf = np.zeros((len(prompts), cfg.max_seq_len), np.int32)
+  lens = np.array([len(p) for p in prompts])
+  for i, p in enumerate(prompts):
+    buf[i, :len(p)] = p
+  rows = np.arange(len(prompts))
+  for _ in range(num_tokens):
+    logits = np.asarray(step(params, buf))[rows, lens - 1, :vocab]
+    buf[rows, lens] = np.argmax(logits, axis=-1)
+    lens += 1
+  return [list(buf[i, len(p):len(p) + num_tokens]) for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope='module')
+def prompts():
+  return make_prompts(32)
+
+
+@pytest.fixture(scope='module')
+def reference(tiny_served, prompts):
+  return greedy_reference(tiny_served, prompts, MAX_TOKENS)
+
+
+@pytest.fixture(scope='module')
+def engine(tiny_served):
+  eng = Engine(tiny_served, ServeConfig(num_blocks=160, **SMALL))
+  yield eng
+  eng.shutdown()
+
+
+def ids(results):
+  return [r.token_ids for r in results]
+
+
+def wait_idle(eng, timeout=30.0):
+  """The engine has ended every request and its loop has stepped past them."""
+  for _ in range(int(timeout * 100)):
+    if eng.num_unfinished == 0 and eng.stats().num_running == 0:
+      return
+    time.sleep(0.01)
+  raise AssertionError(f'engine still busy: {eng.stats()}')
+
+
+def test_greedy_alone_batched_and_prefix_hit_equal_training_forward(engine, prompts,
+                                                                    reference):
+  alone = engine.generate(prompts[:1], GREEDY)
+  assert ids(alone) == reference[:1]
+  batch = engine.generate(prompts, GREEDY)
+  assert ids(batch) == reference
+  assert all(r.finish_reason == 'length' for r in batch)
+  hits = engine.stats().prefix_cache_hits
+  again = engine.generate(prompts[:1], GREEDY)   # its 3 full blocks are cached by now
+  assert engine.stats().prefix_cache_hits - hits >= 32
+  assert ids(again) == reference[:1]
+  assert alone[0].text == engine.served.tokenizer.decode(reference[0])
+
+
+def test_greedy_after_preemption_equals_training_forward(tiny_served, prompts, reference):
+  # 6 usable blocks: 32 requests of up to 62 tokens must preempt each other.
+  with Engine(tiny_served, ServeConfig(num_blocks=6, max_num_seqs=8,
+                                       max_num_batched_tokens=64)) as eng:
+    out = eng.generate(prompts, GREEDY)
+    assert eng.scheduler.num_preemptions > 0
+  assert ids(out) == reference
+
+
+def test_greedy_on_tensor_2_mesh_equals_training_forward(tiny_served, prompts, reference):
+  with Engine(tiny_served, ServeConfig(num_blocks=160, tensor=2, **SMALL)) as eng:
+    assert dict(eng.mesh.shape)['tensor'] == 2
+    assert ids(eng.generate(prompts, GREEDY)) == reference
+
+
+def test_stop_string_ends_text_before_it(engine, prompts, reference):
+  text = engine.served.tokenizer.decode(reference[3])
+  stop = text[5:7]
+  first = text.index(stop)
+  params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                          stop=[stop])
+  [out] = engine.generate([prompts[3]], params)
+  assert out.finish_reason == 'stop'
+  assert out.text == text[:first]
+
+
+def test_async_stream_gives_the_same_tokens(engine, prompts, reference):
+  async def run():
+    pieces = []
+    async for out in engine.add_request(prompts[5], GREEDY):
+      pieces.append(out)
+    return pieces
+  pieces = asyncio.run(run())
+  assert [t for p in pieces for t in p.new_token_ids] == reference[5]
+  assert [p.finished for p in pieces] == [False] * (len(pieces) - 1) + [True]
+  assert pieces[-1].num_output_tokens == MAX_TOKENS
+
+
+def test_abort_frees_every_block(engine, prompts):
+  long = SamplingParams(max_tokens=60 - len(prompts[1]), temperature=0.0, ignore_eos=True)
+  streams = [engine.add_request(p, long) for p in prompts[1:9]]
+  first = next(iter(streams[0]))      # running: it holds blocks
+  assert not first.finished and engine.stats().kv_cache_usage > 0
+  for s in streams:
+    s.abort()
+  results = [s.result() for s in streams]
+  assert all(r.finish_reason == 'abort' for r in results)
+  wait_idle(engine)
+  stats = engine.stats()
+  assert stats.kv_cache_usage == 0 and stats.num_waiting == 0
+  assert engine.scheduler.kv.num_free_blocks == engine.num_blocks - 1
+
+
+def test_failing_step_fails_its_requests_and_engine_keeps_serving(engine, prompts,
+                                                                  reference, monkeypatch):
+  real = engine.runner.execute
+  calls = []
+
+  def fail_once(out):
+    calls.append(len(out.chunks))
+    if len(calls) == 1:
+      raise RuntimeError('injected step failure')
+    return real(out)
+
+  monkeypatch.setattr(engine.runner, 'execute', fail_once)
+  with engine._lock:   # both in the first step
+    streams = [engine.add_request(p, GREEDY) for p in prompts[:2]]
+  failed = [s.result() for s in streams]
+  assert calls[0] == 2
+  assert [r.finish_reason for r in failed] == ['error', 'error']
+  assert 'injected step failure' in failed[0].error
+  wait_idle(engine)
+  assert engine.stats().kv_cache_usage == 0
+  assert ids(engine.generate(prompts[:2], GREEDY)) == reference[:2]
+
+
+def test_queue_bound_raises_queue_full(tiny_served, prompts):
+  with Engine(tiny_served, ServeConfig(num_blocks=160, max_waiting_requests=3,
+                                       **SMALL)) as eng:
+    with eng._lock:   # the loop cannot schedule: everything added stays waiting
+      streams = [eng.add_request(p, GREEDY) for p in prompts[:3]]
+      with pytest.raises(QueueFull, match='--max-waiting-requests=3'):
+        eng.add_request(prompts[3], GREEDY)
+    assert all(s.result().finish_reason == 'length' for s in streams)
+    eng.add_request(prompts[3], GREEDY).result()   # room again
+
+
+def test_too_small_cache_refused_at_start(tiny_served):
+  with pytest.raises(ValueError, match='--num-blocks=5 or more'):
+    Engine(tiny_served, ServeConfig(num_blocks=4, max_model_len=64))
+  with pytest.raises(ValueError, match='--max-model-len'):
+    Engine(tiny_served, ServeConfig(num_blocks=4, max_model_len=64))
+
+
+def test_seeded_sampling_repeats_whatever_the_batch(engine, prompts):
+  def seeded(seed):
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, ignore_eos=True)
+  alone = engine.generate([prompts[2]], seeded(7))[0]
+  batch = engine.generate(prompts[:8], [seeded(7) if i == 2 else seeded(100 + i)
+                                        for i in range(8)])
+  assert batch[2].token_ids == alone.token_ids and batch[2].text == alone.text
+  other = engine.generate([prompts[2]], seeded(8))[0]
+  assert other.token_ids != alone.token_ids
+
+
+def test_bad_requests_refused_with_the_field(engine):
+  with pytest.raises(ValueError, match='prompt is empty'):
+    engine.add_request([], GREEDY)
+  with pytest.raises(ValueError, match='token id 300'):
+    engine.add_request([1, 300], GREEDY)
+  with pytest.raises(ValueError, match='max_tokens'):
+    engine.add_request([1] * 60, GREEDY)
+  assert engine.num_unfinished == 0
+
+
+def test_generate_cli_writes_results_in_input_order(tiny_workdir, tiny_served, prompts,
+                                                    reference, tmp_path):
+  lines = [{'prompt_token_ids': [int(t) for t in p], 'max_tokens': MAX_TOKENS,
+            'temperature': 0, 'ignore_eos': True, 'id': f'p{i}'}
+           for i, p in enumerate(prompts[:6])]
+  lines.append({'prompt': 'def ', 'max_tokens': 4, 'temperature': 0, 'ignore_eos': True})
+  (tmp_path / 'in.jsonl').write_text(''.join(json.dumps(l) + '\n' for l in lines))
+  result = run_generate(tiny_workdir, tmp_path / 'in.jsonl', tmp_path / 'out.jsonl')
+  assert result.returncode == 0, result.stderr
+  out = [json.loads(l) for l in open(tmp_path / 'out.jsonl')]
+  assert [o.get('id') for o in out] == [f'p{i}' for i in range(6)] + [None]
+  assert [o['token_ids'] for o in out[:6]] == reference[:6]
+  assert out[6]['token_ids'] == greedy_reference(tiny_served, [list(b'def ')], 4)[0]
+  assert all(o['finish_reason'] == 'length' for o in out)
+
+
+@pytest.mark.parametrize('line, message', [
+    ('{"prompt": "a", "temperature": 9}', "line 2: field 'temperature'"),
+    ('{"prompt": 5}', "line 2: field 'prompt'"),
+    ('{"max_tokens": 3}', 'line 2: give exactly one of prompt'),
+    ('not json', 'line 2: not valid JSON'),
+])
+def test_generate_cli_bad_line_names_line_and_field(tiny_workdir, tmp_path, line, message):
+  (tmp_path / 'in.jsonl').write_text('{"prompt": "ok"}\n' + line + '\n')
+  result = run_generate(tiny_workdir, tmp_path / 'in.jsonl', tmp_path / 'out.jsonl')
+  assert result.returncode == 2
+  assert message in result.stderr.strip().splitlines()[-1], result.stderr
+  assert not (tmp_path / 'out.jsonl').exists()
+
+
+def run_generate(workdir, prompts_path, output_path):
+  return subprocess.run(
+      [sys.executable, '-m', 'serve.generate', '--checkpoint', str(workdir), '--prompts',
+       str(prompts_path), '--output', str(output_path), '--num-blocks', '64'],
+      cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
