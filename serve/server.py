@@ -194,7 +194,7 @@ def _prompt_ids(state: ServerState, prompt, param: str = 'prompt') -> list[int]:
 def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
   if not body.messages:
     raise ApiError(400, 'messages: the list of messages is empty.', param='messages')
-  from serve.hf_llama import render_chat  # pylint: disable=import-outside-toplevel
+  from serve.chat_template import render_chat  # pylint: disable=import-outside-toplevel
   messages = [{'role': m.role, 'content': _message_text(m.content)} for m in body.messages]
   try:
     text = render_chat(state.served, messages)

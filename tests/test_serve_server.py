@@ -17,6 +17,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -310,6 +311,190 @@ def test_disconnect_before_the_first_token(fake_server, fake):
       list(resp.iter_lines())
   _wait_for(lambda: fake.held == 0)
   assert len(fake.aborted) == 1
+
+
+# ------------------------------------------------------------------ the real engine
+
+@pytest.fixture(scope='module')
+def real_engine(tiny_served):
+  from serve.config import ServeConfig  # pylint: disable=import-outside-toplevel
+  engine = engine_lib.Engine(tiny_served, ServeConfig(
+      num_blocks=48, max_num_seqs=8, max_num_batched_tokens=64, max_waiting_requests=64))
+  yield engine
+  engine.shutdown()
+
+
+@pytest.fixture(scope='module')
+def real_server(real_engine, tiny_served):
+  server = ServerThread(create_app(real_engine, tiny_served, model_name='tiny'))
+  yield server
+  server.stop()
+
+
+def _assert_at_rest(engine):
+  """No request left anywhere and every KV block back in the pool."""
+  _wait_for(lambda: engine.num_unfinished == 0)
+  stats = engine.stats()
+  assert (stats.num_running, stats.num_waiting) == (0, 0)
+  kv = engine.scheduler.kv
+  assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+# Non-ASCII on purpose: the byte tokenizer splits each of these characters over tokens.
+PROMPT = 'Grüße aus Köln — ça va? 東京 '
+
+
+def _streamed_texts(client, n, **kw) -> tuple[list[str], list[str]]:
+  texts, reasons = [''] * n, [None] * n
+  for chunk in client.completions.create(stream=True, **kw):
+    for c in chunk.choices:
+      texts[c.index] += c.text
+      reasons[c.index] = c.finish_reason or reasons[c.index]
+  return texts, reasons
+
+
+def _first_wide_char(text: str) -> str | None:
+  return next((ch for ch in text if ord(ch) > 127 and ch != '\ufffd'), None)
+
+
+@pytest.mark.parametrize('sampling', [{'temperature': 0.0}, {'temperature': 2.0, 'seed': 7}])
+def test_stream_concatenates_to_the_plain_text(real_server, real_engine, tiny_served,
+                                               sampling):
+  client = _client(real_server)
+  prompts = [f'{i} {PROMPT}' for i in range(8)]
+  kw = dict(model='tiny', prompt=prompts, max_tokens=20, **sampling)
+  plain = sorted(client.completions.create(**kw).choices, key=lambda c: c.index)
+  texts = [c.text for c in plain]
+  assert _streamed_texts(client, len(prompts), **kw) == (
+      texts, [c.finish_reason for c in plain])
+  # The server is a faithful transport: the engine alone gives the same texts.
+  import serve.sampling_params as sp  # pylint: disable=import-outside-toplevel
+  ids = [tiny_served.tokenizer.encode(p).tolist() for p in prompts]
+  direct = real_engine.generate(ids, sp.SamplingParams(max_tokens=20, **sampling))
+  assert [d.text for d in direct] == texts
+  _assert_at_rest(real_engine)
+
+
+def test_multibyte_output_and_stop_string_split_over_tokens(real_server, real_engine,
+                                                            tiny_served):
+  # Hot sampling from the barely trained byte model sometimes emits a valid multi-byte
+  # character, split over several tokens: find a seed that does, with the engine alone.
+  import serve.sampling_params as sp  # pylint: disable=import-outside-toplevel
+  prompt = 'Köln '
+  ids = tiny_served.tokenizer.encode(prompt).tolist()
+  hot = dict(max_tokens=40, temperature=2.0)
+  direct = real_engine.generate([ids] * 16, [sp.SamplingParams(seed=s, **hot)
+                                             for s in range(16)])
+  seed, text = next((s, d.text) for s, d in enumerate(direct) if _first_wide_char(d.text))
+  client = _client(real_server)
+  kw = dict(model='tiny', prompt=prompt, seed=seed, **hot)
+  assert client.completions.create(**kw).choices[0].text == text
+  assert _streamed_texts(client, 1, **kw)[0] == [text]
+  stop = _first_wide_char(text)
+  expected = ([text[:text.index(stop)]], ['stop'])
+  stopped = client.completions.create(stop=[stop], **kw).choices[0]
+  assert ([stopped.text], [stopped.finish_reason]) == expected
+  assert _streamed_texts(client, 1, stop=[stop], **kw) == expected
+  _assert_at_rest(real_engine)
+
+
+def test_chat_stream_and_plain_agree(real_server, real_engine):
+  client = _client(real_server)
+  kw = dict(model='tiny', messages=[{'role': 'user', 'content': 'Wie geht\'s? ✓'}],
+            max_tokens=20, temperature=0.0)
+  plain = client.chat.completions.create(**kw)
+  chunks = list(client.chat.completions.create(stream=True,
+                                               stream_options={'include_usage': True}, **kw))
+  assert chunks[0].choices[0].delta.role == 'assistant'
+  text = ''.join(c.choices[0].delta.content or '' for c in chunks if c.choices)
+  assert text == plain.choices[0].message.content
+  assert chunks[-1].usage.model_dump() == plain.usage.model_dump()
+  assert plain.usage.completion_tokens <= 20 and plain.usage.prompt_tokens > 0
+  _assert_at_rest(real_engine)
+
+
+def test_logprobs_agree_with_greedy_choice(real_server):
+  client = _client(real_server)
+  out = client.chat.completions.create(
+      model='tiny', messages=[{'role': 'user', 'content': 'hello'}], max_tokens=5,
+      temperature=0.0, logprobs=True, top_logprobs=3)
+  for item in out.choices[0].logprobs.content:
+    tops = [t.logprob for t in item.top_logprobs]
+    # Greedy: the chosen token is the most likely one, and the list is sorted.
+    assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+    assert item.logprob == pytest.approx(tops[0], abs=1e-5) and item.logprob <= 0
+  plain = client.completions.create(model='tiny', prompt='hello', max_tokens=5,
+                                    temperature=0.0, logprobs=0)
+  assert len(plain.choices[0].logprobs.token_logprobs) == plain.usage.completion_tokens
+
+
+def test_concurrent_streams_with_disconnects_free_everything(real_server, real_engine):
+  rng = np.random.default_rng(0)
+  plans = [(int(rng.integers(4, 16)), int(rng.integers(0, 6)) if rng.random() < 0.5 else None)
+           for _ in range(24)]
+  results = [None] * len(plans)
+
+  def run(i, max_tokens, leave_after):
+    body = {'prompt': f'{i} ' + PROMPT, 'max_tokens': max_tokens, 'stream': True,
+            'temperature': 1.0, 'seed': i, 'ignore_eos': True}
+    with httpx.stream('POST', real_server.url + '/v1/completions', json=body,
+                      timeout=60) as resp:
+      assert resp.status_code == 200, resp.read()
+      for n, line in enumerate(resp.iter_lines()):
+        if leave_after is not None and n >= leave_after:
+          results[i] = 'left'
+          return   # closes the connection mid-stream
+        if line == 'data: [DONE]':
+          results[i] = 'done'
+
+  threads = [threading.Thread(target=run, args=(i, *plan)) for i, plan in enumerate(plans)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(120)
+  assert results.count('done') == sum(p[1] is None for p in plans)
+  _assert_at_rest(real_engine)
+  assert _client(real_server).completions.create(model='tiny', prompt='ok',
+                                                 max_tokens=2).usage.completion_tokens == 2
+
+
+def test_bad_inputs_on_the_real_engine_leave_nothing_behind(real_server, real_engine):
+  for body in ({'prompt': 'x' * 60, 'max_tokens': 10}, {'prompt': [320]},
+               {'prompt': 'hi', 'top_k': -5}, {'prompt': 'hi', 'min_p': 2}):
+    resp = httpx.post(real_server.url + '/v1/completions', json=body)
+    assert resp.status_code == 400, (body, resp.text)
+  _assert_at_rest(real_engine)
+
+
+def _metric_values(server) -> dict:
+  from prometheus_client.parser import text_string_to_metric_families  # pylint: disable=import-outside-toplevel
+  text = httpx.get(server.url + '/metrics').text
+  return {(s.name, tuple(sorted(s.labels.items()))): s.value
+          for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_what_was_served(real_server, real_engine):
+  before = _metric_values(real_server)
+  client = _client(real_server)
+  outs = [client.completions.create(model='tiny', prompt=p, max_tokens=m,
+                                    extra_body={'ignore_eos': True})
+          for p, m in (('one', 3), ('two two', 5), ('three', 4))]
+  _wait_for(lambda: real_engine.num_unfinished == 0)
+  after = _metric_values(real_server)
+  delta = lambda name, labels=(): after[(name, labels)] - before.get((name, labels), 0)  # noqa
+  assert delta('meshlm:prompt_tokens_total') == sum(o.usage.prompt_tokens for o in outs)
+  assert delta('meshlm:generation_tokens_total') == 12
+  assert delta('meshlm:request_success_total', (('finished_reason', 'length'),)) == 3
+  assert delta('meshlm:time_to_first_token_seconds_count') == 3
+  assert delta('meshlm:e2e_request_latency_seconds_count') == 3
+  assert delta('meshlm:inter_token_latency_seconds_count') == 2 + 4 + 3
+  assert delta('meshlm:e2e_request_latency_seconds_sum') > delta(
+      'meshlm:time_to_first_token_seconds_sum') > 0
+  assert after[('meshlm:num_requests_running', ())] == 0
+  assert after[('meshlm:num_requests_waiting', ())] == 0
+  assert after[('meshlm:kv_cache_usage_perc', ())] == 0
+  assert after[('meshlm:prefix_cache_queries_total', ())] >= after[
+      ('meshlm:prefix_cache_hits_total', ())] >= 0
 
 
 # ------------------------------------------------------------------ SIGTERM (subprocess)
