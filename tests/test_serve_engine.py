@@ -272,3 +272,14 @@ def run_generate(workdir, prompts_path, output_path):
       cwd=ROOT, capture_output=True, text=True, timeout=300,
       env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'JAX_COMPILATION_CACHE_DIR': str(jax.config.
            jax_compilation_cache_dir), 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'})
+
+
+def test_cache_sized_from_memory_is_printed(varied, capsys):
+  # On CPU the memory-derived size is capped at max_num_seqs full-length requests
+  # (+ the null block): the host's memory is shared with everything else.
+  with Engine(varied, ServeConfig(num_blocks=0, max_num_seqs=4, max_num_batched_tokens=64)) \
+      as eng:
+    assert eng.num_blocks == 4 * 64 // 16 + 1
+  line = capsys.readouterr().out.strip().splitlines()[0]
+  assert line == ('KV cache: 17 blocks of 16 tokens = 256 tokens; 4.0 requests at the full '
+                  'context of 64 tokens at once.')
