@@ -26,9 +26,10 @@ import uuid
 import jax
 import numpy as np
 
-from serve import sampler
+from serve import kv_cache, sampler
 from serve.config import ServeConfig
 from serve.detokenizer import IncrementalDetokenizer
+from serve.kv_cache_manager import KVCacheManager
 from serve.model_runner import ModelRunner, RunnerConfig
 from serve.request import Request, RequestStatus
 from serve.sampling_params import SamplingParams
@@ -212,15 +213,10 @@ def resolve_attention(cfg: ServeConfig) -> str:
 
 def size_cache(served, cfg: ServeConfig, mesh, max_model_len: int) -> int:
   """Number of KV blocks; refuses a cache that cannot hold one full-length request."""
-  num_blocks = cfg.num_blocks
-  if not num_blocks:
-    from serve import kv_cache  # pylint: disable=import-outside-toplevel
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(served.params)) // cfg.tensor
-    num_blocks = kv_cache.num_blocks_for_memory(
-        served.model_cfg, cfg.block_size, fraction=cfg.memory_fraction,
-        device=mesh.devices.flat[0], param_bytes=param_bytes)
+  per_request = math.ceil(max_model_len / cfg.block_size)
+  num_blocks = cfg.num_blocks or _blocks_from_memory(served, cfg, mesh, per_request)
   # Block 0 is the scheduler's null block (padding writes land there).
-  needed = math.ceil(max_model_len / cfg.block_size) + 1
+  needed = per_request + 1
   if num_blocks < needed:
     raise ValueError(
         f'The KV cache has {num_blocks} blocks of {cfg.block_size} tokens '
@@ -229,6 +225,18 @@ def size_cache(served, cfg: ServeConfig, mesh, max_model_len: int) -> int:
         f'--num-blocks={needed} or more, lower --max-model-len to '
         f'{max(num_blocks - 1, 0) * cfg.block_size} or less, or raise --memory-fraction.')
   return num_blocks
+
+
+def _blocks_from_memory(served, cfg: ServeConfig, mesh, per_request: int) -> int:
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(served.params)) // cfg.tensor
+  blocks = kv_cache.num_blocks_for_memory(
+      served.model_cfg, cfg.block_size, fraction=cfg.memory_fraction,
+      device=mesh.devices.flat[0], param_bytes=param_bytes, tensor_parallel=cfg.tensor)
+  if mesh.devices.flat[0].platform == 'cpu':
+    # CPU devices share the host's memory with everything else: no more than
+    # max_num_seqs full-length requests can use at once.
+    blocks = min(blocks, cfg.max_num_seqs * per_request + 1)
+  return blocks
 
 
 def describe_cache(num_blocks: int, cfg: ServeConfig, max_model_len: int) -> str:
@@ -288,7 +296,6 @@ class Engine:
     return scheduler, runner
 
   def _make_kv_manager(self):
-    from serve.kv_cache_manager import KVCacheManager  # pylint: disable=import-outside-toplevel
     return KVCacheManager(self.num_blocks, self.cfg.block_size,
                           enable_caching=self.cfg.enable_prefix_caching)
 

@@ -72,14 +72,15 @@ class KVCacheManager:
     The last held block may be partly filled: new tokens fill it before a new block.
     """
     table = self._tables.get(request.request_id)
-    if computed_blocks and table:
-      raise ValueError(f'request {request.request_id!r} already holds blocks: prefix hits '
-                       'are only for a request being admitted')
+    if table is not None:
+      if computed_blocks:
+        raise ValueError(f'request {request.request_id!r} already holds blocks: prefix '
+                         'hits are only for a request being admitted')
+      if request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+        return []   # decode inside a partly filled block: the common case, kept cheap
     num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
     num_held = len(computed_blocks) + (len(table) if table else 0)
     num_new_blocks = _cdiv(num_computed + num_new_tokens, self.block_size) - num_held
-    if num_new_blocks <= 0 and table is not None:
-      return []   # decode inside a partly filled block: the common case, kept cheap
     num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
     if max(num_new_blocks, 0) + num_revived > self.pool.num_free_blocks:
       return None

@@ -1,21 +1,164 @@
-"""Sampling parameters of one request.
+"""How one request wants its tokens chosen, and the mapping from an OpenAI request body.
 
-Placeholder with the contract's fields only: helper D's branch owns the real file (with
-validate()); the merge takes D's version.
+Ranges follow the OpenAI API where it defines one (temperature 0..2, top_p in (0, 1],
+logprobs 0..20) and vLLM's extensions otherwise (top_k, -1 or 0 for off; min_p in [0, 1];
+stop_token_ids; ignore_eos). Errors are `SamplingParamsError`, a ValueError whose `param`
+is the OpenAI field name, so the server can put it in the error body.
 """
 
 import dataclasses
+import math
+
+MAX_TEMPERATURE = 2.0      # OpenAI's range; hotter than 2 is noise for any model we serve
+MAX_LOGPROBS = 20          # OpenAI's top_logprobs limit (completions' own is 5; we allow 20)
+MAX_STOP = 16              # OpenAI allows 4; vLLM any. Bounded: each token scans them all
+GREEDY_BELOW = 1e-5        # temperatures under this sample greedily (dividing by them overflows)
+
+
+class SamplingParamsError(ValueError):
+  """A sampling field out of range or of the wrong type; `param` names the field."""
+
+  def __init__(self, param: str, message: str):
+    super().__init__(f'{param}: {message}')
+    self.param = param
 
 
 @dataclasses.dataclass
 class SamplingParams:
+  """Per-request sampling settings; defaults are OpenAI's completions defaults."""
   max_tokens: int = 16
-  temperature: float = 1.0
-  top_k: int = 0
+  temperature: float = 1.0      # 0 (or below GREEDY_BELOW): greedy
+  top_k: int = 0                # 0 or -1: off
   top_p: float = 1.0
   min_p: float = 0.0
-  seed: int | None = None
+  seed: int | None = None       # same seed -> same output whatever else is in the batch
   stop: list[str] = dataclasses.field(default_factory=list)
   stop_token_ids: list[int] = dataclasses.field(default_factory=list)
   ignore_eos: bool = False
-  logprobs: int | None = None
+  logprobs: int | None = None   # None: none; 0: the sampled token's; N: plus the top N
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature < GREEDY_BELOW
+
+  def validate(self, vocab_size: int) -> None:
+    """Raises SamplingParamsError naming the first field out of range."""
+    _check_int('max_tokens', self.max_tokens, 1, None)
+    _check_float('temperature', self.temperature, 0.0, MAX_TEMPERATURE)
+    _check_int('top_k', self.top_k, -1, None)
+    _check_float('top_p', self.top_p, 0.0, 1.0, low_open=True)
+    _check_float('min_p', self.min_p, 0.0, 1.0)
+    if self.seed is not None:
+      _check_int('seed', self.seed, None, None)
+    _check_stop(self.stop)
+    _check_token_ids('stop_token_ids', self.stop_token_ids, vocab_size)
+    _check_bool('ignore_eos', self.ignore_eos)
+    if self.logprobs is not None:
+      _check_int('logprobs', self.logprobs, 0, MAX_LOGPROBS)
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name, value, low, high):
+  if not _is_int(value):
+    raise SamplingParamsError(name, f'must be an integer, got {value!r}')
+  if (low is not None and value < low) or (high is not None and value > high):
+    what = f'an integer in [{low}, {high}]' if high is not None else f'an integer >= {low}'
+    raise SamplingParamsError(name, f'must be {what}, got {value}')
+
+
+def _check_float(name, value, low, high, low_open=False):
+  if not (_is_int(value) or isinstance(value, float)):
+    raise SamplingParamsError(name, f'must be a number, got {value!r}')
+  above_low = value > low if low_open else value >= low
+  if not (math.isfinite(value) and above_low and value <= high):
+    interval = f'{"(" if low_open else "["}{low}, {high}]'
+    raise SamplingParamsError(name, f'must be a number in {interval}, got {value}')
+
+
+def _check_bool(name, value):
+  if not isinstance(value, bool):
+    raise SamplingParamsError(name, f'must be true or false, got {value!r}')
+
+
+def _check_stop(stop):
+  if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+    raise SamplingParamsError('stop', f'must be a string or a list of strings, got {stop!r}')
+  if len(stop) > MAX_STOP:
+    raise SamplingParamsError('stop', f'at most {MAX_STOP} stop strings, got {len(stop)}')
+  if any(not s for s in stop):
+    raise SamplingParamsError('stop', 'stop strings must not be empty')
+
+
+def _check_token_ids(name, ids, vocab_size):
+  if not isinstance(ids, list) or not all(_is_int(i) for i in ids):
+    raise SamplingParamsError(name, f'must be a list of integers, got {ids!r}')
+  bad = [i for i in ids if not 0 <= i < vocab_size]
+  if bad:
+    raise SamplingParamsError(
+        name, f'token ids must be in [0, {vocab_size - 1}] (the vocabulary), got {bad}')
+
+
+# Fields vLLM and OpenAI define that this sampler does not implement: refused unless left at
+# their neutral value, so a client never silently gets something other than it asked for.
+_NEUTRAL = {'n': 1, 'best_of': 1, 'presence_penalty': 0, 'frequency_penalty': 0,
+            'repetition_penalty': 1, 'logit_bias': {}}
+
+
+def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
+                default_max_tokens: int = 16) -> SamplingParams:
+  """SamplingParams from a /v1/completions (chat=False) or /v1/chat/completions body.
+
+  Missing or null fields take OpenAI's defaults; `default_max_tokens` is the server's
+  choice when the body names none (OpenAI: 16 for completions; the room left in the
+  context for chat). Raises SamplingParamsError naming the field, validated against
+  vocab_size.
+  """
+  if not isinstance(body, dict):
+    raise SamplingParamsError('body', f'must be a JSON object, got {type(body).__name__}')
+  _refuse_unsupported(body)
+  get = lambda name, default: default if body.get(name) is None else body[name]  # noqa
+  top_k = get('top_k', 0)
+  params = SamplingParams(
+      max_tokens=_max_tokens(body, chat, default_max_tokens),
+      temperature=get('temperature', 1.0), top_k=0 if top_k == -1 else top_k,
+      top_p=get('top_p', 1.0), min_p=get('min_p', 0.0), seed=body.get('seed'),
+      stop=_stop_list(get('stop', [])), stop_token_ids=get('stop_token_ids', []),
+      ignore_eos=get('ignore_eos', False),
+      logprobs=_chat_logprobs(body) if chat else body.get('logprobs'))
+  params.validate(vocab_size)
+  return params
+
+
+def _max_tokens(body: dict, chat: bool, default: int):
+  """Chat's max_completion_tokens replaces its deprecated max_tokens when both are given."""
+  if chat and body.get('max_completion_tokens') is not None:
+    _check_int('max_completion_tokens', body['max_completion_tokens'], 1, None)
+    return body['max_completion_tokens']
+  return default if body.get('max_tokens') is None else body['max_tokens']
+
+
+def _refuse_unsupported(body: dict):
+  for name, neutral in _NEUTRAL.items():
+    value = body.get(name)
+    if value is not None and value != neutral:
+      raise SamplingParamsError(
+          name, f'is not supported by this server; leave it out or set it to {neutral!r}')
+
+
+def _stop_list(stop):
+  return [stop] if isinstance(stop, str) else stop
+
+
+def _chat_logprobs(body: dict) -> int | None:
+  """Chat asks with `logprobs: true` plus `top_logprobs: N`; completions with one int."""
+  want, top = body.get('logprobs'), body.get('top_logprobs')
+  if want is not None:
+    _check_bool('logprobs', want)
+  if top is not None:
+    _check_int('top_logprobs', top, 0, MAX_LOGPROBS)
+    if not want:
+      raise SamplingParamsError('top_logprobs', 'needs "logprobs": true')
+  return (top or 0) if want else None

@@ -196,10 +196,11 @@ class Scheduler:
     i = 0
     while i < len(self.running) and budget > 0:
       request = self.running[i]
-      num_new = self._num_new_tokens(request.num_tokens, request.num_computed_tokens, budget)
+      num_tokens = request.num_tokens
+      num_new = self._num_new_tokens(num_tokens, request.num_computed_tokens, budget)
       if not self._allocate_or_preempt(request, num_new, preempted):
         break   # the request was itself the last one running: nothing left after it
-      chunks.append(self._chunk(request, num_new))
+      chunks.append(self._chunk(request, num_new, num_tokens))
       budget -= num_new
       i += 1
     return budget
@@ -219,14 +220,15 @@ class Scheduler:
       request = self.waiting[0]
       hits = self.kv.get_computed_blocks(request)
       num_computed = len(hits) * self.cfg.block_size
-      num_new = self._num_new_tokens(request.num_tokens, num_computed, budget)
+      num_tokens = request.num_tokens
+      num_new = self._num_new_tokens(num_tokens, num_computed, budget)
       if self.kv.allocate_slots(request, num_new, hits) is None:
         break   # first come, first served: nobody overtakes the head of the queue
       self.waiting.popleft()
       request.num_computed_tokens = num_computed
       request.status = RequestStatus.RUNNING
       self.running.append(request)
-      chunks.append(self._chunk(request, num_new))
+      chunks.append(self._chunk(request, num_new, num_tokens))
       budget -= num_new
     return budget
 
@@ -237,12 +239,12 @@ class Scheduler:
       num_new = threshold
     return min(num_new, budget)
 
-  def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+  def _chunk(self, request: Request, num_new: int, num_tokens: int) -> ScheduledChunk:
     start = request.num_computed_tokens
     end = start + num_new
     return ScheduledChunk(request.request_id, request.token_ids(start, end), start,
-                          list(self.kv.get_block_ids(request.request_id)),
-                          end == request.num_tokens)
+                          self.kv.get_block_ids(request.request_id).copy(),
+                          end == num_tokens)
 
   def _preempt(self, request: Request) -> None:
     self.kv.free(request)
@@ -254,15 +256,17 @@ class Scheduler:
   # Finishing.
   def _append_token(self, request: Request, token: int) -> RequestStatus | None:
     """Appends a sampled token; the finished status it causes, if any."""
-    request.output_token_ids.append(token)
+    outputs = request.output_token_ids
+    outputs.append(token)
     params = request.sampling_params
     if token == request.eos_token_id and not params.ignore_eos:
       return RequestStatus.FINISHED_STOPPED
-    if token in params.stop_token_ids:
+    if params.stop_token_ids and token in params.stop_token_ids:
       request.stop_reason = token
       return RequestStatus.FINISHED_STOPPED
-    if (request.num_output_tokens >= self._max_tokens(request)
-        or request.num_tokens >= self.cfg.max_model_len):
+    num_outputs = len(outputs)
+    if (num_outputs >= (params.max_tokens or self.cfg.max_model_len)
+        or len(request.prompt_token_ids) + num_outputs >= self.cfg.max_model_len):
       return RequestStatus.FINISHED_LENGTH
     return None
 

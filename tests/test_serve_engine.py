@@ -3,6 +3,7 @@ the training forward, whatever the batch, preemptions, prefix hits or mesh; abor
 failed steps free everything; the queue bound, the cache check and seeded sampling."""
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -33,8 +34,12 @@ def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
   return [list(text[s:s + k]) for s, k in zip(starts, lengths)]
 
 
-def greedy_reference(served, prompts, num_tokens: int) -> list[list[int]]:
-  """Argmax decoding with model.forward + model.logits over a fixed causal buffer."""
+def greedy_reference(served, prompts, num_tokens: int, min_margin=0.0) -> list[list[int]]:
+  """Argmax decoding with model.forward + model.logits over a fixed causal buffer.
+
+  Checks every step's top-2 logit gap is above min_margin, so float reassociation in
+  the paged path cannot flip an argmax and the comparison is exact by construction.
+  """
   cfg, vocab = served.model_cfg, served.tokenizer.vocab_size
   params = jax.device_get(served.params)
   step = jax.jit(lambda p, toks: model.logits(p, model.forward(p, toks, cfg), cfg))
@@ -45,9 +50,25 @@ def greedy_reference(served, prompts, num_tokens: int) -> list[list[int]]:
   rows = np.arange(len(prompts))
   for _ in range(num_tokens):
     logits = np.asarray(step(params, buf))[rows, lens - 1, :vocab]
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    assert np.all(top2[:, 1] - top2[:, 0] > min_margin), 'near-tie: pick another seed'
     buf[rows, lens] = np.argmax(logits, axis=-1)
     lens += 1
-  return [list(buf[i, len(p):len(p) + num_tokens]) for i, p in enumerate(prompts)]
+  return [[int(t) for t in buf[i, len(p):len(p) + num_tokens]] for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope='module')
+def varied(tiny_served):
+  """The tiny model's config and tokenizer with random weights of std 0.3.
+
+  30 training steps leave a byte model whose greedy output is a run of spaces for any
+  prompt: equal outputs would prove little. Sharper random weights give a different
+  continuation per prompt (32 of 32 distinct, ~160 distinct tokens) with top-2 gaps
+  above 1e-3 at logits of ~10.
+  """
+  cfg = dataclasses.replace(tiny_served.model_cfg, init_std=0.3)
+  return dataclasses.replace(tiny_served, model_cfg=cfg,
+                             params=model.init_params(cfg, jax.random.key(0)))
 
 
 @pytest.fixture(scope='module')
@@ -56,13 +77,15 @@ def prompts():
 
 
 @pytest.fixture(scope='module')
-def reference(tiny_served, prompts):
-  return greedy_reference(tiny_served, prompts, MAX_TOKENS)
+def reference(varied, prompts):
+  ref = greedy_reference(varied, prompts, MAX_TOKENS, min_margin=1e-4)
+  assert len({tuple(r) for r in ref}) == len(prompts)
+  return ref
 
 
 @pytest.fixture(scope='module')
-def engine(tiny_served):
-  eng = Engine(tiny_served, ServeConfig(num_blocks=160, **SMALL))
+def engine(varied):
+  eng = Engine(varied, ServeConfig(num_blocks=160, **SMALL))
   yield eng
   eng.shutdown()
 
@@ -94,30 +117,32 @@ def test_greedy_alone_batched_and_prefix_hit_equal_training_forward(engine, prom
   assert alone[0].text == engine.served.tokenizer.decode(reference[0])
 
 
-def test_greedy_after_preemption_equals_training_forward(tiny_served, prompts, reference):
-  # 6 usable blocks: 32 requests of up to 62 tokens must preempt each other.
-  with Engine(tiny_served, ServeConfig(num_blocks=6, max_num_seqs=8,
+def test_greedy_after_preemption_equals_training_forward(varied, prompts, reference):
+  # 5 usable blocks: 32 requests of up to 62 tokens must preempt each other.
+  with Engine(varied, ServeConfig(num_blocks=6, max_num_seqs=8,
                                        max_num_batched_tokens=64)) as eng:
     out = eng.generate(prompts, GREEDY)
     assert eng.scheduler.num_preemptions > 0
   assert ids(out) == reference
 
 
-def test_greedy_on_tensor_2_mesh_equals_training_forward(tiny_served, prompts, reference):
-  with Engine(tiny_served, ServeConfig(num_blocks=160, tensor=2, **SMALL)) as eng:
+def test_greedy_on_tensor_2_mesh_equals_training_forward(varied, prompts, reference):
+  with Engine(varied, ServeConfig(num_blocks=160, tensor=2, **SMALL)) as eng:
     assert dict(eng.mesh.shape)['tensor'] == 2
     assert ids(eng.generate(prompts, GREEDY)) == reference
 
 
 def test_stop_string_ends_text_before_it(engine, prompts, reference):
-  text = engine.served.tokenizer.decode(reference[3])
-  stop = text[5:7]
-  first = text.index(stop)
+  # A printable ASCII token after at least two others, all ASCII up to it.
+  row, token = next((i, t) for i, r in enumerate(reference) for j, t in enumerate(r)
+                    if j >= 2 and 33 <= t < 127 and max(r[:j]) < 128)
   params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                          stop=[stop])
-  [out] = engine.generate([prompts[3]], params)
+                          stop=[chr(token)])
+  [out] = engine.generate([prompts[row]], params)
+  first = reference[row].index(token)
   assert out.finish_reason == 'stop'
-  assert out.text == text[:first]
+  assert out.token_ids == reference[row][:first + 1]
+  assert out.text == bytes(reference[row][:first]).decode()
 
 
 def test_async_stream_gives_the_same_tokens(engine, prompts, reference):
@@ -170,15 +195,14 @@ def test_failing_step_fails_its_requests_and_engine_keeps_serving(engine, prompt
   assert ids(engine.generate(prompts[:2], GREEDY)) == reference[:2]
 
 
-def test_queue_bound_raises_queue_full(tiny_served, prompts):
-  with Engine(tiny_served, ServeConfig(num_blocks=160, max_waiting_requests=3,
-                                       **SMALL)) as eng:
-    with eng._lock:   # the loop cannot schedule: everything added stays waiting
-      streams = [eng.add_request(p, GREEDY) for p in prompts[:3]]
-      with pytest.raises(QueueFull, match='--max-waiting-requests=3'):
-        eng.add_request(prompts[3], GREEDY)
-    assert all(s.result().finish_reason == 'length' for s in streams)
-    eng.add_request(prompts[3], GREEDY).result()   # room again
+def test_queue_bound_raises_queue_full(engine, prompts, monkeypatch):
+  monkeypatch.setattr(engine.cfg, 'max_waiting_requests', 3)
+  with engine._lock:   # the loop cannot schedule: everything added stays waiting
+    streams = [engine.add_request(p, GREEDY) for p in prompts[:3]]
+    with pytest.raises(QueueFull, match='--max-waiting-requests=3'):
+      engine.add_request(prompts[3], GREEDY)
+  assert all(s.result().finish_reason == 'length' for s in streams)
+  engine.add_request(prompts[3], GREEDY).result()   # room again
 
 
 def test_too_small_cache_refused_at_start(tiny_served):
@@ -210,18 +234,20 @@ def test_bad_requests_refused_with_the_field(engine):
 
 
 def test_generate_cli_writes_results_in_input_order(tiny_workdir, tiny_served, prompts,
-                                                    reference, tmp_path):
-  lines = [{'prompt_token_ids': [int(t) for t in p], 'max_tokens': MAX_TOKENS,
-            'temperature': 0, 'ignore_eos': True, 'id': f'p{i}'}
-           for i, p in enumerate(prompts[:6])]
+                                                    tmp_path):
+  # Lengths 6, 5, ..., 1 in input order: the output order shows in the lengths too.
+  lines = [{'prompt_token_ids': p, 'max_tokens': 6 - i, 'temperature': 0,
+            'ignore_eos': True, 'id': f'p{i}'} for i, p in enumerate(prompts[:6])]
   lines.append({'prompt': 'def ', 'max_tokens': 4, 'temperature': 0, 'ignore_eos': True})
   (tmp_path / 'in.jsonl').write_text(''.join(json.dumps(l) + '\n' for l in lines))
   result = run_generate(tiny_workdir, tmp_path / 'in.jsonl', tmp_path / 'out.jsonl')
   assert result.returncode == 0, result.stderr
   out = [json.loads(l) for l in open(tmp_path / 'out.jsonl')]
   assert [o.get('id') for o in out] == [f'p{i}' for i in range(6)] + [None]
-  assert [o['token_ids'] for o in out[:6]] == reference[:6]
-  assert out[6]['token_ids'] == greedy_reference(tiny_served, [list(b'def ')], 4)[0]
+  expected = [greedy_reference(tiny_served, [p], 6 - i)[0] for i, p in enumerate(prompts[:6])]
+  expected.append(greedy_reference(tiny_served, [list(b'def ')], 4)[0])
+  assert [o['token_ids'] for o in out] == expected
+  assert [o['text'] for o in out] == [tiny_served.tokenizer.decode(e) for e in expected]
   assert all(o['finish_reason'] == 'length' for o in out)
 
 
@@ -244,4 +270,16 @@ def run_generate(workdir, prompts_path, output_path):
       [sys.executable, '-m', 'serve.generate', '--checkpoint', str(workdir), '--prompts',
        str(prompts_path), '--output', str(output_path), '--num-blocks', '64'],
       cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+      env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'JAX_COMPILATION_CACHE_DIR': str(jax.config.
+           jax_compilation_cache_dir), 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'})
+
+
+def test_cache_sized_from_memory_is_printed(varied, capsys):
+  # On CPU the memory-derived size is capped at max_num_seqs full-length requests
+  # (+ the null block): the host's memory is shared with everything else.
+  with Engine(varied, ServeConfig(num_blocks=0, max_num_seqs=4, max_num_batched_tokens=64)) \
+      as eng:
+    assert eng.num_blocks == 4 * 64 // 16 + 1
+  line = capsys.readouterr().out.strip().splitlines()[0]
+  assert line == ('KV cache: 17 blocks of 16 tokens = 256 tokens; 4.0 requests at the full '
+                  'context of 64 tokens at once.')

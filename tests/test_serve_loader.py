@@ -120,7 +120,7 @@ def _flip_bits(step_dir, stride=997):
   parameters among the optimizer state, some of their bytes change."""
   flipped = 0
   for path in step_dir.rglob('*'):
-    if path.is_file() and path.parent.name == 'd':
+    if path.is_file() and path.parent.parent.name.startswith('ocdbt.process_'):
       raw = bytearray(path.read_bytes())
       for i in range(len(raw) // 2 % stride, len(raw), stride):
         raw[i] ^= 1 << (i % 8)
@@ -143,6 +143,24 @@ def test_damaged_newest_falls_back_and_changes_nothing(run, tmp_path, caplog):
   _flip_bits(copy / 'checkpoints' / '1' / 'state')
   with pytest.raises(checkpoint.CheckpointError, match='no checkpoint in .* intact'):
     load_checkpoint(str(copy))
+
+
+@pytest.mark.parametrize('leaf, served_step', [(1, 1), (-1, 2)])
+def test_checksums_guard_the_params_and_only_them(run, tmp_path, caplog, leaf, served_step):
+  """A recorded checksum of a parameter (leaf 1: the first after `step`) that disagrees
+  with the data makes the step unusable; one of the optimizer state (last leaf), which
+  serving never reads, does not."""
+  workdir, _, full = run
+  copy = tmp_path / 'run'
+  shutil.copytree(workdir, copy)
+  meta_file = copy / 'checkpoints' / '2' / 'meta' / 'metadata'
+  meta = json.loads(meta_file.read_text())
+  meta['checksums'][leaf] ^= 1
+  meta_file.write_text(json.dumps(meta))
+  with caplog.at_level(logging.WARNING, logger='training.checkpoint'):
+    served = load_checkpoint(str(copy))
+  _assert_params_equal(served.params, full[served_step].params)
+  assert ('parameter checksum mismatch' in caplog.text) == (served_step == 1)
 
 
 def test_missing_workdir_or_checkpoints_are_clear_errors(run, tmp_path):

@@ -381,3 +381,9 @@ def test_random_traffic_keeps_invariants_and_outputs(caching):
     hits += sched.prefix_cache_hits
   assert preemptions > 0                      # the scenario does exercise recompute
   assert (hits > 0) == caching
+
+
+def test_scheduler_overhead_benchmark_smoke():
+  from benchmarks import scheduler_overhead  # pylint: disable=import-outside-toplevel
+  result = scheduler_overhead.main(['--smoke'])
+  assert result['num_requests'] == 8 and 0 < result['median_step_ms'] < 1000

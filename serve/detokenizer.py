@@ -1,0 +1,99 @@
+"""Streaming text from streaming token ids: whole characters, word spacing kept, stop strings cut.
+
+Decoding tokens one at a time loses what a token means in context (SentencePiece drops the
+space of a word-initial token; a UTF-8 character may span several byte tokens). So each
+step decodes a short window twice, as vLLM does:
+
+    ids:    ... | prefix ........ read ........ end |
+    emit  decode(ids[prefix:end]) minus decode(ids[prefix:read])
+
+and waits while the window's text ends in U+FFFD (an incomplete character). The first
+window starts a few prompt tokens back, so the first output token's spacing is right.
+
+Stop strings: text that could still become a stop string is held back; when one completes,
+the text before it (with it, if include_stop) is the last piece. The stop that completes
+first wins (the longest, if several end at the same character), so the result does not
+depend on how the text was split into tokens.
+"""
+
+PROMPT_CONTEXT = 5      # prompt tokens decoded ahead of the output (vLLM uses 5 too)
+REPLACEMENT = '\ufffd'  # what decoders put for bytes that are not (yet) a whole character
+
+
+class IncrementalDetokenizer:
+  """Feed output token ids one at a time; get back text safe to show."""
+
+  def __init__(self, tokenizer, prompt_ids, stop: list[str], include_stop: bool = False):
+    self._tokenizer = tokenizer
+    self._ids = [int(t) for t in list(prompt_ids)[-PROMPT_CONTEXT:]]
+    self._prefix, self._read = 0, len(self._ids)
+    self._stop = list(stop)
+    self._include_stop = include_stop
+    self._held = ''                     # decoded text that may be the start of a stop string
+    self.text = ''                      # everything emitted so far
+    self.stop_matched: str | None = None
+    self.finished = False
+
+  def add(self, token_id: int) -> tuple[str, str | None]:
+    """(new text to emit, the stop string matched or None). After a stop, adds are ignored."""
+    if self.finished:
+      return '', None
+    self._ids.append(int(token_id))
+    return self._scan(self._decode_new(final=False))
+
+  def flush(self) -> str:
+    """At the end without a stop: the held-back text, an incomplete character as U+FFFD.
+
+    A stop string can still match here (one that ends in that U+FFFD): see stop_matched.
+    """
+    if self.finished:
+      return ''
+    piece, _ = self._scan(self._decode_new(final=True))
+    if not self.finished:
+      piece += self._emit(self._held)
+      self._held, self.finished = '', True
+    return piece
+
+  def _decode_new(self, final: bool) -> str:
+    before = self._tokenizer.decode(self._ids[self._prefix:self._read])
+    after = self._tokenizer.decode(self._ids[self._prefix:])
+    if not final and (len(after) <= len(before) or after.endswith(REPLACEMENT)):
+      return ''        # nothing new yet, or a character still incomplete: wait for more
+    self._prefix, self._read = self._read, len(self._ids)
+    del self._ids[:self._prefix]        # what is left of the window; keeps adds O(window)
+    self._prefix, self._read = 0, self._read - self._prefix
+    return after[len(before):]
+
+  def _scan(self, new: str) -> tuple[str, str | None]:
+    text = self._held + new
+    match = first_stop(text, self._stop)
+    if match is not None:
+      start, stop = match
+      self._held, self.finished, self.stop_matched = '', True, stop
+      return self._emit(text[:start + len(stop) if self._include_stop else start]), stop
+    keep = _stop_prefix_len(text, self._stop)
+    self._held = text[len(text) - keep:]
+    return self._emit(text[:len(text) - keep]), None
+
+  def _emit(self, piece: str) -> str:
+    self.text += piece
+    return piece
+
+
+def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+  """(start, stop) of the stop string that completes first in text, or None."""
+  found = [(i + len(s), -len(s), i, s) for s in stops if (i := text.find(s)) >= 0]
+  if not found:
+    return None
+  _, _, start, stop = min(found)
+  return start, stop
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+  """Length of the longest tail of text that is a proper prefix of some stop string."""
+  longest = max((len(s) - 1 for s in stops), default=0)
+  for k in range(min(longest, len(text)), 0, -1):
+    tail = text[-k:]
+    if any(s.startswith(tail) for s in stops):
+      return k
+  return 0

@@ -1,0 +1,241 @@
+"""Hugging Face Llama directories served with our model code: the same logits and greedy
+tokens as transformers' LlamaForCausalLM, the same chat-template text as
+apply_chat_template, and anything else refused by name. Everything is built here."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tokenizers
+import torch
+import transformers
+from tokenizers import models, pre_tokenizers
+
+import model
+from serve.chat_template import render_chat
+from serve.hf_llama import ServedModel, load_hf_model
+
+SPECIALS = ['<unk>', '<s>', '</s>', '<|eot_id|>', '<|begin_of_text|>',
+            '<|start_header_id|>', '<|end_header_id|>']
+WORDS = [f'w{i}' for i in range(200)]
+
+# A Llama-3-style template, exercising what transformers' environment provides:
+# trim_blocks/lstrip_blocks (the indented block tags), raise_exception, tojson.
+LLAMA3_TEMPLATE = """{{- bos_token }}
+{%- for message in messages %}
+    {% if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{ raise_exception('role ' + message['role'] + ' is not supported') }}
+    {% endif %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
+    {%- if message.meta is defined %}
+meta: {{ message.meta | tojson }}
+    {% endif %}
+    {{- message['content'] | trim + '<|eot_id|>' }}
+{%- endfor %}
+{% if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}"""
+
+
+def write_tokenizer(path, chat_template=None, eos_token='</s>'):
+  vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+  tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.add_special_tokens(SPECIALS)
+  tok.save(os.path.join(path, 'tokenizer.json'))
+  cfg = {'bos_token': '<|begin_of_text|>', 'eos_token': eos_token}
+  if chat_template:
+    cfg['chat_template'] = chat_template
+  with open(os.path.join(path, 'tokenizer_config.json'), 'w') as f:
+    json.dump(cfg, f)
+  return tok
+
+
+def save_llama(path, shard=False, **overrides):
+  kw = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+            initializer_range=0.1)
+  config = transformers.LlamaConfig(**{**kw, **overrides})
+  torch.manual_seed(0)
+  hf = transformers.LlamaForCausalLM(config).float().eval()
+  hf.save_pretrained(path, safe_serialization=True, **({'max_shard_size': '40KB'} if shard else {}))
+  return hf
+
+
+def our_logits(served: ServedModel, tokens: np.ndarray) -> np.ndarray:
+  cfg = served.model_cfg
+  fn = jax.jit(lambda p, t: model.logits(p, model.forward(p, t, cfg), cfg))
+  return np.asarray(fn(served.params, jnp.asarray(tokens, jnp.int32)))
+
+
+def our_greedy(served: ServedModel, prompt: np.ndarray, n: int) -> list[int]:
+  """Argmax decoding with the plain training forward, the whole sequence each step."""
+  cfg, width = served.model_cfg, len(prompt) + n
+  fn = jax.jit(lambda p, t: model.logits(p, model.forward(p, t, cfg), cfg))
+  seq = list(prompt)
+  for _ in range(n):
+    padded = np.zeros((1, width), np.int32)   # causal: the padding after is never seen
+    padded[0, :len(seq)] = seq
+    seq.append(int(np.argmax(np.asarray(fn(served.params, padded))[0, len(seq) - 1])))
+  return seq[len(prompt):]
+
+
+CASES = {
+    'untied_gqa_sharded': dict(shard=True),
+    'tied_mha': dict(tie_word_embeddings=True, num_key_value_heads=4),
+    'llama3_rope': dict(rope_theta=10000.0, rope_scaling={
+        'rope_type': 'llama3', 'factor': 4.0, 'low_freq_factor': 1.0,
+        'high_freq_factor': 4.0, 'original_max_position_embeddings': 16}),
+}
+
+
+@pytest.mark.parametrize('case', CASES)
+def test_logits_and_greedy_tokens_match_transformers(tmp_path, case):
+  overrides = dict(CASES[case])
+  shard = overrides.pop('shard', False)
+  hf = save_llama(tmp_path, shard=shard, **overrides)
+  write_tokenizer(tmp_path)
+  if shard:
+    assert os.path.exists(tmp_path / 'model.safetensors.index.json')
+  served = load_hf_model(str(tmp_path))
+  assert ('lm_head' in served.params) == (not hf.config.tie_word_embeddings)
+  # 60 positions: past original_max_position_embeddings=16, where llama3 scaling acts.
+  tokens = np.random.default_rng(0).integers(0, 300, size=(2, 60))
+  with torch.no_grad():
+    want = hf(torch.as_tensor(tokens)).logits.numpy()
+  got = our_logits(served, tokens)
+  assert np.abs(got - want).max() < 1e-4, np.abs(got - want).max()
+
+  prompt = tokens[0, :12]
+  hf.generation_config.eos_token_id = None   # ten tokens whatever they are
+  with torch.no_grad():
+    out = hf.generate(torch.as_tensor(prompt[None]), max_new_tokens=10, do_sample=False,
+                      pad_token_id=0)
+  assert our_greedy(served, prompt, 10) == out[0, len(prompt):].tolist()
+
+
+def test_config_tokenizer_and_eos_come_from_the_directory(tmp_path):
+  save_llama(tmp_path, eos_token_id=[3, 2], rope_theta=500000.0, rms_norm_eps=1e-6)
+  tok = write_tokenizer(tmp_path, chat_template=LLAMA3_TEMPLATE, eos_token='<|eot_id|>')
+  served = load_hf_model(str(tmp_path))
+  cfg = served.model_cfg
+  assert (cfg.vocab_size, cfg.num_layers, cfg.embed_dim, cfg.mlp_dim) == (300, 2, 64, 128)
+  assert (cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim) == (4, 2, 16)
+  assert (cfg.max_seq_len, cfg.rope_theta, cfg.norm_eps) == (128, 500000.0, 1e-6)
+  assert cfg.rope_scaling_factor == 1.0 and not cfg.tie_embeddings
+  assert served.eos_token_ids == [3, 2]
+  assert served.tokenizer.eos_id == tok.token_to_id('<|eot_id|>')
+  assert served.tokenizer.decode(served.tokenizer.encode('w5 w7')) == 'w5 w7'
+  assert served.chat_template == LLAMA3_TEMPLATE
+  assert served.name == os.path.basename(tmp_path)
+
+
+MESSAGES = [
+    {'role': 'system', 'content': 'You are terse.  '},
+    {'role': 'user', 'content': 'w1 w2 héllo', 'meta': {'lang': 'français'}},
+    {'role': 'assistant', 'content': 'w3'},
+    {'role': 'user', 'content': 'w4?'},
+]
+
+
+@pytest.mark.parametrize('add_generation_prompt', [True, False])
+def test_chat_template_renders_as_transformers_does(tmp_path, add_generation_prompt):
+  save_llama(tmp_path)
+  tok = write_tokenizer(tmp_path, chat_template=LLAMA3_TEMPLATE, eos_token='<|eot_id|>')
+  served = load_hf_model(str(tmp_path))
+  hf_tok = transformers.PreTrainedTokenizerFast(
+      tokenizer_object=tok, bos_token='<|begin_of_text|>', eos_token='<|eot_id|>')
+  hf_tok.chat_template = LLAMA3_TEMPLATE
+  want = hf_tok.apply_chat_template(MESSAGES, tokenize=False,
+                                    add_generation_prompt=add_generation_prompt)
+  got = render_chat(served, MESSAGES, add_generation_prompt=add_generation_prompt)
+  assert got == want
+  # Written out: the whitespace control of trim_blocks/lstrip_blocks, and tojson keeping ç.
+  expected = ('<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are terse.'
+              '<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nmeta: {"lang": '
+              '"français"}\nw1 w2 héllo<|eot_id|><|start_header_id|>assistant<|end_header_id|>'
+              '\n\nw3<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nw4?<|eot_id|>')
+  if add_generation_prompt:
+    expected += '<|start_header_id|>assistant<|end_header_id|>\n\n'
+  assert got == expected
+  with pytest.raises(ValueError, match='role tool is not supported'):
+    render_chat(served, [{'role': 'tool', 'content': 'x'}])
+
+
+def test_without_a_template_a_plain_one_is_used(tmp_path):
+  served = ServedModel(model_cfg=None, params={}, tokenizer=None, eos_token_ids=[0],
+                       chat_template=None, name='m')
+  text = render_chat(served, [{'role': 'system', 'content': 'Be brief.'},
+                              {'role': 'user', 'content': 'Hi'}])
+  assert text == 'system: Be brief.\nuser: Hi\nassistant: '
+  assert render_chat(served, [{'role': 'user', 'content': 'Hi'}],
+                     add_generation_prompt=False) == 'user: Hi\n'
+
+
+@pytest.mark.parametrize('messages, message', [
+    ([], 'non-empty list'),
+    ('hello', 'non-empty list'),
+    (['hello'], r'messages\[0\] must be an object'),
+    ([{'content': 'x'}], r'messages\[0\].role=None'),
+    ([{'role': 'user', 'content': 'x'}, {'role': 'robot', 'content': 'x'}],
+     r"messages\[1\].role='robot'"),
+    ([{'role': 'user', 'content': [{'type': 'text', 'text': 'x'}]}],
+     r'messages\[0\].content must be a string'),
+])
+def test_bad_messages_are_named(messages, message):
+  served = ServedModel(model_cfg=None, params={}, tokenizer=None, eos_token_ids=[0],
+                       chat_template=None, name='m')
+  with pytest.raises(ValueError, match=message):
+    render_chat(served, messages)
+
+
+@pytest.fixture(scope='module')
+def llama_dir(tmp_path_factory):
+  path = tmp_path_factory.mktemp('llama')
+  save_llama(path)
+  write_tokenizer(path)
+  return path
+
+
+@pytest.mark.parametrize('edit, message', [
+    ({'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2'},
+     r"architectures=\['GPT2LMHeadModel'\] is not supported"),
+    ({'model_type': 'mistral'}, "model_type='mistral' is not supported"),
+    ({'attention_bias': True}, 'attention_bias=True is not supported'),
+    ({'mlp_bias': True}, 'mlp_bias=True is not supported'),
+    ({'hidden_act': 'gelu'}, "hidden_act='gelu' is not supported"),
+    ({'rope_parameters': {'rope_type': 'yarn', 'factor': 2.0, 'rope_theta': 1e4}},
+     "rope_type='yarn' is not supported"),
+    ({'rope_parameters': None, 'rope_scaling': {'type': 'linear', 'factor': 2.0}},
+     "rope_type='linear' is not supported"),
+])
+def test_other_architectures_are_refused_by_name(llama_dir, tmp_path, edit, message):
+  path = tmp_path / 'model'
+  shutil.copytree(llama_dir, path)
+  config = json.loads((path / 'config.json').read_text())
+  (path / 'config.json').write_text(json.dumps({**config, **edit}))
+  with pytest.raises(ValueError, match=message):
+    load_hf_model(str(path))
+
+
+def test_biased_weights_and_missing_files_are_refused(llama_dir, tmp_path):
+  """A Llama saved with q/k/v/o biases (attention_bias=True) whose config claims none."""
+  biased = tmp_path / 'biased'
+  save_llama(biased, attention_bias=True)
+  write_tokenizer(biased)
+  config = json.loads((biased / 'config.json').read_text())
+  (biased / 'config.json').write_text(json.dumps({**config, 'attention_bias': False}))
+  with pytest.raises(ValueError, match=r'unsupported weights .*q_proj.bias'):
+    load_hf_model(str(biased))
+  with pytest.raises(FileNotFoundError, match='config.json not found'):
+    load_hf_model(str(tmp_path / 'nowhere'))
+  no_tok = tmp_path / 'no_tok'
+  shutil.copytree(llama_dir, no_tok)
+  os.remove(no_tok / 'tokenizer.json')
+  with pytest.raises(FileNotFoundError, match='no tokenizer.json'):
+    load_hf_model(str(no_tok))

@@ -1,0 +1,266 @@
+"""The sampler against a float64 numpy implementation written here; the request validation."""
+
+import numpy as np
+import pytest
+
+from serve import sampler
+from serve.sampler import Sampler, sample
+from serve.sampling_params import SamplingParams, SamplingParamsError, from_openai
+
+VOCAB, PADDED = 257, 320
+
+
+def np_filtered_logprobs(logits, temperature, top_k, top_p, min_p):
+  """Reference: HF's order (temperature, top-k, top-p on the survivors, min-p), float64."""
+  x = np.asarray(logits, np.float64) / temperature
+  keep = np.ones(x.shape, bool)
+  order = np.argsort(-x, kind='stable')
+  if top_k > 0:
+    keep[order[top_k:]] = False
+  if top_p < 1.0:
+    probs = np.where(keep, np.exp(x - x.max()), 0.0)
+    probs /= probs.sum()
+    mass = 0.0
+    for token in order:           # keep the most likely tokens until their mass reaches p
+      if mass >= top_p:
+        keep[token] = False
+      mass += probs[token]
+  full = np.exp(x - x.max())
+  keep &= full >= min_p * full.max()
+  kept = np.where(keep, x, -np.inf)
+  return kept - np.log(np.exp(kept - kept.max()).sum()) - kept.max()
+
+
+def np_log_softmax(x):
+  x = np.asarray(x, np.float64)
+  return x - x.max() - np.log(np.exp(x - x.max()).sum())
+
+
+def random_settings(rng, n):
+  return dict(temperature=rng.choice([0.3, 0.7, 1.0, 1.6], n),
+              top_k=rng.choice([0, 1, 3, 10, 40, 500], n),
+              top_p=rng.choice([1.0, 0.95, 0.6, 0.2], n),
+              min_p=rng.choice([0.0, 0.02, 0.3], n))
+
+
+def as_arrays(settings):
+  return (np.asarray(settings['temperature'], np.float32), np.asarray(settings['top_k'], np.int32),
+          np.asarray(settings['top_p'], np.float32), np.asarray(settings['min_p'], np.float32))
+
+
+@pytest.mark.parametrize('sort', [True, False])
+def test_filtered_logprobs_match_numpy(sort):
+  rng = np.random.default_rng(0)
+  n, v = 96, 64
+  logits = (rng.normal(size=(n, v)) * 3).astype(np.float32)
+  settings = random_settings(rng, n)
+  if not sort:   # the cheaper program: only temperature and min-p in play
+    settings.update(top_k=np.zeros(n, int), top_p=np.ones(n))
+  got = np.asarray(sampler.filtered_logprobs(logits, *as_arrays(settings), sort=sort))
+  for i in range(n):
+    want = np_filtered_logprobs(logits[i], *(settings[k][i] for k in settings))
+    np.testing.assert_array_equal(np.isfinite(got[i]), np.isfinite(want), err_msg=f'row {i}')
+    np.testing.assert_allclose(got[i][np.isfinite(want)], want[np.isfinite(want)], atol=2e-5)
+  kept = np.isfinite(got).sum(axis=1)
+  assert kept.min() == 1 and kept.max() == v and len(set(kept)) > 10   # the filters bit
+
+
+def chi_square(counts, probs):
+  expected = probs * counts.sum()
+  return float(((counts - expected) ** 2 / np.maximum(expected, 1e-12)).sum())
+
+
+def draw_many(logits_row, params, num, padded=PADDED):
+  """num draws of one distribution: one batch, one seed per row."""
+  logits = np.full((num, padded), -1e9, np.float32)
+  logits[:, :len(logits_row)] = logits_row
+  rows = [SamplingParams(**{**params, 'seed': s}) for s in range(num)]
+  return sample(logits, rows, [0] * num, len(logits_row)).token_ids
+
+
+def test_temperature_scaling_frequencies():
+  logits = np.array([1.0, 0.5, 0.0, -0.5, -1.0, 2.0], np.float32)
+  tokens = draw_many(logits, dict(temperature=0.6), 4000)
+  counts = np.bincount(tokens, minlength=len(logits))
+  # chi-square, 5 degrees of freedom: 20.5 is the 0.1% tail.
+  assert chi_square(counts, np.exp(np_log_softmax(logits / 0.6))) < 20.5
+  assert chi_square(counts, np.exp(np_log_softmax(logits))) > 100   # temperature 1 rejected
+
+
+def test_filtered_frequencies_and_support():
+  logits = np.random.default_rng(1).normal(size=12).astype(np.float32) * 1.5
+  for params in [dict(temperature=1.3, top_k=5), dict(temperature=0.9, top_p=0.7),
+                 dict(temperature=1.0, min_p=0.15), dict(temperature=1.5, top_k=8, top_p=0.8)]:
+    want = np.exp(np_filtered_logprobs(logits, params.get('temperature'), params.get('top_k', 0),
+                                       params.get('top_p', 1.0), params.get('min_p', 0.0)))
+    counts = np.bincount(draw_many(logits, params, 4000), minlength=len(logits))
+    assert not counts[want == 0].any(), params            # never outside the support
+    support = want > 0
+    dof = support.sum() - 1
+    assert chi_square(counts[support], want[support]) < 20.5 + 3 * dof, params
+
+
+def test_greedy_is_argmax_over_the_real_vocab():
+  rng = np.random.default_rng(2)
+  logits = rng.normal(size=(12, PADDED)).astype(np.float32)
+  logits[:, VOCAB:] += 10.0       # the padded columns would win an argmax over all of them
+  params = [SamplingParams(temperature=0.0, top_k=3, seed=i) for i in range(12)]
+  got = sample(logits, params, list(range(12)), VOCAB).token_ids
+  np.testing.assert_array_equal(got, logits[:, :VOCAB].argmax(axis=1))
+
+
+def test_padded_vocab_never_sampled():
+  rng = np.random.default_rng(3)
+  logits = rng.normal(size=(64, PADDED)).astype(np.float32)
+  logits[:, VOCAB:] = 30.0
+  for extra in [{}, dict(top_k=50), dict(top_p=0.5), dict(min_p=0.5)]:
+    params = [SamplingParams(temperature=2.0, seed=i, **extra) for i in range(64)]
+    assert (sample(logits, params, [5] * 64, VOCAB).token_ids < VOCAB).all()
+
+
+def stream(params, logits_seq, others, position, sampler_fn):
+  """The target request's tokens over len(logits_seq) steps, sitting among `others` rows."""
+  out = []
+  for step, logits in enumerate(logits_seq):
+    batch = others[step % (len(others) + 1):] if others else []
+    rows = batch[:position] + [(params, logits)] + batch[position:]
+    stacked = np.stack([l for _, l in rows])
+    res = sampler_fn(stacked, [p for p, _ in rows], [step] * len(rows), VOCAB)
+    out.append(int(res.token_ids[min(position, len(batch))]))
+  return out
+
+
+def test_seed_gives_the_same_stream_whatever_the_batch():
+  rng = np.random.default_rng(4)
+  logits_seq = [rng.normal(size=PADDED).astype(np.float32) for _ in range(20)]
+  others = [(SamplingParams(**kw), rng.normal(size=PADDED).astype(np.float32)) for kw in [
+      dict(temperature=0.0), dict(seed=1), dict(), dict(top_k=4, seed=9),
+      dict(top_p=0.3), dict(min_p=0.1, temperature=1.5), dict(seed=7, temperature=0.5)]]
+  target = SamplingParams(seed=7, temperature=1.2, top_p=0.95)
+  engine = Sampler(seed=123)
+  alone = stream(target, logits_seq, [], 0, sample)
+  in_batch = stream(target, logits_seq, others, 5, engine)   # batch of 8, shrinking by step
+  assert alone == in_batch
+  other_seed = stream(SamplingParams(seed=8, temperature=1.2, top_p=0.95), logits_seq, [], 0,
+                      sample)
+  assert other_seed != alone
+
+
+def test_seeded_stream_moves_with_the_step():
+  logits = np.zeros((1, PADDED), np.float32)      # the same uniform distribution every step
+  params = [SamplingParams(seed=11)]
+  tokens = [int(sample(logits, params, [step], VOCAB).token_ids[0]) for step in range(10)]
+  assert len(set(tokens)) > 5
+  again = [int(sample(logits, params, [step], VOCAB).token_ids[0]) for step in range(10)]
+  assert tokens == again
+
+
+def test_unseeded_requests_follow_the_engine_rng():
+  logits = np.zeros((8, PADDED), np.float32)
+  params = [SamplingParams()] * 8
+  first, second = Sampler(seed=5), Sampler(seed=5)
+  a = [first(logits, params, [0] * 8, VOCAB).token_ids for _ in range(3)]
+  b = [second(logits, params, [0] * 8, VOCAB).token_ids for _ in range(3)]
+  np.testing.assert_array_equal(a, b)
+  assert len({tuple(t) for t in a}) == 3     # fresh randomness each step
+
+
+def test_logprobs_are_raw_log_softmax_over_the_real_vocab():
+  rng = np.random.default_rng(6)
+  logits = rng.normal(size=(5, PADDED)).astype(np.float32) * 2
+  logits[:, VOCAB:] = 5.0        # would change the normalisation if counted
+  params = [SamplingParams(temperature=0.7, top_k=5, seed=1, logprobs=3),
+            SamplingParams(temperature=0.0, logprobs=0),
+            SamplingParams(temperature=1.0, logprobs=None),
+            SamplingParams(temperature=1.0, min_p=0.2, seed=2, logprobs=20),
+            SamplingParams(temperature=0.0, logprobs=1)]
+  res = sample(logits, params, [0] * 5, VOCAB)
+  for i, p in enumerate(params):
+    want = np_log_softmax(logits[i, :VOCAB])
+    np.testing.assert_allclose(res.logprobs[i], want[res.token_ids[i]], atol=1e-5)
+    if p.logprobs is None:
+      assert res.top_logprobs[i] is None
+      continue
+    top = np.argsort(-want, kind='stable')[:p.logprobs]
+    assert [t for t, _ in res.top_logprobs[i]] == top.tolist()
+    np.testing.assert_allclose([lp for _, lp in res.top_logprobs[i]], want[top], atol=1e-5)
+
+
+def test_no_logprobs_asked_none_returned():
+  res = sample(np.zeros((2, PADDED), np.float32), [SamplingParams()] * 2, [0, 0], VOCAB)
+  assert res.logprobs is None and res.top_logprobs == [None, None]
+
+
+def test_one_program_per_bucket_and_mode():
+  rng = np.random.default_rng(7)
+  kinds = [dict(temperature=0.0), dict(top_k=3), dict(top_p=0.5, min_p=0.1), dict(seed=3)]
+  before = sampler._sample_rows._cache_size()   # pylint: disable=protected-access
+  for n in [5, 6, 7, 8, 5, 8]:      # one bucket (8); every mix in the 'sort' mode
+    params = [SamplingParams(**kinds[i % 4]) for i in range(n)]
+    # a vocab size no other test uses, so no earlier test compiled this program
+    sample(rng.normal(size=(n, PADDED)).astype(np.float32), params, [0] * n, VOCAB - 1)
+  assert sampler._sample_rows._cache_size() - before == 1   # pylint: disable=protected-access
+
+
+def test_bad_shapes_are_refused():
+  with pytest.raises(ValueError, match='vocab'):
+    sample(np.zeros((1, 100), np.float32), [SamplingParams()], [0], VOCAB)
+  with pytest.raises(ValueError, match='steps'):
+    sample(np.zeros((2, PADDED), np.float32), [SamplingParams()] * 2, [0], VOCAB)
+
+
+@pytest.mark.parametrize('field,value', [
+    ('max_tokens', 0), ('max_tokens', 2.5), ('temperature', -0.1), ('temperature', 2.5),
+    ('temperature', float('nan')), ('top_k', -2), ('top_p', 0.0), ('top_p', 1.5),
+    ('min_p', -0.1), ('min_p', 1.01), ('seed', 1.0), ('stop', ['']), ('stop', 'x'),
+    ('stop', ['a'] * 17), ('stop_token_ids', [VOCAB]), ('stop_token_ids', [-1]),
+    ('ignore_eos', 1), ('logprobs', 21), ('logprobs', -1), ('logprobs', True)])
+def test_validate_names_the_field(field, value):
+  with pytest.raises(SamplingParamsError) as err:
+    SamplingParams(**{field: value}).validate(VOCAB)
+  assert err.value.param == field and str(err.value).startswith(field)
+
+
+def test_valid_params_pass():
+  SamplingParams(max_tokens=1, temperature=2.0, top_k=-1, top_p=1e-3, min_p=1.0, seed=-5,
+                 stop=['a'] * 16, stop_token_ids=[0, VOCAB - 1], logprobs=20).validate(VOCAB)
+
+
+def test_from_openai_defaults_and_mapping():
+  assert from_openai({'model': 'm', 'prompt': 'x'}, VOCAB) == SamplingParams()
+  got = from_openai({'max_tokens': 5, 'temperature': 0, 'top_k': -1, 'top_p': 0.5, 'min_p': 0.1,
+                     'seed': 3, 'stop': 'END', 'stop_token_ids': [1], 'ignore_eos': True,
+                     'logprobs': 2, 'presence_penalty': 0, 'n': 1}, VOCAB)
+  assert got == SamplingParams(max_tokens=5, temperature=0, top_k=0, top_p=0.5, min_p=0.1,
+                               seed=3, stop=['END'], stop_token_ids=[1], ignore_eos=True,
+                               logprobs=2)
+  assert from_openai({'stop': None, 'temperature': None}, VOCAB) == SamplingParams()
+
+
+def test_from_openai_chat():
+  chat = lambda body: from_openai(body, VOCAB, chat=True, default_max_tokens=100)  # noqa
+  assert chat({}).max_tokens == 100 and chat({}).logprobs is None
+  assert chat({'max_tokens': 7, 'max_completion_tokens': 9}).max_tokens == 9
+  assert chat({'logprobs': True}).logprobs == 0
+  assert chat({'logprobs': True, 'top_logprobs': 4}).logprobs == 4
+  assert chat({'logprobs': False}).logprobs is None
+
+
+@pytest.mark.parametrize('chat,body,field', [
+    (False, {'max_tokens': '16'}, 'max_tokens'), (False, {'temperature': 'hot'}, 'temperature'),
+    (False, {'stop': 5}, 'stop'), (False, {'stop': ['a', 3]}, 'stop'),
+    (False, {'logprobs': True}, 'logprobs'), (False, {'seed': 'x'}, 'seed'),
+    (False, {'stop_token_ids': [999]}, 'stop_token_ids'), (False, {'n': 2}, 'n'),
+    (False, {'frequency_penalty': 0.5}, 'frequency_penalty'),
+    (False, {'logit_bias': {'1': 5}}, 'logit_bias'),
+    (True, {'max_completion_tokens': 0}, 'max_completion_tokens'),
+    (True, {'logprobs': 1}, 'logprobs'), (True, {'top_logprobs': 3}, 'top_logprobs'),
+    (True, {'logprobs': True, 'top_logprobs': 21}, 'top_logprobs'),
+    (False, {'top_p': 2}, 'top_p')])
+def test_from_openai_errors_name_the_field(chat, body, field):
+  with pytest.raises(SamplingParamsError) as err:
+    from_openai(body, VOCAB, chat=chat)
+  assert err.value.param == field
+  assert isinstance(err.value, ValueError)
+  with pytest.raises(SamplingParamsError):
+    from_openai([body], VOCAB)
