@@ -23,6 +23,7 @@ import pytest
 import uvicorn
 
 from serve import engine as engine_lib
+from serve import sampling_params as sp_lib
 from serve.server import create_app
 from training.tokenizer import ByteTokenizer
 
@@ -268,9 +269,8 @@ def test_queue_full_is_a_429(fake):
   fake.max_waiting, fake.paused = 2, True
   server = ServerThread(create_app(fake, FakeServed()))
   try:
-    import serve.sampling_params as sp  # pylint: disable=import-outside-toplevel
     for i in range(2):
-      fake.add_request([1, 2], sp.SamplingParams(), request_id=f'filler-{i}')
+      fake.add_request([1, 2], sp_lib.SamplingParams(), request_id=f'filler-{i}')
     with pytest.raises(openai.RateLimitError, match='queue is full'):
       _client(server).completions.create(model='fake', prompt='hi', max_tokens=2)
     # A list of prompts is admitted whole or not at all.
@@ -368,9 +368,8 @@ def test_stream_concatenates_to_the_plain_text(real_server, real_engine, tiny_se
   assert _streamed_texts(client, len(prompts), **kw) == (
       texts, [c.finish_reason for c in plain])
   # The server is a faithful transport: the engine alone gives the same texts.
-  import serve.sampling_params as sp  # pylint: disable=import-outside-toplevel
   ids = [tiny_served.tokenizer.encode(p).tolist() for p in prompts]
-  direct = real_engine.generate(ids, sp.SamplingParams(max_tokens=20, **sampling))
+  direct = real_engine.generate(ids, sp_lib.SamplingParams(max_tokens=20, **sampling))
   assert [d.text for d in direct] == texts
   _assert_at_rest(real_engine)
 
@@ -379,11 +378,10 @@ def test_multibyte_output_and_stop_string_split_over_tokens(real_server, real_en
                                                             tiny_served):
   # Hot sampling from the barely trained byte model sometimes emits a valid multi-byte
   # character, split over several tokens: find a seed that does, with the engine alone.
-  import serve.sampling_params as sp  # pylint: disable=import-outside-toplevel
   prompt = 'Köln '
   ids = tiny_served.tokenizer.encode(prompt).tolist()
   hot = dict(max_tokens=40, temperature=2.0)
-  direct = real_engine.generate([ids] * 16, [sp.SamplingParams(seed=s, **hot)
+  direct = real_engine.generate([ids] * 16, [sp_lib.SamplingParams(seed=s, **hot)
                                              for s in range(16)])
   seed, text = next((s, d.text) for s, d in enumerate(direct) if _first_wide_char(d.text))
   client = _client(real_server)
@@ -495,6 +493,54 @@ def test_metrics_count_what_was_served(real_server, real_engine):
   assert after[('meshlm:kv_cache_usage_perc', ())] == 0
   assert after[('meshlm:prefix_cache_queries_total', ())] >= after[
       ('meshlm:prefix_cache_hits_total', ())] >= 0
+
+
+# ------------------------------------------------------------------ a Hugging Face model
+
+@pytest.fixture(scope='module')
+def hf_server(tmp_path_factory):
+  """A small random Llama saved by transformers, with a word-level tokenizer.json."""
+  from serve.config import ServeConfig  # pylint: disable=import-outside-toplevel
+  from serve.hf_llama import load_hf_model  # pylint: disable=import-outside-toplevel
+  from tests import test_serve_hf  # pylint: disable=import-outside-toplevel
+  path = tmp_path_factory.mktemp('hf_llama')
+  test_serve_hf.save_llama(path)
+  test_serve_hf.write_tokenizer(path, chat_template=test_serve_hf.LLAMA3_TEMPLATE)
+  served = load_hf_model(str(path))
+  engine = engine_lib.Engine(served, ServeConfig(num_blocks=40, max_num_seqs=4,
+                                                 max_num_batched_tokens=64))
+  server = ServerThread(create_app(engine, served, model_name='llama'))
+  yield server, engine, served
+  server.stop()
+  engine.shutdown()
+
+
+def test_hf_tokenizer_keeps_word_spacing_when_streamed(hf_server):
+  server, engine, served = hf_server
+  client = _client(server)
+  kw = dict(model='llama', prompt='w1 w2 w3 w4', max_tokens=12, temperature=0.0)
+  plain = client.completions.create(**kw).choices[0]
+  # Independent of our detokenizer: the tokenizer's own decode of the greedy tokens.
+  tokens = engine.generate([served.tokenizer.encode('w1 w2 w3 w4').tolist()],
+                           sp_lib.SamplingParams(max_tokens=12, temperature=0.0))[0]
+  words = served.tokenizer.decode(tokens.token_ids)
+  assert plain.text.strip() == words and len(words.split()) >= 8, (plain.text, words)
+  assert _streamed_texts(client, 1, **kw) == ([plain.text], [plain.finish_reason])
+  # A stop string spanning two words (and so two tokens) in the middle of the output.
+  split = words.split()
+  stop = f'{split[3]} {split[4]}'
+  cut = plain.text[:plain.text.index(stop)]
+  expected = ([cut], ['stop'])
+  assert _streamed_texts(client, 1, stop=[stop], **kw) == expected
+  stopped = client.completions.create(stop=[stop], **kw).choices[0]
+  assert ([stopped.text], [stopped.finish_reason]) == expected
+  chat = dict(model='llama', messages=[{'role': 'user', 'content': 'w7 w8'}], max_tokens=8,
+              temperature=0.0)
+  whole = client.chat.completions.create(**chat).choices[0].message.content
+  pieces = ''.join(c.choices[0].delta.content or ''
+                   for c in client.chat.completions.create(stream=True, **chat) if c.choices)
+  assert pieces == whole and whole.strip()
+  _assert_at_rest(engine)
 
 
 # ------------------------------------------------------------------ SIGTERM (subprocess)
