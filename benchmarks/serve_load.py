@@ -217,8 +217,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help='requests per second, Poisson arrivals (inf: all at once)')
   p.add_argument('--max-concurrency', type=int, default=16)
   p.add_argument('--warmup', type=int, default=None,
-                 help='untimed requests first, so compiles are not measured '
-                 '(default: --max-concurrency)')
+                 help='untimed requests first, at the same rate: the engine compiles each '
+                 'new step shape on first sight, and those seconds-long stalls are not what '
+                 'a warm server does (default: --num-prompts)')
   p.add_argument('--seed', type=int, default=0)
   p.add_argument('--name', default=None, help='result file name (default serve_load_<platform>)')
   p.add_argument('--smoke', action='store_true', help='a few tiny requests; writes nothing')
@@ -227,18 +228,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.num_prompts, args.input_len, args.output_len = 8, 8, 4
     args.max_concurrency, args.warmup = 4, 2
   if args.warmup is None:
-    args.warmup = args.max_concurrency
+    args.warmup = args.num_prompts
   return args
 
 
+def warm_up(url: str, args: argparse.Namespace, load: dict) -> None:
+  """Bursts of 1, 2, 4 .. max_concurrency requests, then --warmup at the timed rate.
+
+  The engine compiles a program per (token count, sequence count) bucket on first sight,
+  seconds each on CPU; the bursts reach the pure prefill and decode buckets, the
+  paced requests the mixed ones. Untimed.
+  """
+  prompts = make_prompts(args.max_concurrency, args.input_len, args.seed + 7)
+  size = 1
+  while size < 2 * args.max_concurrency:
+    asyncio.run(run_load(url, prompts[:size], rate=float('inf'), **load))
+    size *= 2
+  if args.warmup:
+    paced = make_prompts(args.warmup, args.input_len, args.seed + 8)
+    asyncio.run(run_load(url, paced, rate=args.request_rate, **load))
+
+
 def benchmark(url: str, args: argparse.Namespace) -> dict:
-  prompts = make_prompts(args.num_prompts + args.warmup, args.input_len, args.seed)
   load = dict(output_len=args.output_len, max_concurrency=args.max_concurrency,
               model=args.model, api_key=args.api_key, seed=args.seed)
-  if args.warmup:
-    asyncio.run(run_load(url, prompts[:args.warmup], rate=float('inf'), **load))
-  results, wall = asyncio.run(run_load(url, prompts[args.warmup:], rate=args.request_rate,
-                                       **load))
+  warm_up(url, args, load)
+  prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
+  results, wall = asyncio.run(run_load(url, prompts, rate=args.request_rate, **load))
   return summarize(results, wall)
 
 
@@ -261,7 +277,8 @@ def main(argv=None) -> int:
                                             'request_rate', 'max_concurrency', 'warmup')}
     payload = {'shapes': {**shapes, 'request_rate': str(args.request_rate)},
                'server': {'launched': args.launch, 'model_args': model_args,
-                          'server_args': args.server_args}, **summary}
+                          'server_args': args.server_args},
+               'host_load_avg_1m': os.getloadavg()[0], **summary}
     print(write_result(args.name or f'serve_load_{jax.devices()[0].platform}', payload))
   return 0 if summary['completed'] else 1
 
