@@ -2,7 +2,7 @@
 
 /v1/completions and /v1/chat/completions, streamed as server-sent events when asked,
 /v1/models, /health and /metrics. The server owns the HTTP side only: turning bodies into
-token ids and SamplingParams (helper D's mapping), errors in OpenAI's shape, aborting the
+token ids and SamplingParams (`sampling_params.from_openai`), errors in OpenAI's shape, aborting the
 requests of clients that went away, refusing work while draining, and the metrics.
 
   client ──POST──> validate ──> engine.add_request ──> RequestStream ──> SSE chunks / JSON
@@ -42,19 +42,20 @@ class ApiError(Exception):
     return responses.JSONResponse(self.body(), status_code=self.status)
 
 
-# --- request bodies: only the non-sampling fields; D's mapping reads the sampling ones ---
+# --- request bodies: the non-sampling fields; sampling_params.from_openai reads the rest ---
 
 class _Body(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(extra='allow', strict=True)
+  # null is allowed wherever OpenAI allows it (some clients send every field)
   model: str | None = None
-  stream: bool = False
+  stream: bool | None = False
   stream_options: dict | None = None
-  n: int = 1
+  n: int | None = 1
 
 
 class CompletionBody(_Body):
   prompt: str | list[str] | list[int] | list[list[int]]
-  echo: bool = False
+  echo: bool | None = False
   best_of: int | None = None
 
 
@@ -155,7 +156,7 @@ def _check_common(state: ServerState, body: _Body) -> None:
   if body.model is not None and body.model != state.model_name:
     raise ApiError(400, f'model: this server serves {state.model_name!r}, not {body.model!r} '
                    '(GET /v1/models lists it).', param='model', code='model_not_found')
-  if body.n != 1:
+  if body.n not in (None, 1):
     raise ApiError(400, f'n: only n=1 is supported, got {body.n}; send n requests instead.',
                    param='n')
   if body.stream_options is not None and not body.stream:
@@ -211,7 +212,7 @@ def _message_text(content) -> str:
 
 
 def _sampling_params(state: ServerState, body: dict, prompt_len: int, chat: bool):
-  """D's OpenAI mapping, then our context limit: prompt + max_tokens must fit."""
+  """OpenAI's sampling fields, then the context limit: prompt + max_tokens must fit."""
   try:
     # Chat's default: the room left in the context (OpenAI's); completions': 16.
     default = max(state.max_model_len - prompt_len, 1) if chat else 16

@@ -602,6 +602,30 @@ def test_sigterm_drains_then_exits_cleanly():
   assert long[-1] == '[DONE]' and 'grace period' in json.loads(long[-2])['error']['message']
 
 
+def test_cli_serves_a_checkpoint_with_the_key_from_the_environment(tiny_workdir):
+  port = _free_port()
+  url = f'http://127.0.0.1:{port}'
+  env = {**os.environ, 'MESHLM_API_KEY': 'sesame', 'JAX_PLATFORMS': 'cpu'}
+  proc = subprocess.Popen([sys.executable, '-m', 'serve', '--checkpoint', tiny_workdir,
+                           '--port', str(port), '--num-blocks', '16', '--max-num-seqs', '2',
+                           '--log-level', 'warning'], cwd=ROOT, env=env)
+  try:
+    _wait_for(lambda: proc.poll() is not None or _health(url) == 200, timeout=120)
+    assert proc.poll() is None, 'the server process died at start'
+    assert httpx.get(url + '/v1/models').status_code == 401
+    client = openai.OpenAI(base_url=url + '/v1', api_key='sesame', max_retries=0)
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt='def ', max_tokens=4,
+                                    extra_body={'ignore_eos': True})
+    assert out.usage.completion_tokens == 4
+    proc.send_signal(signal.SIGINT)   # Ctrl-C: the same drain as SIGTERM
+    assert proc.wait(timeout=60) == 0
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+
+
 def _health(url) -> int | None:
   try:
     return httpx.get(url + '/health', timeout=2).status_code
