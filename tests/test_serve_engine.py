@@ -283,3 +283,15 @@ def test_cache_sized_from_memory_is_printed(varied, capsys):
   line = capsys.readouterr().out.strip().splitlines()[0]
   assert line == ('KV cache: 17 blocks of 16 tokens = 256 tokens; 4.0 requests at the full '
                   'context of 64 tokens at once.')
+
+
+def test_throughput_benchmark_smoke(tmp_path):
+  from benchmarks import serve_throughput  # pylint: disable=import-outside-toplevel
+  result = serve_throughput.main(['--smoke', '--output', str(tmp_path / 'r.json')])
+  assert json.loads((tmp_path / 'r.json').read_text())['ratios'] == result['ratios']
+  _, out_lens = serve_throughput.workload(serve_throughput.SMOKE)
+  assert result['output_tokens'] == sum(out_lens)
+  # The same weights give the same greedy tokens in meshlm and transformers.
+  assert result['greedy_agrees'] == {'batched_vs_one_at_a_time': True,
+                                     'requests_equal_to_transformers': len(out_lens)}
+  assert all(rate > 0 for rate in result['output_tokens_per_s'].values())
