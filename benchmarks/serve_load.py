@@ -219,7 +219,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--warmup', type=int, default=None,
                  help='untimed requests first, at the same rate: the engine compiles each '
                  'new step shape on first sight, and those seconds-long stalls are not what '
-                 'a warm server does (default: --num-prompts)')
+                 'a warm server does (default: 2 x --num-prompts; bursts mix prefill chunks '
+                 'and decodes in many combinations)')
   p.add_argument('--seed', type=int, default=0)
   p.add_argument('--name', default=None, help='result file name (default serve_load_<platform>)')
   p.add_argument('--smoke', action='store_true', help='a few tiny requests; writes nothing')
@@ -228,7 +229,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.num_prompts, args.input_len, args.output_len = 8, 8, 4
     args.max_concurrency, args.warmup = 4, 2
   if args.warmup is None:
-    args.warmup = args.num_prompts
+    args.warmup = 2 * args.num_prompts
   return args
 
 
