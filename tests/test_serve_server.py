@@ -456,6 +456,17 @@ def test_concurrent_streams_with_disconnects_free_everything(real_server, real_e
                                                  max_tokens=2).usage.completion_tokens == 2
 
 
+def test_disconnect_aborts_the_engine_request_early(real_server, real_engine):
+  before = real_engine.stats()
+  body = {'prompt': 'ab', 'max_tokens': 60, 'ignore_eos': True, 'stream': True}
+  with httpx.stream('POST', real_server.url + '/v1/completions', json=body) as resp:
+    assert next(resp.iter_lines()).startswith('data: ')
+  _assert_at_rest(real_engine)
+  after = real_engine.stats()
+  assert after.finished['abort'] - before.finished['abort'] == 1
+  assert after.generation_tokens - before.generation_tokens < 60
+
+
 def test_bad_inputs_on_the_real_engine_leave_nothing_behind(real_server, real_engine):
   for body in ({'prompt': 'x' * 60, 'max_tokens': 10}, {'prompt': [320]},
                {'prompt': 'hi', 'top_k': -5}, {'prompt': 'hi', 'min_p': 2}):
