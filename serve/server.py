@@ -299,6 +299,8 @@ async def _outputs(state: ServerState, reqs: list[_Req]):
       if out is None or isinstance(out, Exception):
         remaining -= out is None
         if r.finish_reason is None:
+          if out is not None:   # a broken stream: make sure the engine lets it go too
+            state.engine.abort(r.rid)
           _finish(state, r, 'abort' if out is None else 'error')
         continue
       _apply(state, r, out)
