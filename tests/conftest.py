@@ -22,3 +22,4 @@ def pytest_configure(config):
   # Grain's multiprocessing workers read absl flags; pytest never parses them.
   from absl import flags  # pylint: disable=import-outside-toplevel
   flags.FLAGS.mark_as_parsed()
+pytest_plugins = ['tests.serve_fixtures']

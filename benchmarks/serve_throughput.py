@@ -1,0 +1,194 @@
+"""Offline generation throughput: meshlm continuous batching vs one request at a time vs
+`transformers` generate with static batches, on the same weights and prompts.
+
+  python -m benchmarks.serve_throughput            # writes results/serve_throughput_cpu.json
+  python -m benchmarks.serve_throughput --smoke    # tiny sizes, prints JSON, writes nothing
+
+A small HF-shaped Llama with random weights is built with transformers, saved with
+save_pretrained and loaded into meshlm with serve.hf_llama.load_hf_model, so both run
+identical weights. Prompts are random token ids with random input and output lengths
+(fixed seed); ignore_eos holds every output to its asked length. Output tokens/s counts
+the asked tokens only: a static batch also computes tokens past a row's own length until
+its longest row is done, which is the cost continuous batching removes.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks.common import environment, write_result
+
+
+@dataclasses.dataclass
+class Shapes:
+  hidden: int = 384
+  layers: int = 6
+  heads: int = 6
+  kv_heads: int = 2
+  intermediate: int = 1024
+  vocab: int = 4096
+  num_requests: int = 32
+  input_len: tuple[int, int] = (16, 128)
+  output_len: tuple[int, int] = (8, 96)
+  batch_size: int = 16            # transformers' static batch = meshlm's max_num_seqs
+  seed: int = 0
+
+
+SMOKE = Shapes(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=300,
+               num_requests=6, input_len=(4, 20), output_len=(2, 10), batch_size=4)
+
+
+def build_hf_model(shapes: Shapes, path: str) -> None:
+  """A random LlamaForCausalLM and a WordLevel tokenizer.json saved under path."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  torch.manual_seed(shapes.seed)
+  config = transformers.LlamaConfig(
+      vocab_size=shapes.vocab, hidden_size=shapes.hidden, intermediate_size=shapes.intermediate,
+      num_hidden_layers=shapes.layers, num_attention_heads=shapes.heads,
+      num_key_value_heads=shapes.kv_heads, max_position_embeddings=512,
+      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+      initializer_range=0.2)   # sharp logits: greedy ties cannot blur the agreement check
+  transformers.LlamaForCausalLM(config).save_pretrained(path)
+  vocab = {'<pad>': 0, '<s>': 1, '</s>': 2, '<unk>': 3}
+  vocab.update({f'w{i}': i for i in range(4, shapes.vocab)})
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token='<unk>'))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  tok.decoder = tokenizers.decoders.WordPiece()   # joins words with spaces
+  tok.save(os.path.join(path, 'tokenizer.json'))
+  with open(os.path.join(path, 'tokenizer_config.json'), 'w') as f:
+    json.dump({'eos_token': '</s>', 'bos_token': '<s>', 'pad_token': '<pad>'}, f)
+
+
+def workload(shapes: Shapes) -> tuple[list[list[int]], list[int]]:
+  rng = np.random.default_rng(shapes.seed)
+  ins = rng.integers(shapes.input_len[0], shapes.input_len[1] + 1, shapes.num_requests)
+  outs = rng.integers(shapes.output_len[0], shapes.output_len[1] + 1, shapes.num_requests)
+  prompts = [rng.integers(4, shapes.vocab, n).tolist() for n in ins]
+  return prompts, [int(n) for n in outs]
+
+
+def _params(out_lens):
+  from serve.sampling_params import SamplingParams  # pylint: disable=import-outside-toplevel
+  return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
+
+
+def run_meshlm(path: str, shapes: Shapes, prompts, out_lens) -> dict:
+  """Continuous batching (all requests at once) and one request at a time."""
+  # pylint: disable=import-outside-toplevel
+  from serve.config import ServeConfig
+  from serve.engine import Engine
+  from serve.hf_llama import load_hf_model
+  served = load_hf_model(path)
+  cfg = ServeConfig(num_blocks=shapes.num_requests * 20, max_num_seqs=shapes.batch_size,
+                    max_num_batched_tokens=512, max_model_len=512)
+  with Engine(served, cfg) as engine:
+    engine.generate(prompts, _params(out_lens))          # compiles every bucket it meets
+    start = time.perf_counter()
+    batched = engine.generate(prompts, _params(out_lens))
+    cb_s = time.perf_counter() - start
+    for p, sp in zip(prompts, _params([2] * len(prompts))):   # one-row buckets
+      engine.generate([p], [sp])
+    start = time.perf_counter()
+    single = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, _params(out_lens))]
+    one_s = time.perf_counter() - start
+    compiles = engine.runner.num_compiles
+  assert [len(r.token_ids) for r in batched] == out_lens
+  return {'continuous_s': cb_s, 'one_at_a_time_s': one_s, 'compiles': compiles,
+          'same_tokens': [r.token_ids for r in batched] == [r.token_ids for r in single],
+          'tokens': [r.token_ids for r in batched]}
+
+
+def run_transformers(path: str, shapes: Shapes, prompts, out_lens) -> dict:
+  """Static batches of batch_size in arrival order, left-padded, run to their longest."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+  # ignore_eos as vLLM means it: eos may be drawn and does not stop (min_new_tokens would
+  # forbid drawing it).
+  hf.generation_config.eos_token_id = None
+  batches = [range(i, min(i + shapes.batch_size, len(prompts)))
+             for i in range(0, len(prompts), shapes.batch_size)]
+  generate = lambda b: _hf_batch(hf, [prompts[i] for i in b], max(out_lens[i] for i in b))  # noqa
+  generate(batches[0])   # warm-up
+  start = time.perf_counter()
+  outputs = [generate(b) for b in batches]
+  seconds = time.perf_counter() - start
+  computed = sum(len(b) * max(out_lens[i] for i in b) for b in batches)
+  rows = [row for out in outputs for row in out]
+  return {'static_s': seconds, 'computed_tokens': computed,
+          'tokens': [row[:n] for row, n in zip(rows, out_lens)]}
+
+
+def _hf_batch(hf, prompts, num_tokens: int) -> list[list[int]]:
+  import torch  # pylint: disable=import-outside-toplevel
+  width = max(len(p) for p in prompts)
+  ids = torch.zeros((len(prompts), width), dtype=torch.long)
+  mask = torch.zeros_like(ids)
+  for i, p in enumerate(prompts):
+    ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+  with torch.no_grad():
+    out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=num_tokens,
+                      do_sample=False, pad_token_id=0)
+  assert out.shape[1] == width + num_tokens, 'transformers stopped early'
+  return out[:, width:].tolist()
+
+
+def benchmark(shapes: Shapes) -> dict:
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  prompts, out_lens = workload(shapes)
+  with tempfile.TemporaryDirectory() as path:
+    build_hf_model(shapes, path)
+    meshlm = run_meshlm(path, shapes, prompts, out_lens)
+    peer = run_transformers(path, shapes, prompts, out_lens)
+  tokens = sum(out_lens)
+  rates = {'continuous_batching': tokens / meshlm['continuous_s'],
+           'one_at_a_time': tokens / meshlm['one_at_a_time_s'],
+           'transformers_static': tokens / peer['static_s']}
+  return {
+      'shapes': dataclasses.asdict(shapes), 'output_tokens': tokens,
+      'prompt_tokens': sum(map(len, prompts)), 'output_tokens_per_s': rates,
+      'ratios': {'continuous_vs_transformers': rates['continuous_batching'] /
+                 rates['transformers_static'],
+                 'continuous_vs_one_at_a_time': rates['continuous_batching'] /
+                 rates['one_at_a_time']},
+      'seconds': {k: v for k, v in {**meshlm, **peer}.items() if k.endswith('_s')},
+      'transformers_computed_tokens': peer['computed_tokens'],
+      'meshlm_compiles': meshlm['compiles'],
+      'greedy_agrees': {'batched_vs_one_at_a_time': meshlm['same_tokens'],
+                        'requests_equal_to_transformers': sum(
+                            a == b for a, b in zip(meshlm['tokens'], peer['tokens']))},
+      'load_average_1min': os.getloadavg()[0],   # the 2 cores are shared: context
+      'versions': {'transformers': transformers.__version__, 'torch': torch.__version__,
+                   'torch_threads': torch.get_num_threads()},
+  }
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n', 1)[0])
+  parser.add_argument('--smoke', action='store_true',
+                      help='tiny sizes; print the JSON, write results/ nothing')
+  parser.add_argument('--output', metavar='PATH', help='also write the JSON here')
+  args = parser.parse_args(argv)
+  result = {'environment': environment(), **benchmark(SMOKE if args.smoke else Shapes())}
+  if args.output:
+    with open(args.output, 'w') as f:
+      json.dump(result, f, indent=2)
+  if args.smoke:
+    print(json.dumps(result, indent=2))
+    return result
+  path = write_result('serve_throughput_cpu', result)
+  print(json.dumps(result['output_tokens_per_s'], indent=2), json.dumps(result['ratios']))
+  print(f'written to {path}')
+  return result
+
+
+if __name__ == '__main__':
+  main()

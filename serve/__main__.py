@@ -1,0 +1,101 @@
+"""`python -m serve --checkpoint DIR` (or `--hf-model DIR`): the OpenAI-compatible server.
+
+Binds 127.0.0.1:8000 unless told otherwise. The first SIGTERM or Ctrl-C drains: new
+requests get 503, running ones get up to --shutdown-grace seconds to finish, the rest end
+with a final chunk saying why, and the process exits 0. A second signal exits at once.
+"""
+
+import argparse
+import asyncio
+import os
+import sys
+
+import uvicorn
+
+from serve import config as config_lib
+from serve.engine import Engine
+from serve.server import create_app
+
+API_KEY_ENV = 'MESHLM_API_KEY'
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog='python -m serve', description=__doc__.split('\n')[0])
+  config_lib.add_engine_args(parser)
+  http = parser.add_argument_group('http')
+  http.add_argument('--host', default='127.0.0.1',
+                    help='address to bind (0.0.0.0 exposes the server to the network)')
+  http.add_argument('--port', type=int, default=8000)
+  http.add_argument('--api-key', default=os.environ.get(API_KEY_ENV),
+                    help=f'require "Authorization: Bearer KEY" on /v1 (or set {API_KEY_ENV})')
+  http.add_argument('--served-model-name', default=None,
+                    help='the model id clients send (default: the model\'s own name)')
+  http.add_argument('--shutdown-grace', type=float, default=30.0, metavar='SECONDS',
+                    help='on SIGTERM, how long running requests may take to finish')
+  http.add_argument('--log-level', default='info',
+                    choices=('critical', 'error', 'warning', 'info', 'debug'))
+  return parser.parse_args(argv)
+
+
+class GracefulServer(uvicorn.Server):
+  """uvicorn, with its exit signal turned into a drain of the app's requests first."""
+
+  def __init__(self, config: uvicorn.Config, grace_s: float):
+    super().__init__(config)
+    self.grace_s = grace_s
+    self._loop = None
+    self._draining = False
+
+  async def serve(self, sockets=None):
+    self._loop = asyncio.get_running_loop()
+    await super().serve(sockets)
+
+  def handle_exit(self, sig, frame):
+    # uvicorn's own handler records the signal and raises it again after shutdown, which
+    # would end the process by SIGTERM instead of exit status 0: not recorded here.
+    del sig, frame
+    if self._draining or self._loop is None:
+      self.should_exit = self.force_exit = True
+      return
+    self._draining = True
+    self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+  async def _drain(self):
+    state = self.config.app.state.meshlm
+    print(f'Draining: up to {self.grace_s:g} s for {len(state.active)} running requests.',
+          flush=True)
+    await state.drain(self.grace_s)
+    self.should_exit = True
+
+
+def run(app, engine, *, host: str, port: int, grace_s: float, log_level: str = 'info',
+        sockets=None) -> None:
+  """Serves app until a signal (or should_exit); then stops the engine."""
+  config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan='off',
+                          timeout_graceful_shutdown=5)
+  server = GracefulServer(config, grace_s)
+  try:
+    server.run(sockets=sockets)
+  finally:
+    engine.shutdown()
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  try:
+    cfg = config_lib.config_from_args(args)
+    served = config_lib.load_served_model(args)
+    engine = Engine(served, cfg)
+  except (ValueError, FileNotFoundError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  app = create_app(engine, served, api_key=args.api_key, model_name=args.served_model_name)
+  print(f'Serving {app.state.meshlm.model_name!r} on http://{args.host}:{args.port}/v1',
+        flush=True)
+  run(app, engine, host=args.host, port=args.port, grace_s=args.shutdown_grace,
+      log_level=args.log_level)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

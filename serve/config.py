@@ -1,0 +1,75 @@
+"""Engine settings, and the command-line flags the batch CLI and the server share."""
+
+import argparse
+import dataclasses
+
+ATTENTION_CHOICES = ('auto', 'xla', 'pallas')
+
+
+@dataclasses.dataclass
+class ServeConfig:
+  block_size: int = 16               # tokens per KV block
+  num_blocks: int = 0                # 0: sized from memory_fraction
+  memory_fraction: float = 0.9       # of the device memory left after the weights
+  max_num_seqs: int = 64             # running requests at once
+  max_num_batched_tokens: int = 512  # tokens per step (prefill chunks + decodes)
+  max_model_len: int = 0             # 0: the model's max_seq_len
+  attention: str = 'auto'            # 'auto': pallas on GPU, xla on CPU
+  tensor: int = 1                    # devices over the mesh's 'tensor' axis
+  enable_prefix_caching: bool = True
+  max_waiting_requests: int = 256    # beyond it add_request raises QueueFull
+  seed: int = 0                      # draws the seeds of requests that give none
+
+  def validate(self) -> None:
+    """Raises ValueError naming the flag and the fix."""
+    positive = ('block_size', 'max_num_seqs', 'max_num_batched_tokens', 'tensor',
+                'max_waiting_requests')
+    for name in positive:
+      if getattr(self, name) < 1:
+        raise ValueError(f'--{_flag(name)}={getattr(self, name)}: must be at least 1.')
+    for name in ('num_blocks', 'max_model_len'):
+      if getattr(self, name) < 0:
+        raise ValueError(f'--{_flag(name)}={getattr(self, name)}: must be 0 (automatic) '
+                         'or positive.')
+    if not 0 < self.memory_fraction <= 1:
+      raise ValueError(f'--memory-fraction={self.memory_fraction}: must be in (0, 1].')
+    if self.attention not in ATTENTION_CHOICES:
+      raise ValueError(f'--attention={self.attention!r}: choose one of {ATTENTION_CHOICES}.')
+
+
+def _flag(name: str) -> str:
+  return name.replace('_', '-')
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+  """Model source (--checkpoint or --hf-model) and one flag per ServeConfig field."""
+  source = parser.add_mutually_exclusive_group(required=True)
+  source.add_argument('--checkpoint', metavar='DIR', help='a train.py workdir')
+  source.add_argument('--hf-model', metavar='DIR',
+                      help='a Hugging Face Llama directory (config.json, *.safetensors, '
+                      'tokenizer.json)')
+  group = parser.add_argument_group('engine')
+  for field in dataclasses.fields(ServeConfig):
+    flag = f'--{_flag(field.name)}'
+    if field.type in (bool, 'bool'):
+      group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+    else:
+      kind = {'int': int, 'float': float, 'str': str}.get(field.type, field.type)
+      group.add_argument(flag, type=kind, default=field.default)
+  return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+  cfg = ServeConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)})
+  cfg.validate()
+  return cfg
+
+
+def load_served_model(args: argparse.Namespace, mesh=None):
+  """The ServedModel named by --checkpoint or --hf-model."""
+  # pylint: disable=import-outside-toplevel
+  if args.checkpoint:
+    from serve.loader import load_checkpoint
+    return load_checkpoint(args.checkpoint, mesh=mesh)
+  from serve.hf_llama import load_hf_model
+  return load_hf_model(args.hf_model)

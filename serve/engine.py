@@ -1,0 +1,552 @@
+"""The engine: a background thread drives scheduler -> runner -> sampler -> scheduler.
+
+Requests come in from any thread or asyncio task (`add_request`) and get a
+`RequestStream` of `RequestOutput` deltas. Only the engine thread touches the scheduler's
+batch between `schedule()` and `update_from_output()`; aborts wait in an inbox until
+the step in flight is done, so a step never sees a request vanish under it.
+
+  add_request ──lock──> scheduler.add_request ─┐
+  abort ───────> inbox ─┐                      │
+                        v                      v
+  loop:  [aborts] -> schedule() -> runner.execute() -> sample() -> update_from_output()
+                                                                  -> detokenize, stop strings
+                                                                  -> streams
+"""
+
+import asyncio
+import dataclasses
+import math
+import queue
+import sys
+import threading
+import time
+import traceback
+import uuid
+
+import jax
+import numpy as np
+
+from serve import kv_cache, sampler
+from serve.config import ServeConfig
+from serve.detokenizer import IncrementalDetokenizer
+from serve.kv_cache_manager import KVCacheManager
+from serve.model_runner import ModelRunner, RunnerConfig
+from serve.request import Request, RequestStatus
+from serve.sampling_params import SamplingParams
+from serve.scheduler import Scheduler, SchedulerConfig
+from sharding.mesh import MeshConfig, make_mesh
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: 'stop', RequestStatus.FINISHED_LENGTH: 'length',
+    RequestStatus.FINISHED_ABORTED: 'abort', RequestStatus.FINISHED_ERROR: 'error',
+}
+
+
+class QueueFull(RuntimeError):
+  """More requests wait than ServeConfig.max_waiting_requests allows (HTTP 429)."""
+
+
+class EngineClosed(RuntimeError):
+  """The engine is shutting down and admits no new requests (HTTP 503)."""
+
+
+# ------------------------------------------------------------------------ plain outputs
+
+@dataclasses.dataclass
+class RequestMetrics:
+  """Wall-clock times (time.monotonic) of one request, for latency histograms."""
+  arrival_time: float
+  num_prompt_tokens: int
+  token_times: list[float] = dataclasses.field(default_factory=list)
+  finish_time: float | None = None
+  finish_reason: str | None = None
+
+  @property
+  def ttft(self) -> float | None:
+    return self.token_times[0] - self.arrival_time if self.token_times else None
+
+  @property
+  def inter_token_latencies(self) -> list[float]:
+    return list(np.diff(self.token_times)) if len(self.token_times) > 1 else []
+
+  @property
+  def e2e(self) -> float | None:
+    return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+  token_id: int
+  logprob: float
+  top: list[tuple[int, float]] | None   # the top N (token id, logprob) when asked
+
+
+@dataclasses.dataclass
+class RequestOutput:
+  """What one engine step added to one request."""
+  request_id: str
+  new_token_ids: list[int]
+  new_text: str
+  logprobs: list[TokenLogprob] | None
+  finished: bool
+  finish_reason: str | None      # 'stop' | 'length' | 'abort' | 'error' once finished
+  num_prompt_tokens: int
+  num_output_tokens: int
+  error: str | None = None       # why, when finish_reason is 'error' or 'abort'
+  metrics: RequestMetrics | None = None   # on the final output
+
+
+@dataclasses.dataclass
+class CompletionResult:
+  """A whole request, assembled from its stream."""
+  request_id: str
+  prompt_token_ids: list[int]
+  token_ids: list[int]
+  text: str
+  finish_reason: str | None
+  logprobs: list[TokenLogprob] | None
+  error: str | None
+  metrics: RequestMetrics | None
+
+
+@dataclasses.dataclass
+class EngineStats:
+  num_running: int
+  num_waiting: int
+  kv_cache_usage: float          # fraction of blocks in use
+  prefix_cache_queries: int      # prompt tokens looked up in the prefix cache
+  prefix_cache_hits: int         # of those, found
+  prompt_tokens: int             # prefilled, summed over requests
+  generation_tokens: int         # sampled, summed over requests
+  finished: dict[str, int]       # finished requests by finish reason
+
+
+# ------------------------------------------------------------------------ streams
+
+class RequestStream:
+  """Outputs of one request, read from a thread (`for`) or asyncio (`async for`).
+
+  The engine thread puts; with an asyncio reader the put goes through the reader's loop
+  (call_soon_threadsafe), since asyncio queues are not thread-safe.
+  """
+
+  def __init__(self, request_id: str, prompt_ids: list[int], engine: 'Engine'):
+    self.request_id = request_id
+    self.prompt_token_ids = prompt_ids
+    self._engine = engine
+    self._sync = queue.SimpleQueue()
+    self._lock = threading.Lock()
+    self._loop = None
+    self._async = None
+
+  def put(self, out: RequestOutput) -> None:
+    with self._lock:
+      if self._async is None:
+        self._sync.put(out)
+        return
+      try:
+        self._loop.call_soon_threadsafe(self._async.put_nowait, out)
+      except RuntimeError:   # the reader's loop is closed: nobody is listening
+        pass
+
+  def abort(self) -> None:
+    self._engine.abort(self.request_id)
+
+  def __iter__(self):
+    while True:
+      out = self._sync.get()
+      yield out
+      if out.finished:
+        return
+
+  async def __aiter__(self):
+    with self._lock:
+      self._loop, self._async = asyncio.get_running_loop(), asyncio.Queue()
+      while not self._sync.empty():
+        self._async.put_nowait(self._sync.get_nowait())
+    while True:
+      out = await self._async.get()
+      yield out
+      if out.finished:
+        return
+
+  def result(self) -> CompletionResult:
+    """Blocks until the request finishes; the whole output."""
+    return collect(self.request_id, self.prompt_token_ids, list(self))
+
+
+def collect(request_id: str, prompt_ids: list[int], outs: list[RequestOutput]):
+  logprobs = [lp for o in outs for lp in (o.logprobs or [])]
+  last = outs[-1]
+  return CompletionResult(
+      request_id, list(prompt_ids), [t for o in outs for t in o.new_token_ids],
+      ''.join(o.new_text for o in outs), last.finish_reason,
+      logprobs if any(o.logprobs is not None for o in outs) else None, last.error,
+      last.metrics)
+
+
+@dataclasses.dataclass
+class _Tracked:
+  """The engine's side of a live request."""
+  request: Request
+  stream: RequestStream
+  detok: IncrementalDetokenizer
+  metrics: RequestMetrics
+
+
+# ------------------------------------------------------------------------ set-up
+
+def build_mesh(cfg: ServeConfig):
+  """A mesh of cfg.tensor devices over 'tensor' (every other axis 1)."""
+  devices = jax.devices()
+  if cfg.tensor > len(devices):
+    raise ValueError(f'--tensor={cfg.tensor} but there are only {len(devices)} devices; '
+                     f'choose at most {len(devices)}.')
+  return make_mesh(MeshConfig(data=1, tensor=cfg.tensor), devices=devices[:cfg.tensor])
+
+
+def resolve_attention(cfg: ServeConfig) -> str:
+  if cfg.attention != 'auto':
+    return cfg.attention
+  return 'pallas' if jax.default_backend() == 'gpu' else 'xla'
+
+
+def size_cache(served, cfg: ServeConfig, mesh, max_model_len: int) -> int:
+  """Number of KV blocks; refuses a cache that cannot hold one full-length request."""
+  per_request = math.ceil(max_model_len / cfg.block_size)
+  num_blocks = cfg.num_blocks or _blocks_from_memory(served, cfg, mesh, per_request)
+  # Block 0 is the scheduler's null block (padding writes land there).
+  needed = per_request + 1
+  if num_blocks < needed:
+    raise ValueError(
+        f'The KV cache has {num_blocks} blocks of {cfg.block_size} tokens '
+        f'(one reserved), too few for one request of the full context '
+        f'(--max-model-len={max_model_len} needs {needed} blocks). Give '
+        f'--num-blocks={needed} or more, lower --max-model-len to '
+        f'{max(num_blocks - 1, 0) * cfg.block_size} or less, or raise --memory-fraction.')
+  return num_blocks
+
+
+def _blocks_from_memory(served, cfg: ServeConfig, mesh, per_request: int) -> int:
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(served.params)) // cfg.tensor
+  blocks = kv_cache.num_blocks_for_memory(
+      served.model_cfg, cfg.block_size, fraction=cfg.memory_fraction,
+      device=mesh.devices.flat[0], param_bytes=param_bytes, tensor_parallel=cfg.tensor)
+  if mesh.devices.flat[0].platform == 'cpu':
+    # CPU devices share the host's memory with everything else: no more than
+    # max_num_seqs full-length requests can use at once.
+    blocks = min(blocks, cfg.max_num_seqs * per_request + 1)
+  return blocks
+
+
+def describe_cache(num_blocks: int, cfg: ServeConfig, max_model_len: int) -> str:
+  tokens = (num_blocks - 1) * cfg.block_size
+  return (f'KV cache: {num_blocks} blocks of {cfg.block_size} tokens = {tokens} tokens; '
+          f'{tokens / max_model_len:.1f} requests at the full context of {max_model_len} '
+          'tokens at once.')
+
+
+def _count(value) -> int | float:
+  """Scheduler counters may be properties or methods."""
+  return value() if callable(value) else value
+
+
+# ------------------------------------------------------------------------ engine
+
+class Engine:
+  """A continuous-batching engine over one ServedModel; starts its thread at once."""
+
+  def __init__(self, served, cfg: ServeConfig | None = None):
+    self.cfg = cfg = cfg or ServeConfig()
+    cfg.validate()
+    self.served = served
+    self.vocab_size = served.tokenizer.vocab_size
+    self.max_model_len = cfg.max_model_len or served.model_cfg.max_seq_len
+    if self.max_model_len > served.model_cfg.max_seq_len:
+      raise ValueError(f'--max-model-len={self.max_model_len} exceeds the model\'s context '
+                       f'of {served.model_cfg.max_seq_len} tokens; give at most that.')
+    self.mesh = build_mesh(cfg)
+    self.num_blocks = size_cache(served, cfg, self.mesh, self.max_model_len)
+    print(describe_cache(self.num_blocks, cfg, self.max_model_len), flush=True)
+    self.scheduler, self.runner = self._build_parts()
+    self.sampler = sampler.Sampler(cfg.seed)   # cfg.seed draws for unseeded requests
+    self._tracked: dict[str, _Tracked] = {}
+    self._aborts: dict[str, str] = {}   # request id -> why
+    self._observers = []
+    self._totals = {'prompt_tokens': 0, 'generation_tokens': 0}
+    self._finished_by_reason = {r: 0 for r in ('stop', 'length', 'abort', 'error')}
+    self._lock = threading.RLock()
+    self._wake = threading.Event()
+    self._admitting, self._stopping = True, False
+    self._thread = threading.Thread(target=self._run, name='meshlm-engine', daemon=True)
+    self._thread.start()
+
+  def _build_parts(self):
+    cfg = self.cfg
+    shared = dict(block_size=cfg.block_size, num_blocks=self.num_blocks,
+                  max_num_seqs=cfg.max_num_seqs,
+                  max_num_batched_tokens=cfg.max_num_batched_tokens,
+                  max_model_len=self.max_model_len)
+    scheduler = Scheduler(
+        SchedulerConfig(**shared, enable_prefix_caching=cfg.enable_prefix_caching),
+        self._make_kv_manager())
+    runner = ModelRunner(self.served.params, self.served.model_cfg,
+                         RunnerConfig(**shared, attention=resolve_attention(cfg)),
+                         mesh=self.mesh)
+    return scheduler, runner
+
+  def _make_kv_manager(self):
+    return KVCacheManager(self.num_blocks, self.cfg.block_size,
+                          enable_caching=self.cfg.enable_prefix_caching)
+
+  # ---------------------------------------------------------------- public API
+
+  def add_request(self, prompt_ids, params: SamplingParams | None = None,
+                  request_id: str | None = None, *, bounded: bool = True) -> RequestStream:
+    """Queues a request; raises ValueError (bad input), QueueFull or EngineClosed."""
+    params = self._prepare_params(params or SamplingParams())
+    prompt_ids = self.check_prompt(prompt_ids, params)
+    request_id = request_id or uuid.uuid4().hex
+    eos = None if params.ignore_eos or not self.served.eos_token_ids else (
+        self.served.eos_token_ids[0])
+    request = Request(request_id=request_id, prompt_token_ids=prompt_ids,
+                      sampling_params=params, eos_token_id=eos, arrival_time=time.monotonic(),
+                      output_token_ids=[])
+    stream = RequestStream(request_id, prompt_ids, self)
+    with self._lock:
+      self._admit(request_id, bounded)
+      self.scheduler.add_request(request)
+      self._tracked[request_id] = _Tracked(
+          request, stream,
+          IncrementalDetokenizer(self.served.tokenizer, prompt_ids, list(params.stop)),
+          RequestMetrics(request.arrival_time, len(prompt_ids)))
+    self._wake.set()
+    return stream
+
+  def abort(self, request_id: str) -> None:
+    """Ends the request (finish_reason 'abort') and frees its blocks after this step."""
+    with self._lock:
+      if request_id in self._tracked:
+        self._aborts.setdefault(request_id, 'aborted')
+    self._wake.set()
+
+  def generate(self, prompts, params=None, on_finish=None) -> list[CompletionResult]:
+    """Runs all prompts (token id lists) together; results in prompt order.
+
+    params: one SamplingParams for all, or one per prompt. on_finish(result) is called
+    as each request completes (for a progress bar), from the calling thread.
+    """
+    if params is None or isinstance(params, SamplingParams):
+      params = [params] * len(prompts)
+    if len(params) != len(prompts):
+      raise ValueError(f'{len(params)} SamplingParams for {len(prompts)} prompts; give '
+                       'one for all or one per prompt.')
+    streams = [self.add_request(p, sp, bounded=False) for p, sp in zip(prompts, params)]
+    results = []
+    for stream in streams:
+      results.append(stream.result())
+      if on_finish:
+        on_finish(results[-1])
+    return results
+
+  def add_observer(self, fn) -> None:
+    """fn(RequestMetrics) is called from the engine thread as each request finishes."""
+    self._observers.append(fn)
+
+  def stats(self) -> EngineStats:
+    with self._lock:
+      s = self.scheduler
+      return EngineStats(
+          num_running=_count(s.num_running), num_waiting=_count(s.num_waiting),
+          kv_cache_usage=float(_count(s.kv_cache_usage)),
+          prefix_cache_queries=_count(s.prefix_cache_queries),
+          prefix_cache_hits=_count(s.prefix_cache_hits),
+          prompt_tokens=self._totals['prompt_tokens'],
+          generation_tokens=self._totals['generation_tokens'],
+          finished=dict(self._finished_by_reason))
+
+  @property
+  def num_unfinished(self) -> int:
+    with self._lock:
+      return len(self._tracked)
+
+  def shutdown(self, grace_s: float = 0.0) -> None:
+    """Stops admitting, lets requests finish for grace_s, aborts the rest, stops the loop."""
+    with self._lock:
+      self._admitting = False
+    deadline = time.monotonic() + grace_s
+    while self.num_unfinished and time.monotonic() < deadline:
+      time.sleep(0.01)
+    with self._lock:
+      for rid in self._tracked:
+        self._aborts.setdefault(rid, 'the engine shut down before the request finished')
+    self._wake.set()
+    while self.num_unfinished and self._thread.is_alive():
+      time.sleep(0.01)
+    self._stopping = True
+    self._wake.set()
+    self._thread.join(timeout=10)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.shutdown()
+
+  # ---------------------------------------------------------------- admission
+
+  def _prepare_params(self, params: SamplingParams) -> SamplingParams:
+    params.validate(self.vocab_size)
+    changes = {}
+    extra_eos = [] if params.ignore_eos else self.served.eos_token_ids[1:]
+    if extra_eos:
+      changes['stop_token_ids'] = list(params.stop_token_ids) + list(extra_eos)
+    return dataclasses.replace(params, **changes) if changes else params
+
+  def check_prompt(self, prompt_ids, params: SamplingParams) -> list[int]:
+    ids = [int(t) for t in prompt_ids]
+    if not ids:
+      raise ValueError('prompt is empty: give at least one token.')
+    bad = [t for t in ids if not 0 <= t < self.vocab_size]
+    if bad:
+      raise ValueError(f'prompt: token id {bad[0]} is outside the vocabulary '
+                       f'[0, {self.vocab_size}).')
+    if len(ids) + params.max_tokens > self.max_model_len:
+      raise ValueError(
+          f'prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: together '
+          f'more than the context of {self.max_model_len} tokens. Shorten the prompt or '
+          f'lower max_tokens to {max(self.max_model_len - len(ids), 0)} or less.')
+    return ids
+
+  def _admit(self, request_id: str, bounded: bool) -> None:
+    if not self._admitting:
+      raise EngineClosed('The engine is shutting down and takes no new requests.')
+    if request_id in self._tracked:
+      raise ValueError(f'request id {request_id!r} is already in use.')
+    waiting = _count(self.scheduler.num_waiting)
+    if bounded and waiting >= self.cfg.max_waiting_requests:
+      raise QueueFull(f'{waiting} requests are already waiting (--max-waiting-requests='
+                      f'{self.cfg.max_waiting_requests}); retry later.')
+
+  # ---------------------------------------------------------------- the loop
+
+  def _run(self) -> None:
+    while not self._stopping:
+      self._wake.clear()
+      try:
+        busy = self._step()
+      except Exception:  # pylint: disable=broad-except
+        # A bug outside the model step: report it and keep serving the others.
+        traceback.print_exc(file=sys.stderr)
+        busy = False
+      if not busy:
+        self._wake.wait(0.05)
+
+  def _step(self) -> bool:
+    """One scheduler step; False when there was nothing to run."""
+    with self._lock:
+      self._apply_aborts()
+      out = self.scheduler.schedule()
+    if not out.chunks:
+      return False
+    try:
+      tokens, logprobs = self._execute(out)
+      with self._lock:
+        finished = self.scheduler.update_from_output(out, tokens)
+        self._emit(tokens, logprobs, finished)
+    except Exception as e:  # pylint: disable=broad-except
+      traceback.print_exc(file=sys.stderr)
+      self._fail([c.request_id for c in out.chunks], e)
+    return True
+
+  def _execute(self, out):
+    """Runs the model and samples: ({id: token}, {id: TokenLogprob}) of sampling chunks."""
+    logits = self.runner.execute(out)
+    rows = [self._tracked[c.request_id] for c in out.chunks if c.sample]
+    if not rows:
+      return {}, {}
+    res = self.sampler(logits, [t.request.sampling_params for t in rows],
+                         [t.request.num_output_tokens for t in rows], self.vocab_size)
+    tokens, logprobs = {}, {}
+    for i, t in enumerate(rows):
+      rid, token = t.request.request_id, int(res.token_ids[i])
+      tokens[rid] = token
+      if t.request.sampling_params.logprobs is not None:
+        top = res.top_logprobs[i] if res.top_logprobs is not None else None
+        logprobs[rid] = TokenLogprob(token, float(res.logprobs[i]), top)
+    return tokens, logprobs
+
+  def _emit(self, tokens: dict, logprobs: dict, finished) -> None:
+    done = {r.request_id for r in finished}
+    for rid, token in tokens.items():
+      if rid in self._tracked:
+        self._on_token(self._tracked[rid], token, logprobs.get(rid), rid in done)
+    for rid in done - tokens.keys():   # finished without a token this step
+      if rid in self._tracked:
+        self._finish(self._tracked[rid])
+
+  def _on_token(self, t: _Tracked, token: int, logprob, finished_now: bool) -> None:
+    req, now = t.request, time.monotonic()
+    if not t.metrics.token_times:
+      self._totals['prompt_tokens'] += len(req.prompt_token_ids)
+    t.metrics.token_times.append(now)
+    self._totals['generation_tokens'] += 1
+    text, stop = '', None
+    if not (finished_now and self._is_stop_token(req, token)):
+      text, stop = t.detok.add(token)
+    lps = None if logprob is None else [logprob]
+    if stop is not None:
+      if not finished_now:
+        self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+      self._finish(t, 'stop', [token], text, lps)
+    elif finished_now:
+      self._finish(t, None, [token], text + t.detok.flush(), lps)
+    else:
+      t.stream.put(RequestOutput(req.request_id, [token], text, lps, False, None,
+                                 len(req.prompt_token_ids), req.num_output_tokens))
+
+  @staticmethod
+  def _is_stop_token(req: Request, token: int) -> bool:
+    """eos or a stop token id that ended the request: in token_ids, never in text."""
+    params = req.sampling_params
+    return token in params.stop_token_ids or (
+        token == req.eos_token_id and not params.ignore_eos)
+
+  def _finish(self, t: _Tracked, reason=None, token_ids=(), text='', logprobs=None,
+              error=None) -> None:
+    req = t.request
+    reason = reason or FINISH_REASONS.get(req.status, 'stop')
+    self._tracked.pop(req.request_id, None)
+    self._aborts.pop(req.request_id, None)
+    self._finished_by_reason[reason] += 1
+    t.metrics.finish_time, t.metrics.finish_reason = time.monotonic(), reason
+    t.stream.put(RequestOutput(req.request_id, list(token_ids), text, logprobs, True, reason,
+                               len(req.prompt_token_ids), req.num_output_tokens, error,
+                               t.metrics))
+    for fn in self._observers:
+      try:
+        fn(t.metrics)
+      except Exception:  # pylint: disable=broad-except
+        traceback.print_exc(file=sys.stderr)
+
+  def _apply_aborts(self) -> None:
+    for rid, why in list(self._aborts.items()):
+      t = self._tracked.get(rid)
+      if t is not None:
+        self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        self._finish(t, 'abort', error=why)
+    self._aborts.clear()
+
+  def _fail(self, request_ids, error: Exception) -> None:
+    """A failed step ends the requests it held with finish_reason 'error'."""
+    message = f'{type(error).__name__}: {error}'
+    with self._lock:
+      for rid in request_ids:
+        t = self._tracked.get(rid)
+        if t is None:
+          continue
+        try:
+          self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+        except Exception:  # pylint: disable=broad-except
+          traceback.print_exc(file=sys.stderr)
+        self._finish(t, 'error', error=message)

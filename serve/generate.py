@@ -1,0 +1,164 @@
+"""Batch generation: every prompt of a JSONL file through the engine together.
+
+  python -m serve.generate --checkpoint runs/default --prompts in.jsonl --output out.jsonl
+
+Each input line is a JSON object with one of `prompt` (text), `prompt_token_ids` or
+`messages` (a chat, rendered with the model's chat template), plus sampling fields by
+their OpenAI names (max_tokens, temperature, top_p, top_k, min_p, seed, stop,
+stop_token_ids, ignore_eos, logprobs) and an optional `id` copied to the output. Output
+lines come in input order. A bad line stops the run before any generation, with one line
+naming the line and the field (exit status 2).
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from rich import progress
+
+from serve import config as config_lib
+from serve.sampling_params import SamplingParams, SamplingParamsError, from_openai
+
+PROMPT_KEYS = ('prompt', 'prompt_token_ids', 'messages')
+OPENAI_EXTRA = ('max_completion_tokens', 'top_logprobs', 'n', 'best_of', 'presence_penalty',
+                'frequency_penalty', 'repetition_penalty', 'logit_bias')
+KNOWN = {'id', *PROMPT_KEYS, *OPENAI_EXTRA,
+         *(f.name for f in dataclasses.fields(SamplingParams))}
+
+
+class BadLine(ValueError):
+  """An input line the run cannot use; the message names the line and the field."""
+
+
+@dataclasses.dataclass
+class Job:
+  line: int
+  body: dict
+  prompt_ids: list[int] = dataclasses.field(default_factory=list)
+  params: SamplingParams | None = None
+
+
+def read_jobs(path: str) -> list[Job]:
+  """Parses the JSONL file (blank lines skipped); BadLine on the first bad line."""
+  jobs = []
+  with open(path, encoding='utf-8') as f:
+    for number, text in enumerate(f, 1):
+      if text.strip():
+        jobs.append(Job(number, _parse_line(path, number, text)))
+  if not jobs:
+    raise BadLine(f'{path}: no prompts (one JSON object per line).')
+  return jobs
+
+
+def _parse_line(path: str, number: int, text: str) -> dict:
+  where = f'{path} line {number}'
+  try:
+    body = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise BadLine(f'{where}: not valid JSON ({e.msg} at column {e.colno}).') from None
+  if not isinstance(body, dict):
+    raise BadLine(f'{where}: must be a JSON object, got {type(body).__name__}.')
+  given = [k for k in PROMPT_KEYS if k in body]
+  if len(given) != 1:
+    raise BadLine(f'{where}: give exactly one of {", ".join(PROMPT_KEYS)} '
+                  f'(found {given or "none"}).')
+  unknown = sorted(set(body) - KNOWN)
+  if unknown:
+    raise BadLine(f'{where}: unknown field {unknown[0]!r}; known fields: '
+                  f'{", ".join(sorted(KNOWN))}.')
+  return body
+
+
+def prepare(job: Job, served, engine, path: str) -> None:
+  """Tokenizes the prompt and builds the SamplingParams; BadLine names the field."""
+  body, where = job.body, f'{path} line {job.line}'
+  try:
+    job.prompt_ids = _prompt_ids(body, served)
+    sampling = {k: v for k, v in body.items() if k not in PROMPT_KEYS and k != 'id'}
+    job.params = from_openai(sampling, engine.vocab_size, chat='messages' in body)
+    engine.check_prompt(job.prompt_ids, job.params)
+  except SamplingParamsError as e:
+    why = str(e).removeprefix(f'{e.param}: ')
+    raise BadLine(f'{where}: field {e.param!r}: {why}') from None
+  except (ValueError, TypeError) as e:
+    field = next(k for k in PROMPT_KEYS if k in body)
+    raise BadLine(f'{where}: field {field!r}: {e}') from None
+
+
+def _prompt_ids(body: dict, served) -> list[int]:
+  if 'prompt_token_ids' in body:
+    ids = body['prompt_token_ids']
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):  # noqa: E721
+      raise ValueError('must be a list of integer token ids.')
+    return ids
+  if 'messages' in body:
+    from serve.chat_template import render_chat  # pylint: disable=import-outside-toplevel
+    if not isinstance(body['messages'], list):
+      raise ValueError('must be a list of {"role": ..., "content": ...} objects.')
+    return served.tokenizer.encode(render_chat(served, body['messages'])).tolist()
+  if not isinstance(body['prompt'], str):
+    raise ValueError('must be a string (use prompt_token_ids for token ids).')
+  return served.tokenizer.encode(body['prompt']).tolist()
+
+
+def result_line(job: Job, result) -> dict:
+  out = {'id': job.body['id']} if 'id' in job.body else {}
+  out.update(index=job.line, text=result.text, token_ids=result.token_ids,
+             finish_reason=result.finish_reason, num_prompt_tokens=len(job.prompt_ids),
+             num_output_tokens=len(result.token_ids))
+  if result.logprobs is not None:
+    out['logprobs'] = [dataclasses.asdict(lp) for lp in result.logprobs]
+  if result.error:
+    out['error'] = result.error
+  return out
+
+
+def run(engine, jobs: list[Job]) -> list:
+  """All jobs through the engine together, with a progress bar."""
+  columns = (progress.TextColumn('generating'), progress.BarColumn(),
+             progress.MofNCompleteColumn(), progress.TimeElapsedColumn())
+  with progress.Progress(*columns, transient=False) as bar:
+    task = bar.add_task('generate', total=len(jobs))
+    engine.add_observer(lambda _metrics: bar.advance(task))
+    return engine.generate([j.prompt_ids for j in jobs], [j.params for j in jobs])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog='python -m serve.generate', description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--prompts', required=True, metavar='IN.jsonl')
+  parser.add_argument('--output', required=True, metavar='OUT.jsonl')
+  config_lib.add_engine_args(parser)
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  from serve.engine import Engine  # pylint: disable=import-outside-toplevel
+  try:
+    cfg = config_lib.config_from_args(args)
+    jobs = read_jobs(args.prompts)
+    served = config_lib.load_served_model(args)
+    engine = Engine(served, cfg)
+  except (BadLine, ValueError, FileNotFoundError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  try:
+    for job in jobs:
+      prepare(job, served, engine, args.prompts)
+    results = run(engine, jobs)
+  except BadLine as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  finally:
+    engine.shutdown()
+  with open(args.output, 'w', encoding='utf-8') as f:
+    for job, result in zip(jobs, results):
+      f.write(json.dumps(result_line(job, result), ensure_ascii=False) + '\n')
+  print(f'{len(results)} completions written to {args.output}', file=sys.stderr)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,82 @@
+"""Prometheus metrics of one server, named as vLLM names them with our prefix.
+
+Each app gets its own CollectorRegistry, so two servers in one process (tests) never share
+a registry. Counts and gauges (running, waiting, KV usage, prefix cache, tokens, finish
+reasons) are the engine's own, read when scraped; the latency histograms are fed by the
+engine's observer hook with each finished request's timestamps (engine time, HTTP excluded).
+"""
+
+import prometheus_client as prom
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = 'meshlm:'
+CONTENT_TYPE = prom.CONTENT_TYPE_LATEST
+FINISH_REASONS = ('stop', 'length', 'abort', 'error')
+
+# Seconds; fine steps at the low end where CPU decode steps of tiny models land.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+               30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+
+
+class _EngineCollector:
+  """Reads the engine's counters at scrape time (no polling thread, nothing to drift)."""
+
+  def __init__(self, engine):
+    self._engine = engine
+
+  def collect(self):
+    stats = self._engine.stats()
+    gauges = (('num_requests_running', 'Requests in the running batch.', stats.num_running),
+              ('num_requests_waiting', 'Requests waiting to be scheduled.', stats.num_waiting),
+              ('kv_cache_usage_perc', 'Fraction of KV cache blocks in use (1 = full).',
+               stats.kv_cache_usage))
+    for name, doc, value in gauges:
+      yield GaugeMetricFamily(PREFIX + name, doc, value=float(value))
+    counters = (('prefix_cache_queries', 'Prompt tokens looked up in the prefix cache.',
+                 stats.prefix_cache_queries),
+                ('prefix_cache_hits', 'Prompt tokens found in the prefix cache.',
+                 stats.prefix_cache_hits),
+                ('prompt_tokens', 'Prompt tokens prefilled.', stats.prompt_tokens),
+                ('generation_tokens', 'Tokens generated.', stats.generation_tokens))
+    for name, doc, value in counters:
+      yield CounterMetricFamily(PREFIX + name, doc, value=float(value))
+    success = CounterMetricFamily(PREFIX + 'request_success', 'Finished requests by reason.',
+                                  labels=['finished_reason'])
+    for reason in FINISH_REASONS:
+      success.add_metric([reason], float(stats.finished.get(reason, 0)))
+    yield success
+
+
+class ServerMetrics:
+  """One app's registry: engine counters read on scrape, latency histograms per request."""
+
+  def __init__(self, engine):
+    self.registry = prom.CollectorRegistry()
+    self.registry.register(_EngineCollector(engine))
+    reg = self.registry
+    self.ttft = prom.Histogram(PREFIX + 'time_to_first_token_seconds',
+                               'Time from arrival to the first generated token.',
+                               buckets=TTFT_BUCKETS, registry=reg)
+    self.itl = prom.Histogram(PREFIX + 'inter_token_latency_seconds',
+                              'Time between two generated tokens of a request.',
+                              buckets=ITL_BUCKETS, registry=reg)
+    self.e2e = prom.Histogram(PREFIX + 'e2e_request_latency_seconds',
+                              'Time from arrival to the last token.',
+                              buckets=E2E_BUCKETS, registry=reg)
+    engine.add_observer(self.observe)
+
+  def observe(self, m) -> None:
+    """Called by the engine thread with a finished request's RequestMetrics."""
+    if m.ttft is not None:
+      self.ttft.observe(m.ttft)
+    for gap in m.inter_token_latencies:
+      self.itl.observe(gap)
+    if m.e2e is not None:
+      self.e2e.observe(m.e2e)
+
+  def render(self) -> bytes:
+    return prom.generate_latest(self.registry)

@@ -1,0 +1,613 @@
+"""OpenAI-compatible HTTP server over the Engine (FastAPI; run by `python -m serve`).
+
+/v1/completions and /v1/chat/completions, streamed as server-sent events when asked,
+/v1/models, /health and /metrics. The server owns the HTTP side only: turning bodies into
+token ids and SamplingParams (`sampling_params.from_openai`), errors in OpenAI's shape, aborting the
+requests of clients that went away, refusing work while draining, and the metrics.
+
+  client ──POST──> validate ──> engine.add_request ──> RequestStream ──> SSE chunks / JSON
+                     │ 400/401/429/503                     │ disconnect, shutdown: abort
+"""
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import time
+import uuid
+
+import fastapi
+import pydantic
+from fastapi import responses
+
+from serve import metrics as metrics_lib
+from serve import sampling_params as sp_lib
+from serve.engine import EngineClosed, QueueFull
+
+
+class ApiError(Exception):
+  """An error for the client: HTTP status plus OpenAI's error body."""
+
+  def __init__(self, status: int, message: str, *, param: str | None = None,
+               type_: str = 'invalid_request_error', code: str | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.type, self.code = (
+        status, message, param, type_, code)
+
+  def body(self) -> dict:
+    return {'error': {'message': self.message, 'type': self.type, 'param': self.param,
+                      'code': self.code}}
+
+  def response(self) -> responses.JSONResponse:
+    return responses.JSONResponse(self.body(), status_code=self.status)
+
+
+# --- request bodies: the non-sampling fields; sampling_params.from_openai reads the rest ---
+
+class _Body(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra='allow', strict=True)
+  # null is allowed wherever OpenAI allows it (some clients send every field)
+  model: str | None = None
+  stream: bool | None = False
+  stream_options: dict | None = None
+  n: int | None = 1
+
+
+class CompletionBody(_Body):
+  prompt: str | list[str] | list[int] | list[list[int]]
+  echo: bool | None = False
+  best_of: int | None = None
+
+
+class _TextPart(pydantic.BaseModel):
+  type: str
+  text: str
+
+
+class ChatMessage(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra='allow', strict=True)
+  role: str
+  content: str | list[_TextPart] | None = None
+
+
+class ChatBody(_Body):
+  messages: list[ChatMessage]
+
+
+@dataclasses.dataclass
+class _Req:
+  """One prompt's request in the engine, and what it has produced so far."""
+  rid: str
+  index: int
+  prompt_ids: list[int]
+  stream: object
+  text: str = ''
+  token_ids: list = dataclasses.field(default_factory=list)
+  logprobs: list = dataclasses.field(default_factory=list)
+  logprob_offset: int = 0     # completions' text_offset of the next streamed logprob
+  finish_reason: str | None = None
+
+
+class ServerState:
+  """What the routes share: the engine, the model, admission and the live requests."""
+
+  def __init__(self, engine, served, api_key, model_name, max_model_len):
+    self.engine, self.served, self.api_key = engine, served, api_key
+    self.model_name = model_name
+    self.max_model_len = max_model_len
+    self.vocab_size = served.tokenizer.vocab_size
+    self.created = int(time.time())
+    self.metrics = metrics_lib.ServerMetrics(engine)
+    self.draining = False
+    self.active: dict[str, _Req] = {}
+    self.shutdown_aborted: set[str] = set()
+
+  async def drain(self, grace_s: float) -> None:
+    """Refuse new work; wait up to grace_s for running requests; abort the rest."""
+    self.draining = True
+    deadline = time.monotonic() + grace_s
+    while self.active and time.monotonic() < deadline:
+      await asyncio.sleep(0.05)
+    for rid in list(self.active):
+      self.shutdown_aborted.add(rid)
+      self.engine.abort(rid)
+    # Let the aborted requests' handlers send their final chunk before the server stops.
+    deadline = time.monotonic() + 5.0
+    while self.active and time.monotonic() < deadline:
+      await asyncio.sleep(0.05)
+
+
+# --- parsing ---
+
+async def _json_body(request: fastapi.Request) -> dict:
+  raw = await request.body()
+  try:
+    body = json.loads(raw)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ApiError(400, f'The request body is not valid JSON ({e}). Send a JSON object, '
+                   'e.g. {"prompt": "Hello", "max_tokens": 16}.') from None
+  if not isinstance(body, dict):
+    raise ApiError(400, f'The request body must be a JSON object, got {type(body).__name__}.')
+  return body
+
+
+def _validate(model_cls, body: dict):
+  try:
+    return model_cls.model_validate(body)
+  except pydantic.ValidationError as e:
+    err = e.errors()[0]
+    param = '.'.join(str(p) for p in err['loc'] if not _is_type_tag(p)) or None
+    got = err.get('input')
+    raise ApiError(400, f'{param}: {err["msg"]} (got {_short(got)}).', param=param) from None
+
+
+def _is_type_tag(part) -> bool:
+  # pydantic names union members in the location ("str", "list[int]"): not a field.
+  return isinstance(part, str) and (part in ('str', 'int', 'bool', 'dict', 'none')
+                                    or '[' in part or part.startswith('function'))
+
+
+def _short(value) -> str:
+  text = json.dumps(value) if not isinstance(value, pydantic.BaseModel) else repr(value)
+  return text if len(text) <= 60 else text[:57] + '...'
+
+
+def _check_common(state: ServerState, body: _Body) -> None:
+  if body.model is not None and body.model != state.model_name:
+    raise ApiError(400, f'model: this server serves {state.model_name!r}, not {body.model!r} '
+                   '(GET /v1/models lists it).', param='model', code='model_not_found')
+  if body.n not in (None, 1):
+    raise ApiError(400, f'n: only n=1 is supported, got {body.n}; send n requests instead.',
+                   param='n')
+  if body.stream_options is not None and not body.stream:
+    raise ApiError(400, 'stream_options: only allowed with "stream": true.',
+                   param='stream_options')
+
+
+def _completion_prompts(state: ServerState, body: CompletionBody) -> list[list[int]]:
+  if body.echo:
+    raise ApiError(400, 'echo: not supported; leave it false.', param='echo')
+  if body.best_of not in (None, 1):
+    raise ApiError(400, f'best_of: only 1 is supported, got {body.best_of}.', param='best_of')
+  prompt = body.prompt
+  if isinstance(prompt, str):
+    prompts = [prompt]
+  elif prompt and all(isinstance(p, int) for p in prompt):
+    prompts = [prompt]
+  else:
+    prompts = list(prompt)
+  if not prompts:
+    raise ApiError(400, 'prompt: the list of prompts is empty.', param='prompt')
+  return [_prompt_ids(state, p) for p in prompts]
+
+
+def _prompt_ids(state: ServerState, prompt, param: str = 'prompt') -> list[int]:
+  ids = state.served.tokenizer.encode(prompt).tolist() if isinstance(prompt, str) else prompt
+  if not ids:
+    raise ApiError(400, f'{param}: the prompt is empty; give at least one token.', param=param)
+  bad = [i for i in ids if not 0 <= i < state.vocab_size]
+  if bad:
+    raise ApiError(400, f'{param}: token ids must be in [0, {state.vocab_size - 1}] (the '
+                   f'vocabulary), got {bad[:8]}.', param=param)
+  return ids
+
+
+def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
+  if not body.messages:
+    raise ApiError(400, 'messages: the list of messages is empty.', param='messages')
+  from serve.chat_template import render_chat  # pylint: disable=import-outside-toplevel
+  messages = [{'role': m.role, 'content': _message_text(m.content)} for m in body.messages]
+  try:
+    text = render_chat(state.served, messages)
+  except Exception as e:  # pylint: disable=broad-except  (a template raising on bad roles)
+    raise ApiError(400, f'messages: the chat template could not render them: {e}',
+                   param='messages') from None
+  return _prompt_ids(state, text, 'messages')
+
+
+def _message_text(content) -> str:
+  if content is None or isinstance(content, str):
+    return content or ''
+  return ''.join(part.text for part in content)
+
+
+def _sampling_params(state: ServerState, body: dict, prompt_len: int, chat: bool):
+  """OpenAI's sampling fields, then the context limit: prompt + max_tokens must fit."""
+  try:
+    # Chat's default: the room left in the context (OpenAI's); completions': 16.
+    default = max(state.max_model_len - prompt_len, 1) if chat else 16
+    params = sp_lib.from_openai(body, state.vocab_size, chat=chat, default_max_tokens=default)
+  except sp_lib.SamplingParamsError as e:
+    raise ApiError(400, str(e), param=e.param) from None
+  param = 'messages' if chat else 'prompt'
+  if prompt_len >= state.max_model_len:
+    raise ApiError(400, f'{param}: {prompt_len} tokens, but the model\'s context is '
+                   f'{state.max_model_len} tokens; shorten the prompt.', param=param)
+  if prompt_len + params.max_tokens > state.max_model_len:
+    raise ApiError(400, f'max_tokens: the prompt has {prompt_len} tokens and max_tokens is '
+                   f'{params.max_tokens}, more than the model\'s context of '
+                   f'{state.max_model_len} tokens together; lower max_tokens to at most '
+                   f'{state.max_model_len - prompt_len}.', param='max_tokens')
+  return params
+
+
+# --- the engine side of a request ---
+
+def _submit(state: ServerState, prompts: list[list[int]], params: list) -> list[_Req]:
+  """Adds every prompt to the engine, or none of them (429 when the queue is full)."""
+  base = uuid.uuid4().hex
+  reqs = []
+  try:
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+      rid = f'{base}-{i}'
+      stream = state.engine.add_request(ids, p, request_id=rid)
+      reqs.append(_Req(rid, i, ids, stream))
+      state.active[rid] = reqs[-1]
+  except QueueFull as e:
+    _abort(state, reqs)
+    raise ApiError(429, f'The server is busy: its waiting queue is full ({e}).',
+                   type_='rate_limit_error', code='queue_full') from None
+  except EngineClosed as e:
+    _abort(state, reqs)
+    raise ApiError(503, str(e), type_='server_error', code='shutting_down') from None
+  except ValueError as e:   # the engine refusing a request that can never fit
+    _abort(state, reqs)
+    raise ApiError(400, str(e)) from None
+  return reqs
+
+
+def _abort(state: ServerState, reqs: list[_Req]) -> None:
+  for r in reqs:
+    if r.finish_reason is None:
+      state.engine.abort(r.rid)
+      _finish(state, r, 'abort')
+
+
+def _finish(state: ServerState, r: _Req, reason: str) -> None:
+  r.finish_reason = reason
+  state.active.pop(r.rid, None)
+
+
+def _apply(state: ServerState, r: _Req, out) -> None:
+  """Folds one RequestOutput delta into its request."""
+  r.text += out.new_text
+  r.token_ids.extend(out.new_token_ids)
+  if out.logprobs:
+    r.logprobs.extend(_logprob_entries(out))
+  if out.finished:
+    _finish(state, r, out.finish_reason)
+
+
+async def _outputs(state: ServerState, reqs: list[_Req]):
+  """(request, delta) from all of reqs as they come; a stream that ends early is an abort."""
+  queue = asyncio.Queue()
+
+  async def pump(r):
+    try:
+      async for out in r.stream:
+        queue.put_nowait((r, out))
+    except Exception as e:  # pylint: disable=broad-except  (fails this request only)
+      queue.put_nowait((r, e))
+    finally:
+      queue.put_nowait((r, None))
+
+  tasks = [asyncio.ensure_future(pump(r)) for r in reqs]
+  try:
+    remaining = len(reqs)
+    while remaining:
+      r, out = await queue.get()
+      if out is None or isinstance(out, Exception):
+        remaining -= out is None
+        if r.finish_reason is None:
+          if out is not None:   # a broken stream: make sure the engine lets it go too
+            state.engine.abort(r.rid)
+          _finish(state, r, 'abort' if out is None else 'error')
+        continue
+      _apply(state, r, out)
+      yield r, out
+  finally:
+    for t in tasks:
+      t.cancel()
+
+
+async def _collect(state: ServerState, request: fastapi.Request, reqs: list[_Req]) -> None:
+  """Runs reqs to the end, aborting them if the client goes away first."""
+  async def consume():
+    async for _ in _outputs(state, reqs):
+      pass
+
+  async def watch():
+    # The body is read: the next message uvicorn gives is the disconnect.
+    while (await request.receive())['type'] != 'http.disconnect':
+      pass
+
+  consumer, watcher = asyncio.ensure_future(consume()), asyncio.ensure_future(watch())
+  try:
+    await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+  finally:
+    consumer.cancel()
+    watcher.cancel()
+    _abort(state, reqs)
+
+
+def _ended_early(state: ServerState, reqs: list[_Req]) -> ApiError | None:
+  """The error for a request the server or the engine cut short, if any."""
+  for r in reqs:
+    if r.finish_reason == 'error':
+      return ApiError(500, 'The engine failed while generating this request; see the server '
+                      'log. Other requests are unaffected.', type_='server_error',
+                      code='engine_error')
+    if r.finish_reason == 'abort':
+      why = ('the server is shutting down and the request did not finish within the grace '
+             'period' if r.rid in state.shutdown_aborted else 'the request was aborted')
+      return ApiError(503, f'Generation stopped early: {why}.', type_='server_error',
+                      code='aborted')
+  return None
+
+
+class _AbortOnClose(responses.StreamingResponse):
+  """An SSE response that aborts its unfinished requests however it ends.
+
+  A generator's `finally` never runs if the response is cancelled before its first
+  chunk (client gone while the prompt was still being prefilled); this wrapper always does.
+  """
+
+  def __init__(self, content, state: ServerState, reqs: list[_Req]):
+    super().__init__(content, media_type='text/event-stream',
+                     headers={'Cache-Control': 'no-cache'})
+    self._state, self._reqs = state, reqs
+
+  async def __call__(self, scope, receive, send):
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      _abort(self._state, self._reqs)
+
+
+# --- responses in OpenAI's shapes ---
+
+def _sse(payload) -> str:
+  return f'data: {json.dumps(payload, ensure_ascii=False)}\n\n'
+
+
+def _usage(reqs: list[_Req]) -> dict:
+  prompt = sum(len(r.prompt_ids) for r in reqs)
+  completion = sum(len(r.token_ids) for r in reqs)
+  return {'prompt_tokens': prompt, 'completion_tokens': completion,
+          'total_tokens': prompt + completion}
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+  return tokenizer.decode([token_id])
+
+
+def _token_bytes(tokenizer, token_id: int) -> list[int]:
+  if getattr(tokenizer, 'name', '') == 'byte':
+    return [token_id] if token_id < 256 else []
+  return list(_token_text(tokenizer, token_id).encode('utf-8'))
+
+
+def _completion_logprobs(tokenizer, entries, offset: int) -> dict:
+  """OpenAI's completions shape; offset: the text length before the first entry."""
+  out = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
+  for token_id, logprob, top in entries:
+    text = _token_text(tokenizer, token_id)
+    out['tokens'].append(text)
+    out['token_logprobs'].append(logprob)
+    out['top_logprobs'].append(
+        {_token_text(tokenizer, t): lp for t, lp in top} if top else None)
+    out['text_offset'].append(offset)
+    offset += len(text)
+  return out
+
+
+def _chat_logprobs(tokenizer, entries) -> dict:
+  def item(token_id, logprob):
+    return {'token': _token_text(tokenizer, token_id), 'logprob': logprob,
+            'bytes': _token_bytes(tokenizer, token_id)}
+  return {'content': [{**item(t, lp), 'top_logprobs': [item(i, l) for i, l in top or ()]}
+                      for t, lp, top in entries]}
+
+
+def _logprob_entries(out) -> list:
+  """(token_id, logprob, [(id, logprob)] | None) for each new token of a delta."""
+  return [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or ()]
+
+
+def _meta(kind: str, state: ServerState) -> dict:
+  prefix = 'chatcmpl' if kind.startswith('chat') else 'cmpl'
+  return {'id': f'{prefix}-{uuid.uuid4().hex}', 'object': kind, 'created': int(time.time()),
+          'model': state.model_name}
+
+
+def _include_usage(body: _Body) -> bool:
+  return bool(body.stream_options and body.stream_options.get('include_usage'))
+
+
+def _error_event(err: ApiError) -> str:
+  # The openai client raises on a chunk with an "error" member: the stream's last word.
+  return _sse({**err.body(), 'status_code': err.status})
+
+
+async def _completion_events(state, reqs, body: CompletionBody, want_logprobs: bool):
+  meta, usage = _meta('text_completion', state), _include_usage(body)
+  async for r, out in _outputs(state, reqs):
+    err = _ended_early(state, [r])
+    if err:
+      yield _error_event(err)
+      break
+    entries = _logprob_entries(out) if want_logprobs else []
+    logprobs = None
+    if want_logprobs:
+      logprobs = _completion_logprobs(state.served.tokenizer, entries, r.logprob_offset)
+      r.logprob_offset += sum(len(t) for t in logprobs['tokens'])
+    if out.new_text or entries or r.finish_reason:
+      choice = {'index': r.index, 'text': out.new_text, 'logprobs': logprobs,
+                'finish_reason': r.finish_reason}
+      yield _sse({**meta, 'choices': [choice], **({'usage': None} if usage else {})})
+  else:
+    if usage:
+      yield _sse({**meta, 'choices': [], 'usage': _usage(reqs)})
+  yield 'data: [DONE]\n\n'
+
+
+def _completion_json(state, reqs, want_logprobs: bool) -> dict:
+  tokenizer = state.served.tokenizer
+  choices = [{'index': r.index, 'text': r.text, 'finish_reason': r.finish_reason,
+              'logprobs': (_completion_logprobs(tokenizer, r.logprobs, 0)
+                           if want_logprobs else None)} for r in reqs]
+  return {**_meta('text_completion', state), 'choices': choices, 'usage': _usage(reqs)}
+
+
+async def _chat_events(state, reqs, body: ChatBody, want_logprobs: bool):
+  meta, usage = _meta('chat.completion.chunk', state), _include_usage(body)
+  extra = {'usage': None} if usage else {}
+  first = {'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'logprobs': None,
+           'finish_reason': None}
+  yield _sse({**meta, 'choices': [first], **extra})
+  async for r, out in _outputs(state, reqs):
+    err = _ended_early(state, [r])
+    if err:
+      yield _error_event(err)
+      break
+    entries = _logprob_entries(out) if want_logprobs else []
+    if out.new_text or entries or r.finish_reason:
+      delta = {'content': out.new_text} if out.new_text else {}
+      logprobs = _chat_logprobs(state.served.tokenizer, entries) if want_logprobs else None
+      choice = {'index': 0, 'delta': delta, 'logprobs': logprobs,
+                'finish_reason': r.finish_reason}
+      yield _sse({**meta, 'choices': [choice], **extra})
+  else:
+    if usage:
+      yield _sse({**meta, 'choices': [], 'usage': _usage(reqs)})
+  yield 'data: [DONE]\n\n'
+
+
+def _chat_json(state, reqs, want_logprobs: bool) -> dict:
+  r = reqs[0]
+  choice = {'index': 0, 'message': {'role': 'assistant', 'content': r.text},
+            'finish_reason': r.finish_reason,
+            'logprobs': (_chat_logprobs(state.served.tokenizer, r.logprobs)
+                         if want_logprobs else None)}
+  return {**_meta('chat.completion', state), 'choices': [choice], 'usage': _usage(reqs)}
+
+
+# --- routes ---
+
+async def _run(state, request, reqs, body, want_logprobs, events_fn, json_fn):
+  if body.stream:
+    return _AbortOnClose(events_fn(state, reqs, body, want_logprobs), state, reqs)
+  await _collect(state, request, reqs)
+  err = _ended_early(state, reqs)
+  if err:
+    raise err
+  return json_fn(state, reqs, want_logprobs)
+
+
+async def _completions(state: ServerState, request: fastapi.Request):
+  raw = await _json_body(request)
+  body = _validate(CompletionBody, raw)
+  _check_common(state, body)
+  prompts = _completion_prompts(state, body)
+  params = [_sampling_params(state, raw, len(p), chat=False) for p in prompts]
+  reqs = _submit(state, prompts, params)
+  return await _run(state, request, reqs, body, params[0].logprobs is not None,
+                    _completion_events, _completion_json)
+
+
+async def _chat(state: ServerState, request: fastapi.Request):
+  raw = await _json_body(request)
+  body = _validate(ChatBody, raw)
+  _check_common(state, body)
+  prompt = _chat_prompt(state, body)
+  params = _sampling_params(state, raw, len(prompt), chat=True)
+  reqs = _submit(state, [prompt], [params])
+  return await _run(state, request, reqs, body, params.logprobs is not None,
+                    _chat_events, _chat_json)
+
+
+def _models(state: ServerState) -> dict:
+  card = {'id': state.model_name, 'object': 'model', 'created': state.created,
+          'owned_by': 'meshlm', 'max_model_len': state.max_model_len}
+  return {'object': 'list', 'data': [card]}
+
+
+class _Gate:
+  """ASGI middleware: 503 while draining, 401 without the API key (on /v1 only)."""
+
+  def __init__(self, app, state: ServerState):
+    self.app, self.state = app, state
+
+  async def __call__(self, scope, receive, send):
+    err = _gate_error(self.state, scope) if scope['type'] == 'http' else None
+    if err:
+      await err.response()(scope, receive, send)
+      return
+    await self.app(scope, receive, send)
+
+
+def _gate_error(state: ServerState, scope) -> ApiError | None:
+  path = scope['path']
+  if state.draining and path != '/metrics':
+    return ApiError(503, 'The server is shutting down and admits no new requests.',
+                    type_='server_error', code='shutting_down')
+  if state.api_key and path.startswith('/v1'):
+    header = dict(scope['headers']).get(b'authorization', b'').decode('latin-1')
+    expected = f'Bearer {state.api_key}'
+    if not hmac.compare_digest(header.encode(), expected.encode()):
+      return ApiError(401, 'Missing or wrong API key: send "Authorization: Bearer <key>" '
+                      'with the key the server was started with.',
+                      type_='authentication_error', code='invalid_api_key')
+  return None
+
+
+def _add_error_handlers(app: fastapi.FastAPI) -> None:
+  async def api_error(_, e: ApiError):
+    return e.response()
+
+  async def http_error(_, e):
+    return ApiError(e.status_code, str(e.detail), code=str(e.status_code)).response()
+
+  async def unexpected(_, e: Exception):
+    return ApiError(500, f'Internal error: {type(e).__name__}: {e}',
+                    type_='server_error').response()
+
+  from starlette.exceptions import HTTPException  # pylint: disable=import-outside-toplevel
+  app.add_exception_handler(ApiError, api_error)
+  app.add_exception_handler(HTTPException, http_error)
+  app.add_exception_handler(Exception, unexpected)
+
+
+def _add_routes(app: fastapi.FastAPI, state: ServerState) -> None:
+  @app.post('/v1/completions')
+  async def completions(request: fastapi.Request):
+    return await _completions(state, request)
+
+  @app.post('/v1/chat/completions')
+  async def chat(request: fastapi.Request):
+    return await _chat(state, request)
+
+  @app.get('/v1/models')
+  async def models():
+    return _models(state)
+
+  @app.get('/health')
+  async def health():
+    return {}
+
+  @app.get('/metrics')
+  async def metrics():
+    return responses.Response(state.metrics.render(), media_type=metrics_lib.CONTENT_TYPE)
+
+
+def create_app(engine, served, *, api_key: str | None = None, model_name: str | None = None,
+               max_model_len: int | None = None) -> fastapi.FastAPI:
+  """The app over a running engine; `app.state.meshlm` is its ServerState."""
+  state = ServerState(engine, served, api_key, model_name or served.name,
+                      max_model_len or engine.max_model_len)
+  app = fastapi.FastAPI(title='meshlm', docs_url=None, redoc_url=None, openapi_url=None)
+  app.state.meshlm = state
+  app.add_middleware(_Gate, state=state)
+  _add_error_handlers(app)
+  _add_routes(app, state)
+  return app

@@ -1,0 +1,297 @@
+"""The engine on the shared tiny trained model: greedy output equals argmax decoding with
+the training forward, whatever the batch, preemptions, prefix hits or mesh; aborts and
+failed steps free everything; the queue bound, the cache check and seeded sampling."""
+
+import asyncio
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import model
+from serve.config import ServeConfig
+from serve.engine import Engine, QueueFull
+from serve.sampling_params import SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+SMALL = dict(max_num_seqs=32, max_num_batched_tokens=256)
+
+
+def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+  """n different byte prompts of 3..50 tokens; prompt 0 spans three 16-token blocks."""
+  rng = np.random.default_rng(seed)
+  lengths = [50] + list(rng.integers(3, 51, size=n - 1))
+  text = open(os.path.join(ROOT, 'model', 'transformer.py'), 'rb').read()
+  starts = rng.integers(0, len(text) - 64, size=n)
+  return [list(text[s:s + k]) for s, k in zip(starts, lengths)]
+
+
+def greedy_reference(served, prompts, num_tokens: int, min_margin=0.0) -> list[list[int]]:
+  """Argmax decoding with model.forward + model.logits over a fixed causal buffer.
+
+  Checks every step's top-2 logit gap is above min_margin, so float reassociation in
+  the paged path cannot flip an argmax and the comparison is exact by construction.
+  """
+  cfg, vocab = served.model_cfg, served.tokenizer.vocab_size
+  params = jax.device_get(served.params)
+  step = jax.jit(lambda p, toks: model.logits(p, model.forward(p, toks, cfg), cfg))
+  buf = np.zeros((len(prompts), cfg.max_seq_len), np.int32)
+  lens = np.array([len(p) for p in prompts])
+  for i, p in enumerate(prompts):
+    buf[i, :len(p)] = p
+  rows = np.arange(len(prompts))
+  for _ in range(num_tokens):
+    logits = np.asarray(step(params, buf))[rows, lens - 1, :vocab]
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    assert np.all(top2[:, 1] - top2[:, 0] > min_margin), 'near-tie: pick another seed'
+    buf[rows, lens] = np.argmax(logits, axis=-1)
+    lens += 1
+  return [[int(t) for t in buf[i, len(p):len(p) + num_tokens]] for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope='module')
+def varied(tiny_served):
+  """The tiny model's config and tokenizer with random weights of std 0.3.
+
+  30 training steps leave a byte model whose greedy output is a run of spaces for any
+  prompt: equal outputs would prove little. Sharper random weights give a different
+  continuation per prompt (32 of 32 distinct, ~160 distinct tokens) with top-2 gaps
+  above 1e-3 at logits of ~10.
+  """
+  cfg = dataclasses.replace(tiny_served.model_cfg, init_std=0.3)
+  return dataclasses.replace(tiny_served, model_cfg=cfg,
+                             params=model.init_params(cfg, jax.random.key(0)))
+
+
+@pytest.fixture(scope='module')
+def prompts():
+  return make_prompts(32)
+
+
+@pytest.fixture(scope='module')
+def reference(varied, prompts):
+  ref = greedy_reference(varied, prompts, MAX_TOKENS, min_margin=1e-4)
+  assert len({tuple(r) for r in ref}) == len(prompts)
+  return ref
+
+
+@pytest.fixture(scope='module')
+def engine(varied):
+  eng = Engine(varied, ServeConfig(num_blocks=160, **SMALL))
+  yield eng
+  eng.shutdown()
+
+
+def ids(results):
+  return [r.token_ids for r in results]
+
+
+def wait_idle(eng, timeout=30.0):
+  """The engine has ended every request and its loop has stepped past them."""
+  for _ in range(int(timeout * 100)):
+    if eng.num_unfinished == 0 and eng.stats().num_running == 0:
+      return
+    time.sleep(0.01)
+  raise AssertionError(f'engine still busy: {eng.stats()}')
+
+
+def test_greedy_alone_batched_and_prefix_hit_equal_training_forward(engine, prompts,
+                                                                    reference):
+  alone = engine.generate(prompts[:1], GREEDY)
+  assert ids(alone) == reference[:1]
+  batch = engine.generate(prompts, GREEDY)
+  assert ids(batch) == reference
+  assert all(r.finish_reason == 'length' for r in batch)
+  hits = engine.stats().prefix_cache_hits
+  again = engine.generate(prompts[:1], GREEDY)   # its 3 full blocks are cached by now
+  assert engine.stats().prefix_cache_hits - hits >= 32
+  assert ids(again) == reference[:1]
+  assert alone[0].text == engine.served.tokenizer.decode(reference[0])
+
+
+def test_greedy_after_preemption_equals_training_forward(varied, prompts, reference):
+  # 5 usable blocks: 32 requests of up to 62 tokens must preempt each other.
+  with Engine(varied, ServeConfig(num_blocks=6, max_num_seqs=8,
+                                       max_num_batched_tokens=64)) as eng:
+    out = eng.generate(prompts, GREEDY)
+    assert eng.scheduler.num_preemptions > 0
+  assert ids(out) == reference
+
+
+def test_greedy_on_tensor_2_mesh_equals_training_forward(varied, prompts, reference):
+  with Engine(varied, ServeConfig(num_blocks=160, tensor=2, **SMALL)) as eng:
+    assert dict(eng.mesh.shape)['tensor'] == 2
+    assert ids(eng.generate(prompts, GREEDY)) == reference
+
+
+def test_stop_string_ends_text_before_it(engine, prompts, reference):
+  # A printable ASCII token after at least two others, all ASCII up to it.
+  row, token = next((i, t) for i, r in enumerate(reference) for j, t in enumerate(r)
+                    if j >= 2 and 33 <= t < 127 and max(r[:j]) < 128)
+  params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                          stop=[chr(token)])
+  [out] = engine.generate([prompts[row]], params)
+  first = reference[row].index(token)
+  assert out.finish_reason == 'stop'
+  assert out.token_ids == reference[row][:first + 1]
+  assert out.text == bytes(reference[row][:first]).decode()
+
+
+def test_async_stream_gives_the_same_tokens(engine, prompts, reference):
+  async def run():
+    pieces = []
+    async for out in engine.add_request(prompts[5], GREEDY):
+      pieces.append(out)
+    return pieces
+  pieces = asyncio.run(run())
+  assert [t for p in pieces for t in p.new_token_ids] == reference[5]
+  assert [p.finished for p in pieces] == [False] * (len(pieces) - 1) + [True]
+  assert pieces[-1].num_output_tokens == MAX_TOKENS
+
+
+def test_abort_frees_every_block(engine, prompts):
+  long = SamplingParams(max_tokens=60 - len(prompts[1]), temperature=0.0, ignore_eos=True)
+  streams = [engine.add_request(p, long) for p in prompts[1:9]]
+  first = next(iter(streams[0]))      # running: it holds blocks
+  assert not first.finished and engine.stats().kv_cache_usage > 0
+  for s in streams:
+    s.abort()
+  results = [s.result() for s in streams]
+  assert all(r.finish_reason == 'abort' for r in results)
+  wait_idle(engine)
+  stats = engine.stats()
+  assert stats.kv_cache_usage == 0 and stats.num_waiting == 0
+  assert engine.scheduler.kv.num_free_blocks == engine.num_blocks - 1
+
+
+def test_failing_step_fails_its_requests_and_engine_keeps_serving(engine, prompts,
+                                                                  reference, monkeypatch):
+  real = engine.runner.execute
+  calls = []
+
+  def fail_once(out):
+    calls.append(len(out.chunks))
+    if len(calls) == 1:
+      raise RuntimeError('injected step failure')
+    return real(out)
+
+  monkeypatch.setattr(engine.runner, 'execute', fail_once)
+  with engine._lock:   # both in the first step
+    streams = [engine.add_request(p, GREEDY) for p in prompts[:2]]
+  failed = [s.result() for s in streams]
+  assert calls[0] == 2
+  assert [r.finish_reason for r in failed] == ['error', 'error']
+  assert 'injected step failure' in failed[0].error
+  wait_idle(engine)
+  assert engine.stats().kv_cache_usage == 0
+  assert ids(engine.generate(prompts[:2], GREEDY)) == reference[:2]
+
+
+def test_queue_bound_raises_queue_full(engine, prompts, monkeypatch):
+  monkeypatch.setattr(engine.cfg, 'max_waiting_requests', 3)
+  with engine._lock:   # the loop cannot schedule: everything added stays waiting
+    streams = [engine.add_request(p, GREEDY) for p in prompts[:3]]
+    with pytest.raises(QueueFull, match='--max-waiting-requests=3'):
+      engine.add_request(prompts[3], GREEDY)
+  assert all(s.result().finish_reason == 'length' for s in streams)
+  engine.add_request(prompts[3], GREEDY).result()   # room again
+
+
+def test_too_small_cache_refused_at_start(tiny_served):
+  with pytest.raises(ValueError, match='--num-blocks=5 or more'):
+    Engine(tiny_served, ServeConfig(num_blocks=4, max_model_len=64))
+  with pytest.raises(ValueError, match='--max-model-len'):
+    Engine(tiny_served, ServeConfig(num_blocks=4, max_model_len=64))
+
+
+def test_seeded_sampling_repeats_whatever_the_batch(engine, prompts):
+  def seeded(seed):
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, ignore_eos=True)
+  alone = engine.generate([prompts[2]], seeded(7))[0]
+  batch = engine.generate(prompts[:8], [seeded(7) if i == 2 else seeded(100 + i)
+                                        for i in range(8)])
+  assert batch[2].token_ids == alone.token_ids and batch[2].text == alone.text
+  other = engine.generate([prompts[2]], seeded(8))[0]
+  assert other.token_ids != alone.token_ids
+
+
+def test_bad_requests_refused_with_the_field(engine):
+  with pytest.raises(ValueError, match='prompt is empty'):
+    engine.add_request([], GREEDY)
+  with pytest.raises(ValueError, match='token id 300'):
+    engine.add_request([1, 300], GREEDY)
+  with pytest.raises(ValueError, match='max_tokens'):
+    engine.add_request([1] * 60, GREEDY)
+  assert engine.num_unfinished == 0
+
+
+def test_generate_cli_writes_results_in_input_order(tiny_workdir, tiny_served, prompts,
+                                                    tmp_path):
+  # Lengths 6, 5, ..., 1 in input order: the output order shows in the lengths too.
+  lines = [{'prompt_token_ids': p, 'max_tokens': 6 - i, 'temperature': 0,
+            'ignore_eos': True, 'id': f'p{i}'} for i, p in enumerate(prompts[:6])]
+  lines.append({'prompt': 'def ', 'max_tokens': 4, 'temperature': 0, 'ignore_eos': True})
+  (tmp_path / 'in.jsonl').write_text(''.join(json.dumps(l) + '\n' for l in lines))
+  result = run_generate(tiny_workdir, tmp_path / 'in.jsonl', tmp_path / 'out.jsonl')
+  assert result.returncode == 0, result.stderr
+  out = [json.loads(l) for l in open(tmp_path / 'out.jsonl')]
+  assert [o.get('id') for o in out] == [f'p{i}' for i in range(6)] + [None]
+  expected = [greedy_reference(tiny_served, [p], 6 - i)[0] for i, p in enumerate(prompts[:6])]
+  expected.append(greedy_reference(tiny_served, [list(b'def ')], 4)[0])
+  assert [o['token_ids'] for o in out] == expected
+  assert [o['text'] for o in out] == [tiny_served.tokenizer.decode(e) for e in expected]
+  assert all(o['finish_reason'] == 'length' for o in out)
+
+
+@pytest.mark.parametrize('line, message', [
+    ('{"prompt": "a", "temperature": 9}', "line 2: field 'temperature'"),
+    ('{"prompt": 5}', "line 2: field 'prompt'"),
+    ('{"max_tokens": 3}', 'line 2: give exactly one of prompt'),
+    ('not json', 'line 2: not valid JSON'),
+])
+def test_generate_cli_bad_line_names_line_and_field(tiny_workdir, tmp_path, line, message):
+  (tmp_path / 'in.jsonl').write_text('{"prompt": "ok"}\n' + line + '\n')
+  result = run_generate(tiny_workdir, tmp_path / 'in.jsonl', tmp_path / 'out.jsonl')
+  assert result.returncode == 2
+  assert message in result.stderr.strip().splitlines()[-1], result.stderr
+  assert not (tmp_path / 'out.jsonl').exists()
+
+
+def run_generate(workdir, prompts_path, output_path):
+  return subprocess.run(
+      [sys.executable, '-m', 'serve.generate', '--checkpoint', str(workdir), '--prompts',
+       str(prompts_path), '--output', str(output_path), '--num-blocks', '64'],
+      cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'JAX_COMPILATION_CACHE_DIR': str(jax.config.
+           jax_compilation_cache_dir), 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'})
+
+
+def test_cache_sized_from_memory_is_printed(varied, capsys):
+  # On CPU the memory-derived size is capped at max_num_seqs full-length requests
+  # (+ the null block): the host's memory is shared with everything else.
+  with Engine(varied, ServeConfig(num_blocks=0, max_num_seqs=4, max_num_batched_tokens=64)) \
+      as eng:
+    assert eng.num_blocks == 4 * 64 // 16 + 1
+  line = capsys.readouterr().out.strip().splitlines()[0]
+  assert line == ('KV cache: 17 blocks of 16 tokens = 256 tokens; 4.0 requests at the full '
+                  'context of 64 tokens at once.')
+
+
+def test_throughput_benchmark_smoke(tmp_path):
+  from benchmarks import serve_throughput  # pylint: disable=import-outside-toplevel
+  result = serve_throughput.main(['--smoke', '--output', str(tmp_path / 'r.json')])
+  assert json.loads((tmp_path / 'r.json').read_text())['ratios'] == result['ratios']
+  _, out_lens = serve_throughput.workload(serve_throughput.SMOKE)
+  assert result['output_tokens'] == sum(out_lens)
+  # The same weights give the same greedy tokens in meshlm and transformers.
+  assert result['greedy_agrees'] == {'batched_vs_one_at_a_time': True,
+                                     'requests_equal_to_transformers': len(out_lens)}
+  assert all(rate > 0 for rate in result['output_tokens_per_s'].values())
