@@ -55,8 +55,8 @@ def _segment_ids(rng, segments, b, t, s):
 TOL = {
     ('float32', 'lse'): 2e-6,       # measured up to 1.4e-7
     ('float32', 'value'): 6e-6,     # measured up to 5.9e-7 (dq, head_dim 256)
-    ('bfloat16', 'lse'): 6e-7,      # measured up to 5.9e-8
-    ('bfloat16', 'value'): 2e-2,    # measured up to 3.3e-3 (dk, dq)
+    ('bfloat16', 'lse'): 6e-7,      # measured up to 5.9e-8 (Triton 3.8e-8)
+    ('bfloat16', 'value'): 2e-2,    # measured up to 4.3e-3 (Mosaic fused dv, exp overflow)
 }
 
 
