@@ -53,6 +53,10 @@ def test_gpt_64k_smoke_keeps_structure_and_trains_on_cpu(tmp_path):
       smoke.data.seq_len
   smoke.workdir, smoke.data.cache_dir = str(tmp_path), str(tmp_path / 'cache')
   smoke.metrics.progress_bar = False
+  # The config's 500-step warmup keeps the lr near 1e-6 over the smoke run's steps, too
+  # little to move the loss past batch-to-batch noise (measured 5.96, 6.02, 5.97). With
+  # warmup 1 and lr 3e-3 (measured on jax 0.10.2: 5.96, 6.02, 5.73) the loss falls.
+  smoke.optim.warmup_steps, smoke.optim.learning_rate = 1, 3e-3
   history = trainer.train(smoke)
   assert [r['step'] for r in history] == list(range(1, smoke.steps + 1))
-  assert all(r['loss'] == r['loss'] and r['loss'] < 10 for r in history)
+  assert history[-1]['loss'] < history[0]['loss'] - 0.1, [r['loss'] for r in history]

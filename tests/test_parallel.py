@@ -129,14 +129,16 @@ def test_train_step_matches_single_device():
     step = state.make_train_step(cfg, plan, tx, optimizer.lr_schedule(cfg.optim, 10))
     s = state.init_state(cfg, plan, tx)
     metrics = []
-    for i in range(2):
+    for i in (0, 1, 0):   # batch 0 again: the update in between must have lowered its loss
       s, m = step(s, jax.device_put(random_batch(cfg, i), plan.batch_sharding()))
       metrics.append(jax.device_get(m))
     out[name] = metrics
   for a, b in zip(out['one'], out['fsdp_tp']):
     for key in ('loss', 'grad_norm', 'lr'):
       assert rel_err(b[key], a[key]) < 1e-5, (key, a, b)
-  assert out['one'][1]['loss'] < out['one'][0]['loss'] + 1.0   # sanity: finite, trained
+  # Step 1 runs at lr 0 (warmup); step 2's update lowers batch 0's loss (measured 4.202 ->
+  # 4.004 on jax 0.10.2).
+  assert out['one'][2]['loss'] < out['one'][0]['loss'] - 0.1, out['one']
 
 
 def test_rules_reject_two_axes_on_one_mesh_axis():

@@ -16,6 +16,7 @@ import pytest
 import model
 from training import checkpoint, trainer
 from training.cli import load_config_file
+from training.config import CheckpointConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = ('step', 'loss', 'grad_norm', 'lr', 'tokens_per_sec', 'step_time_s', 'mfu')
@@ -101,9 +102,18 @@ class InterruptAfter:
     return getattr(self.it, name)
 
 
-def test_ctrl_c_saves_the_last_step_and_resume_continues(tmp_path, cache_dir, monkeypatch):
-  fixed = {'optim__decay_steps': 6, 'checkpoint__every_steps': 100, 'sample__num_tokens': 0}
-  full = trainer.train(tiny(tmp_path / 'full', cache_dir, steps=6, **fixed))
+FIXED_6 = {'optim__decay_steps': 6, 'sample__num_tokens': 0}
+
+
+@pytest.fixture(scope='module')
+def reference_6(tmp_path_factory, cache_dir):
+  """An uninterrupted 6-step run that interrupted and damaged runs must reproduce."""
+  return trainer.train(tiny(tmp_path_factory.mktemp('full6'), cache_dir, steps=6, **FIXED_6))
+
+
+def test_ctrl_c_saves_the_last_step_and_resume_continues(tmp_path, cache_dir, monkeypatch,
+                                                         reference_6):
+  fixed = {**FIXED_6, 'checkpoint__every_steps': 100}
   real = trainer.data.make_train_iterator
   with monkeypatch.context() as m:
     m.setattr(trainer.data, 'make_train_iterator',
@@ -112,29 +122,98 @@ def test_ctrl_c_saves_the_last_step_and_resume_continues(tmp_path, cache_dir, mo
       trainer.train(tiny(tmp_path / 'run', cache_dir, steps=6, **fixed))
   assert os.listdir(tmp_path / 'run' / 'checkpoints') == ['3']
   rest = trainer.train(tiny(tmp_path / 'run', cache_dir, steps=6, **fixed))
-  np.testing.assert_allclose([r['loss'] for r in rest], [r['loss'] for r in full[3:]],
+  np.testing.assert_allclose([r['loss'] for r in rest], [r['loss'] for r in reference_6[3:]],
                              rtol=1e-6)
 
 
-def flip_middle_bytes(step_dir):
-  for path in step_dir.rglob('*'):   # one byte in the middle of every array file
-    if path.is_file() and path.stat().st_size > 1000:
-      raw = bytearray(path.read_bytes())
-      raw[len(raw) // 2] ^= 0xFF
-      path.write_bytes(bytes(raw))
+def largest_state_file(step_dir):
+  return max((p for p in (step_dir / 'state').rglob('*') if p.is_file()),
+             key=lambda p: p.stat().st_size)
 
 
-def test_damaged_checkpoint_falls_back_to_previous(tmp_path, cache_dir):
-  fixed = {'checkpoint__every_steps': 2, 'sample__num_tokens': 0, 'optim__decay_steps': 6}
-  full = trainer.train(tiny(tmp_path / 'full', cache_dir, steps=6, **fixed))
-  cfg = tiny(tmp_path / 'run', cache_dir, steps=4, **fixed)
+def truncate_array_data(step_dir):
+  """Undecodable damage: the largest array data file loses its second half."""
+  path = largest_state_file(step_dir)
+  path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+def flip_one_array_bit(step_dir):
+  """Damage that still decodes: the low bit of the middle byte of the largest array data
+  file (measured: exactly one element of the restored state changes)."""
+  path = largest_state_file(step_dir)
+  raw = bytearray(path.read_bytes())
+  raw[len(raw) // 2] ^= 1
+  path.write_bytes(bytes(raw))
+
+
+def small_checkpointer(directory, keep=3):
+  cfg = CheckpointConfig(every_steps=2, keep=keep, async_save=False)
+  return checkpoint.Checkpointer(str(directory), cfg)
+
+
+def small_state(seed):
+  rng = np.random.default_rng(seed)
+  return {'w': jnp.asarray(rng.normal(size=(64, 64)), jnp.float32),
+          'b': jnp.asarray(rng.integers(0, 100, size=7), jnp.int32)}
+
+
+def assert_trees_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize('damage, reason', [(flip_one_array_bit, 'checksum-mismatch'),
+                                            (truncate_array_data, None)])
+def test_damaged_step_is_rejected_and_moved_aside(tmp_path, caplog, damage, reason):
+  """The newest step is damaged: the restore says why, falls back, and moves the damaged
+  step to checkpoints/damaged/ where orbax neither lists nor prunes it."""
+  ckpt, states = small_checkpointer(tmp_path), {2: small_state(2), 4: small_state(4)}
+  for step, tree in states.items():
+    ckpt.save(step, tree, {'data': step})
+  ckpt.wait()
+  damage(tmp_path / '4')
+  state, meta = ckpt.restore_latest(jax.tree.map(jnp.zeros_like, states[2]))
+  assert meta['step'] == 2
+  assert_trees_equal(state, states[2])
+  [rejected] = ckpt.rejected
+  assert rejected['step'] == 4
+  if reason:   # the array decoded, only the checksum comparison could see the flipped bit
+    assert rejected['reason'] == reason
+    assert 'checkpoint 4 cannot be used (checksum mismatch)' in caplog.text
+  else:        # undecodable: the restore itself raised
+    assert rejected['reason'] != 'checksum-mismatch'
+    assert rejected['reason'] in rejected['error']
+  moved = tmp_path / 'damaged' / f'4-{rejected["reason"]}'
+  assert rejected['moved_to'] == str(moved) and str(moved) in caplog.text
+  assert (moved / 'state').is_dir() and not (tmp_path / '4').exists()
+  logged = [json.loads(l) for l in open(tmp_path / 'damaged' / 'rejected.jsonl')]
+  assert logged == [rejected]
+  # The run saves step 4 again; keep=3 prunes step 2 but never the quarantined copy.
+  for step in (4, 6, 8):
+    ckpt.save(step, small_state(step), {'data': step})
+  ckpt.wait()
+  assert ckpt.steps() == [4, 6, 8]
+  ckpt.close()
+  reopened = small_checkpointer(tmp_path)   # a new run lists the same steps
+  assert reopened.steps() == [4, 6, 8]
+  reopened.close()
+  assert sorted(os.listdir(tmp_path)) == ['4', '6', '8', 'damaged']
+  assert (moved / 'state').is_dir()
+
+
+def test_damaged_checkpoint_falls_back_to_previous(tmp_path, cache_dir, reference_6):
+  """End to end: a bit flipped in step 4's arrays; the resumed run falls back to step 2,
+  retrains 3..6 exactly like an uninterrupted run and saves step 4 again."""
+  cfg = tiny(tmp_path, cache_dir, steps=4, checkpoint__every_steps=2, **FIXED_6)
   trainer.train(cfg)
-  flip_middle_bytes(tmp_path / 'run' / 'checkpoints' / '4' / 'state')
+  flip_one_array_bit(tmp_path / 'checkpoints' / '4')
   cfg.steps = 6
-  rest = trainer.train(cfg)   # falls back to step 2, drops 4, retrains 3..6
+  rest = trainer.train(cfg)
   assert [r['step'] for r in rest] == [3, 4, 5, 6]
-  np.testing.assert_allclose([r['loss'] for r in rest], [r['loss'] for r in full[2:]],
+  np.testing.assert_allclose([r['loss'] for r in rest], [r['loss'] for r in reference_6[2:]],
                              rtol=1e-6)
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2', '4', '6', 'damaged']
+  assert os.path.isdir(tmp_path / 'checkpoints' / 'damaged' / '4-checksum-mismatch')
 
 
 def test_unrestorable_checkpoints_stop_the_run(tmp_path, cache_dir):
@@ -143,6 +222,7 @@ def test_unrestorable_checkpoints_stop_the_run(tmp_path, cache_dir):
   cfg.model.embed_dim, cfg.steps = 32, 4   # a different model in the same workdir
   with pytest.raises(checkpoint.CheckpointError, match='no checkpoint .* can be restored'):
     trainer.train(cfg)
+  assert os.listdir(tmp_path / 'checkpoints') == ['2']   # nothing moved or deleted
 
 
 def test_resume_onto_another_mesh(tmp_path, cache_dir):

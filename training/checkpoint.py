@@ -2,20 +2,25 @@
 
 Each step holds two items: `state` (the sharded train state) and `meta` (JSON: the data
 iterator's state and a checksum per state leaf). Orbax itself verifies nothing, so a
-restore recomputes the checksums and falls back to the previous step on a mismatch.
+restore recomputes the checksums and falls back to the previous step on a mismatch;
+the damaged steps are moved aside into `damaged/`, never deleted.
 """
 
+import json
 import logging
 import os
+import time
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from training.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 _ITEMS = ('state', 'meta')
+DAMAGED_DIR = 'damaged'   # not a step number, so orbax neither lists nor prunes it
 
 
 class CheckpointError(RuntimeError):
@@ -54,6 +59,7 @@ class Checkpointer:
         max_to_keep=cfg.keep, create=True, enable_async_checkpointing=cfg.async_save)
     self.directory = os.path.abspath(directory)
     self._manager = ocp.CheckpointManager(self.directory, item_names=_ITEMS, options=options)
+    self.rejected: list[dict] = []   # what the last restore_latest moved aside, and why
 
   def save(self, step: int, state, extra: dict) -> None:
     """Starts an async save; `extra` (JSON) is stored beside the state's checksums."""
@@ -67,39 +73,62 @@ class Checkpointer:
   def restore_latest(self, target):
     """(state, meta) of the newest intact checkpoint, or None if the directory is empty.
 
-    Damaged steps newer than the one restored are deleted, so the run can save them
-    again. If steps exist but none restores (damaged, or saved by a different model or
-    optimizer), this raises rather than silently starting over.
+    Damaged steps newer than the one restored are moved aside into `damaged/` (see
+    `_quarantine`), so the run saves them again and nothing the user saved is lost;
+    `self.rejected` lists them. If steps exist but none restores (damaged, or saved by a
+    different model or optimizer), this raises and moves nothing.
     """
-    damaged, last_error = [], None
+    damaged, self.rejected = [], []
     for step in reversed(self.steps()):
-      try:
-        state, meta = self._restore(step, target)
-        if checksums(state) == list(meta['checksums']):
-          self._delete(damaged)
-          return state, meta
-        last_error = 'checksum mismatch'
-      except Exception as e:  # pylint: disable=broad-except
-        last_error = f'{type(e).__name__}: {e}'
-      log.warning('checkpoint %d cannot be used (%s); trying an older one', step,
-                  str(last_error)[:300])
-      damaged.append(step)
+      reason, error, restored = self._try_restore(step, target)
+      if reason is None:
+        self.rejected = [self._quarantine(s, r, e) for s, r, e in damaged]
+        return restored
+      log.warning('checkpoint %d cannot be used (%s); trying an older one', step, error[:300])
+      damaged.append((step, reason, error))
     if damaged:
       raise CheckpointError(
           f'no checkpoint in {self.directory} can be restored (newest error: '
-          f'{str(last_error)[:500]}). If the model or optimizer config changed, use a new '
+          f'{damaged[0][2][:500]}). If the model or optimizer config changed, use a new '
           'workdir; to start over, move the checkpoints directory away.')
     return None
+
+  def _try_restore(self, step: int, target):
+    """(reason, error, None) for a step that cannot be used, else (None, None, restored)."""
+    try:
+      restored = self._restore(step, target)
+    except Exception as e:  # pylint: disable=broad-except
+      return type(e).__name__, f'{type(e).__name__}: {e}', None
+    if checksums(restored[0]) != list(restored[1]['checksums']):
+      return 'checksum-mismatch', 'checksum mismatch', None
+    return None, None, restored
 
   def _restore(self, step: int, target):
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
     return restored.state, restored.meta
 
-  def _delete(self, steps: list[int]) -> None:
-    for step in steps:
-      log.warning('deleting damaged checkpoint %d', step)
-      self._manager.delete(step)
+  def _quarantine(self, step: int, reason: str, error: str) -> dict:
+    """Moves a damaged step to damaged/<step>-<reason>[-n]/, a name orbax never lists,
+    and appends why to damaged/rejected.jsonl."""
+    base = os.path.join(self.directory, DAMAGED_DIR, f'{step}-{reason}')
+    dest, n = base, 1
+    while os.path.exists(dest):
+      n += 1
+      dest = f'{base}-{n}'
+    record = {'step': step, 'reason': reason, 'error': error[:2000], 'moved_to': dest,
+              'time': time.time()}
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(dest), exist_ok=True)
+      os.rename(os.path.join(self.directory, str(step)), dest)
+      with open(os.path.join(self.directory, DAMAGED_DIR, 'rejected.jsonl'), 'a') as f:
+        f.write(json.dumps(record) + '\n')
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f'meshlm quarantine {step}')
+    log.warning('damaged checkpoint %d (%s) moved to %s; this run saves step %d again',
+                step, reason, dest, step)
+    self._manager.reload()
+    return record
 
   def wait(self) -> None:
     self._manager.wait_until_finished()
