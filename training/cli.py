@@ -11,7 +11,7 @@ import jax
 from absl import flags, logging
 from ml_collections import config_flags
 
-from training import checkpoint, describe, trainer
+from training import checkpoint, describe, resilience, trainer
 from training import config as config_lib
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -136,3 +136,10 @@ def run(job=trainer.train) -> None:
     job(cfg)
   except (trainer.ConfigError, checkpoint.CheckpointError, FileNotFoundError) as e:
     fail(str(e))
+  except resilience.RunStopped as e:   # preempted, non-finite steps, a failed save
+    print(f'stopped: {e}', file=sys.stderr)
+    sys.exit(e.exit_status)
+  except KeyboardInterrupt:
+    print('stopped: interrupted (Ctrl-C); run the same command again to resume from the '
+          'newest checkpoint.', file=sys.stderr)
+    sys.exit(resilience.EXIT_INTERRUPTED)

@@ -1,0 +1,362 @@
+"""Runs that survive damage done for real: SIGTERM (one process and one of two), kill -9
+at random moments, non-finite steps, a checkpoint directory that cannot take a save; each
+resumed run is compared with an uninterrupted one, loss by loss, bit for bit."""
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from training import checkpoint, resilience, state, trainer
+from training.cli import load_config_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 40
+# The test run's compilation cache (tests/conftest.py), so each subprocess compiles once.
+CACHE_ENV = {'JAX_COMPILATION_CACHE_DIR': os.environ.get(
+                 'MESHLM_TEST_CACHE', os.path.join(ROOT, '.pytest_cache', 'jax')),
+             'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+
+
+@pytest.fixture(scope='module')
+def cache_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp('corpus'))
+
+
+def env(devices=1, **extra):
+  return {**os.environ, **CACHE_ENV, 'JAX_PLATFORMS': 'cpu',
+          'JAX_NUM_CPU_DEVICES': str(devices), **extra}
+
+
+def train_args(workdir, cache_dir, *extra):
+  return ['--config=default.py:tiny', f'--config.workdir={workdir}',
+          f'--config.data.cache_dir={cache_dir}', f'--config.steps={STEPS}',
+          f'--config.optim.decay_steps={STEPS}', '--config.sample.num_tokens=0',
+          '--config.metrics.progress_bar=False', *extra]
+
+
+def start(workdir, cache_dir, *extra, **popen):
+  return subprocess.Popen([sys.executable, 'train.py', *train_args(workdir, cache_dir, *extra)],
+                          cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, **popen)
+
+
+def finish(proc, timeout=300):
+  out, err = proc.communicate(timeout=timeout)
+  return proc.returncode, out, err
+
+
+def losses_by_step(workdir) -> dict[int, float]:
+  """The last loss logged for each step (steps redone after a kill are logged again)."""
+  losses = {}
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    for line in f:
+      record = json.loads(line)
+      losses[record['step']] = record['loss']
+  return losses
+
+
+def metric_lines(workdir) -> int:
+  try:
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      return sum(1 for _ in f)
+  except FileNotFoundError:
+    return 0
+
+
+def wait_for_lines(workdir, n, procs):
+  deadline = time.time() + 240
+  while metric_lines(workdir) < n:
+    for p in procs:
+      assert p.poll() is None, f'run ended early ({p.returncode}): {p.communicate()}'
+    assert time.time() < deadline, 'no progress'
+    time.sleep(0.01)
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory, cache_dir):
+  """An uninterrupted STEPS-step run on one device: {step: loss}."""
+  workdir = tmp_path_factory.mktemp('reference')
+  rc, _, err = finish(start(workdir, cache_dir))
+  assert rc == 0, err[-3000:]
+  losses = losses_by_step(workdir)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  return losses
+
+
+def stopped_line(err: str) -> str:
+  lines = [l for l in err.splitlines() if l.startswith('stopped: ')]
+  assert len(lines) == 1, err[-3000:]
+  return lines[0]
+
+
+def events(workdir):
+  return resilience.read_events(str(workdir))
+
+
+# --- SIGTERM --------------------------------------------------------------------------------
+
+def test_sigterm_saves_the_finished_step_and_the_rerun_continues_bitwise(tmp_path, cache_dir,
+                                                                          reference):
+  proc = start(tmp_path, cache_dir, '--config.checkpoint.every_steps=1000')
+  wait_for_lines(tmp_path, 3, [proc])
+  proc.send_signal(signal.SIGTERM)
+  rc, _, err = finish(proc)
+  assert rc == resilience.EXIT_PREEMPTED, err[-3000:]
+  line = stopped_line(err)
+  step = int(re.search(r'after step (\d+)', line)[1])
+  assert f'newest checkpoint: step {step}' in line and 'Run the same command again' in line
+  assert 'Traceback' not in err
+  # The step in flight finished and was saved; no step after it ran.
+  assert metric_lines(tmp_path) == step and 3 <= step < STEPS
+  assert os.listdir(tmp_path / 'checkpoints') == [str(step)]
+  assert [(e['event'], e['step']) for e in events(tmp_path)[1:]] == [('saved', step),
+                                                                     ('preempted', step)]
+  rc, _, err = finish(start(tmp_path, cache_dir, '--config.checkpoint.every_steps=1000'))
+  assert rc == 0, err[-3000:]
+  assert losses_by_step(tmp_path) == reference   # exact floats
+  log = events(tmp_path)
+  assert log[3]['event'] == 'started' and (log[4]['event'], log[4]['step']) == ('resumed', step)
+  assert (log[-1]['event'], log[-1]['step']) == ('finished', STEPS)
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def start_two(workdir, cache_dir):
+  args = train_args(workdir, cache_dir, '--config.checkpoint.every_steps=1000',
+                    f'--config.distributed.coordinator=127.0.0.1:{free_port()}',
+                    '--config.distributed.num_processes=2')
+  two = env(XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  del two['JAX_NUM_CPU_DEVICES']
+  return [subprocess.Popen([sys.executable, 'train.py', *args,
+                            f'--config.distributed.process_id={i}'], cwd=ROOT, env=two,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+          for i in range(2)]
+
+
+def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path, cache_dir):
+  """JAX's preemption sync point: process 1 gets SIGTERM, both stop after the same step,
+  save it together, and the rerun of both resumes like an uninterrupted 2-process run."""
+  procs = start_two(tmp_path / 'run', cache_dir)
+  wait_for_lines(tmp_path / 'run', 3, procs)
+  procs[1].send_signal(signal.SIGTERM)
+  results = [finish(p) for p in procs]
+  assert [r[0] for r in results] == [resilience.EXIT_PREEMPTED] * 2, results[0][2][-3000:]
+  steps = [int(re.search(r'after step (\d+)', stopped_line(r[2]))[1]) for r in results]
+  assert steps[0] == steps[1] and 3 <= steps[0] < STEPS, steps
+  assert os.listdir(tmp_path / 'run' / 'checkpoints') == [str(steps[0])]
+  assert metric_lines(tmp_path / 'run') == steps[0]
+  results = [finish(p) for p in start_two(tmp_path / 'run', cache_dir)]
+  assert [r[0] for r in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
+  assert ('resumed', steps[0]) in [(e['event'], e.get('step')) for e in events(tmp_path / 'run')]
+  results = [finish(p) for p in start_two(tmp_path / 'full', cache_dir)]
+  assert [r[0] for r in results] == [0, 0], results[0][2][-3000:]
+  assert losses_by_step(tmp_path / 'run') == losses_by_step(tmp_path / 'full')
+
+
+# --- kill -9 --------------------------------------------------------------------------------
+
+def unfinished_saves(workdir) -> list[str]:
+  return [d for d in os.listdir(workdir / 'checkpoints') if 'tmp' in d]
+
+
+def test_kill_9_at_random_moments_resumes_bitwise(tmp_path, cache_dir, reference):
+  """Saves every step, in the background: most kills land inside a save. A half-written
+  step is never listed, each rerun resumes from the newest complete one."""
+  rng, kills, torn = random.Random(0), 0, 0
+  args = ('--config.checkpoint.every_steps=1', '--config.checkpoint.keep=2')
+  while kills < 3 or (torn == 0 and kills < 8):
+    proc = start(tmp_path, cache_dir, *args)
+    wait_for_lines(tmp_path, metric_lines(tmp_path) + rng.randint(1, 4), [proc])
+    time.sleep(rng.uniform(0, 0.05))
+    proc.kill()
+    proc.communicate()
+    kills += 1
+    if unfinished_saves(tmp_path):
+      torn += 1
+      ckpt = checkpoint.Checkpointer(str(tmp_path / 'checkpoints'),
+                                     load_config_file('default.py:tiny').checkpoint)
+      assert all(os.path.exists(tmp_path / 'checkpoints' / str(s) / 'commit_success.txt')
+                 for s in ckpt.steps())
+      ckpt.close()
+  assert torn, 'no kill landed inside a save'
+  rc, _, err = finish(start(tmp_path, cache_dir, *args))
+  assert rc == 0, err[-3000:]
+  assert losses_by_step(tmp_path) == reference
+  resumed = [e for e in events(tmp_path) if e['event'] == 'resumed']
+  assert len(resumed) >= 3
+
+
+# --- Non-finite steps -----------------------------------------------------------------------
+
+class PoisonWeights:
+  """A data iterator whose batches number `poisoned` (1-based) have NaN loss weights."""
+
+  def __init__(self, it, poisoned):
+    self.it, self.poisoned, self.n = it, poisoned, 0
+
+  def __next__(self):
+    batch, self.n = dict(next(self.it)), self.n + 1
+    if self.n in self.poisoned:
+      batch['weights'] = np.full_like(batch['weights'], np.nan)
+    return batch
+
+  def __getattr__(self, name):
+    return getattr(self.it, name)
+
+
+def tiny(workdir, cache_dir, **overrides):
+  cfg = load_config_file('default.py:tiny')
+  cfg.workdir, cfg.data.cache_dir = str(workdir), cache_dir
+  cfg.metrics.progress_bar, cfg.sample.num_tokens = False, 0
+  for key, value in overrides.items():
+    section, _, field = key.rpartition('__')
+    setattr(getattr(cfg, section) if section else cfg, field, value)
+  return cfg
+
+
+def poison(monkeypatch, batches):
+  real = trainer.data.make_train_iterator
+  monkeypatch.setattr(trainer.data, 'make_train_iterator',
+                      lambda *a, **k: PoisonWeights(real(*a, **k), batches))
+
+
+def record_states(monkeypatch) -> dict:
+  """{step: the train state (on the host) the loop saved at that step}."""
+  states, real = {}, trainer.save
+
+  def save(t, step, train_state, data_state):
+    states[step] = jax.device_get(train_state)
+    real(t, step, train_state, data_state)
+  monkeypatch.setattr(trainer, 'save', save)
+  return states
+
+
+def assert_trees_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_nan_step_changes_nothing_and_the_run_learns_on(tmp_path, cache_dir, monkeypatch):
+  poison(monkeypatch, {5})
+  states = record_states(monkeypatch)
+  history = trainer.train(tiny(tmp_path, cache_dir, checkpoint__every_steps=1,
+                               checkpoint__keep=1))
+  assert [r['step'] for r in history if r['skipped']] == [5]
+  assert history[4]['skipped'] == 'non-finite loss' and np.isnan(history[4]['loss'])
+  assert_trees_equal(states[5], states[4])   # params, optimizer state and update count
+  with pytest.raises(AssertionError):
+    assert_trees_equal(states[6].params, states[5].params)
+  logged = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
+  assert [(l['step'], l['skipped']) for l in logged if l['skipped']] == [(5, 'non-finite loss')]
+  losses = [r['loss'] for r in history if not r['skipped']]
+  assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 1.0, losses
+  assert ('skipped', 5) in [(e['event'], e.get('step')) for e in events(tmp_path)]
+
+
+def test_non_finite_gradients_alone_also_skip():
+  """A finite loss with a NaN gradient norm keeps the old state too."""
+  old = state.TrainState(step=np.int32(3), params={'w': np.ones(4, np.float32)},
+                         opt_state=(np.zeros(4, np.float32),))
+  new = jax.tree.map(lambda x: x + 1, old)
+  kept, ok = state.skip_if_not_finite(new, old, np.float32(2.0), np.float32(np.nan))
+  assert not ok
+  assert_trees_equal(kept, old)
+  taken, ok = state.skip_if_not_finite(new, old, np.float32(2.0), np.float32(1.0))
+  assert ok
+  assert_trees_equal(taken, new)
+
+
+def test_consecutive_nan_steps_stop_the_run_with_the_last_good_checkpoint(tmp_path, cache_dir,
+                                                                          monkeypatch):
+  poison(monkeypatch, set(range(5, 100)))
+  states = record_states(monkeypatch)
+  cfg = tiny(tmp_path, cache_dir, checkpoint__every_steps=2, optim__max_skipped_steps=3)
+  with pytest.raises(resilience.TooManySkippedSteps, match=r'3 steps in a row \(to step 7\)'):
+    trainer.train(cfg)
+  assert metric_lines(tmp_path) == 7
+  log = events(tmp_path)
+  assert [e['step'] for e in log if e['event'] == 'skipped'] == [5, 6, 7]
+  assert (log[-1]['event'], log[-1]['step']) == ('stopped', 7)
+  t = trainer.setup(cfg)
+  restored, meta = t.ckpt.restore_latest(state.abstract_state(cfg, t.plan, t.tx))
+  assert meta['step'] == 6   # saved inside the streak: the state of step 4, unchanged
+  assert_trees_equal(jax.device_get(restored), states[4])
+  t.ckpt.close()
+  t.data_iter.close()
+
+
+POISONED_RUN = '''
+import sys
+from tests.test_fault_tolerance import PoisonWeights
+from training import cli, data
+real = data.make_train_iterator
+data.make_train_iterator = lambda *a, **k: PoisonWeights(real(*a, **k), set(range(3, 99)))
+sys.argv = ['train.py'] + sys.argv[1:]
+cli.run()
+'''
+
+
+def test_too_many_skipped_steps_exit_with_status_3(tmp_path, cache_dir):
+  result = subprocess.run(
+      [sys.executable, '-c', POISONED_RUN,
+       *train_args(tmp_path, cache_dir, '--config.optim.max_skipped_steps=2')],
+      cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+  assert result.returncode == resilience.EXIT_NON_FINITE, result.stderr[-3000:]
+  line = stopped_line(result.stderr)
+  assert 'optim.max_skipped_steps=2' in line and 'to step 4' in line
+  assert 'Traceback' not in result.stderr
+
+
+# --- A checkpoint directory that cannot take a save -----------------------------------------
+
+def with_file_size_limit(cmd: list[str]) -> list[str]:
+  """Files cannot grow past 512 KiB (a checkpoint's array file is ~1.3 MB, everything else
+  a run writes is smaller): the write fails with EFBIG, as on a full disk."""
+  return ['bash', '-c', 'trap "" XFSZ; ulimit -f 512; exec "$@"', 'limited', *cmd]
+
+
+def test_a_failed_save_is_reported_and_older_checkpoints_stay_intact(tmp_path, cache_dir,
+                                                                     reference):
+  cmd = [sys.executable, 'train.py', *train_args(tmp_path, cache_dir,
+                                                 '--config.checkpoint.every_steps=10')]
+  run = lambda *c: subprocess.run(c, cwd=ROOT, env=env(), capture_output=True, text=True,
+                                  timeout=300)
+  result = run(*cmd, '--config.steps=10')
+  assert result.returncode == 0, result.stderr[-3000:]
+  # on_save_error=stop: the background save of step 20 fails; the run learns it when it
+  # starts the next save (step 30) and stops there.
+  result = run(*with_file_size_limit(cmd + ['--config.checkpoint.on_save_error=stop']))
+  assert result.returncode == resilience.EXIT_SAVE_FAILED, result.stderr[-3000:]
+  line = stopped_line(result.stderr)
+  assert 'checkpoint 20 could not be saved' in line and 'File too large' in line, line
+  assert metric_lines(tmp_path) == 30
+  # on_save_error=continue (the default): each failure is one warning, the run finishes.
+  result = run(*with_file_size_limit(cmd))
+  assert result.returncode == 0, result.stderr[-3000:]
+  failures = [l for l in result.stderr.splitlines() if 'could not be saved' in l]
+  assert [re.search(r'checkpoint (\d+) could not', l)[1] for l in failures] == [
+      '20', '30', '40'], failures
+  assert all(l.startswith('warning: ') and 'File too large' in l for l in failures)
+  log = events(tmp_path)
+  assert [e['step'] for e in log if e['event'] == 'save_failed'] == [20, 20, 30, 40]
+  assert (log[-1]['event'], log[-1]['newest_checkpoint']) == ('finished', 10)
+  assert [s for s in os.listdir(tmp_path / 'checkpoints') if 'tmp' not in s] == ['10']
+  # Without the limit, the same command resumes from step 10, intact, and retrains exactly.
+  result = run(*cmd)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert ('resumed', 10) in [(e['event'], e.get('step')) for e in events(tmp_path)]
+  assert losses_by_step(tmp_path) == reference
