@@ -88,21 +88,32 @@ def check_overrides(argv: list[str], root: type = config_lib.Config) -> None:
 
 
 def config_spec(argv: list[str]) -> str:
-  """The `--config=` value (resolved path and variant), or the default file."""
-  for arg in argv:
+  """The `--config=` value (resolved path and variant), or the default file; the last
+  one given counts, as for absl's flags."""
+  for arg in reversed(argv):
     match = re.fullmatch(r'--?config=(.+)', arg)
     if match:
       return match.group(1)
   return os.path.join(CONFIGS_DIR, 'default.py')
 
 
+def check_config_file(spec: str) -> None:
+  """Exits with one line if `NAME.py[:variant]` does not give a Config."""
+  try:
+    loaded = load_config_file(spec)   # a raising get_config or unknown variant
+  except Exception as e:  # pylint: disable=broad-except
+    fail(f'--config={spec}: get_config failed: {type(e).__name__}: {e}')
+  if not isinstance(loaded, config_lib.Config):
+    fail(f'--config={spec}: get_config returned a {type(loaded).__name__}, not a '
+         'training.config.Config: build one (see configs/default.py) and return it.')
+
+
 def parse(argv: list[str]) -> tuple[config_lib.Config, str]:
   """(config with overrides, its file spec); every problem is one line and exit 2."""
   spec = config_spec(argv)
-  try:
-    load_config_file(spec)   # a raising get_config or unknown variant: one clean line
-  except Exception as e:  # pylint: disable=broad-except
-    fail(f'--config={spec}: get_config failed: {type(e).__name__}: {e}')
+  # absl loads every --config= given (the last one counts): each must load cleanly.
+  for given in [a.partition('=')[2] for a in argv if re.match(r'--?config=', a)] or [spec]:
+    check_config_file(given)
   config = _config_flag()
   try:
     rest = flags.FLAGS(argv)

@@ -63,9 +63,13 @@ def setup(cfg: config_lib.Config) -> Trainer:
     raise ConfigError(str(e)) from e
   is_main = jax.process_index() == 0
   if is_main:
-    os.makedirs(cfg.workdir, exist_ok=True)
-    with open(os.path.join(cfg.workdir, 'config.json'), 'w') as f:
-      f.write(config_lib.to_json(cfg))
+    try:
+      os.makedirs(cfg.workdir, exist_ok=True)
+      with open(os.path.join(cfg.workdir, 'config.json'), 'w') as f:
+        f.write(config_lib.to_json(cfg))
+    except OSError as e:
+      raise ConfigError(f'workdir={cfg.workdir!r} cannot be written ({e.strerror}): choose '
+                        'another --config.workdir.') from e
   tx = optimizer.make_optimizer(cfg.optim, cfg.steps)
   ckpt = checkpoint.Checkpointer(os.path.join(cfg.workdir, 'checkpoints'), cfg.checkpoint)
   return Trainer(cfg, plan, tx, optimizer.lr_schedule(cfg.optim, cfg.steps), ckpt,
@@ -221,7 +225,9 @@ def commit_pending(t: Trainer) -> None:
 
 def _save_failed(t: Trainer, step: int | None, error: Exception) -> None:
   """One line on the console and in events.jsonl; stops the run if configured to."""
-  reason = ' '.join(f'{type(error).__name__}: {error}'.split())[:500]
+  reason = ' '.join(f'{type(error).__name__}: {error}'.split())
+  if len(reason) > 800:   # the cause is at the end of orbax's and tensorstore's messages
+    reason = f'{reason[:300]} ... {reason[-500:]}'
   message = f'checkpoint {step} could not be saved in {t.ckpt.directory} ({reason})'
   t.events('save_failed', step=step, error=reason)
   if t.cfg.checkpoint.on_save_error == 'stop':
