@@ -373,3 +373,44 @@ def test_a_failed_save_is_reported_and_older_checkpoints_stay_intact(tmp_path, c
   assert result.returncode == 0, result.stderr[-3000:]
   assert ('resumed', 6) in [(e['event'], e.get('step')) for e in events(tmp_path)]
   assert losses_by_step(tmp_path) == reference
+
+
+# --- Bad input at start (cases tests/test_cli.py does not cover) ----------------------------
+
+def assert_one_line_error(result, *fragments):
+  assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('error: '), result.stderr[-2000:]
+  assert 'Traceback' not in result.stderr
+  for fragment in fragments:
+    assert fragment in lines[0], lines[0]
+
+
+CONFIG_FILES = {'none.py': 'def get_config(variant=""):\n  return None\n',
+                'syntax.py': 'def get_config(:\n',
+                'noget.py': 'x = 1\n'}
+
+
+@pytest.mark.parametrize('args, fragments', [
+    (['--config.optim.learning_rate=fast'], ['learning_rate', 'fast']),
+    (['--config.metrics.progress_bar=maybe'], ['progress_bar', 'maybe']),
+    (['--config.model.num_layers.x=1'], ["'num_layers' is a int, not a section"]),
+    (['stray'], ["unexpected arguments ['stray']"]),
+    (['--config.checkpoint.on_save_error=maybe'], ['checkpoint.on_save_error', "'stop'"]),
+    (['--config.optim.max_skipped_steps=0'], ['optim.max_skipped_steps=0']),
+    (['--config=DIR/none.py'], ['none.py', 'returned a NoneType, not a training.config.Config']),
+    (['--config=DIR/syntax.py'], ['syntax.py', 'SyntaxError']),
+    (['--config=DIR/noget.py'], ['noget.py', "no attribute 'get_config'"]),
+    (['--config=DIR/syntax.py', '--config=default.py:tiny'], ['syntax.py', 'SyntaxError']),
+    (['--config.workdir=/proc/no/such'], ["workdir='/proc/no/such' cannot be written"]),
+])
+def test_bad_input_at_start_is_one_line_with_status_2(tmp_path, cache_dir, args, fragments):
+  for name, text in CONFIG_FILES.items():
+    (tmp_path / name).write_text(text)
+  args = [a.replace('DIR', str(tmp_path)) for a in args]
+  if not any(a.startswith('--config=') for a in args):
+    args = ['--config=default.py:tiny', f'--config.workdir={tmp_path / "run"}', *args]
+  result = subprocess.run([sys.executable, 'train.py', *args,
+                           f'--config.data.cache_dir={cache_dir}'],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+  assert_one_line_error(result, *fragments)
