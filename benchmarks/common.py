@@ -23,9 +23,11 @@ def environment() -> dict:
 
 
 def write_result(name: str, payload: dict) -> str:
-  """Writes results/NAME.json with the environment folded in; returns the path."""
-  os.makedirs(RESULTS_DIR, exist_ok=True)
-  path = os.path.join(RESULTS_DIR, f'{name}.json')
+  """Writes results/NAME.json (or $MESHLM_RESULTS_DIR/NAME.json: tests) with the
+  environment folded in; returns the path."""
+  directory = os.environ.get('MESHLM_RESULTS_DIR', RESULTS_DIR)
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, f'{name}.json')
   with open(path, 'w') as f:
     json.dump({'environment': environment(), **payload}, f, indent=2)
   return path

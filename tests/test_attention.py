@@ -37,13 +37,37 @@ def test_cudnn_wiring_matches_xla(monkeypatch, packed):
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_model_with_pallas_matches_xla_sharded():
-  """attention_impl='pallas' (shard_map over batch and heads) equals 'xla': loss and grads."""
+MESH = MeshConfig(data=1, fsdp=2, tensor=4)
+
+
+@pytest.fixture(scope='module')
+def xla_loss_and_grads():
+  return sharded_loss_and_grads(tiny_config(), MESH, 3, True)
+
+
+@pytest.mark.parametrize('pallas_backend, kernels', [
+    ('triton', ('triton', None)),
+    ('mosaic_gpu', ('mosaic_gpu', None)),
+    ('mosaic_gpu_fused', ('mosaic_gpu', 'mosaic_gpu_fused'))])
+def test_model_with_pallas_matches_xla_sharded(monkeypatch, xla_loss_and_grads,
+                                               pallas_backend, kernels):
+  """attention_impl='pallas' (shard_map over batch and heads) equals 'xla': loss and grads;
+  model.pallas_backend picks flash_attention's forward and backward kernels. The Mosaic
+  kernels themselves are checked in test_flash_attention_mgpu; here each call is recorded
+  and served by the portable kernels."""
+  real, seen = transformer.flash_attention, []
+
+  def recording(*args, backend=None, backend_bwd=None, **kwargs):
+    seen.append((backend, backend_bwd))
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(transformer, 'flash_attention', recording)
   cfg = tiny_config()
-  mesh_cfg = MeshConfig(data=1, fsdp=2, tensor=4)
-  loss, grads = sharded_loss_and_grads(cfg, mesh_cfg, 3, True)
-  cfg.model = dataclasses.replace(cfg.model, attention_impl='pallas')
-  p_loss, p_grads = sharded_loss_and_grads(cfg, mesh_cfg, 3, True)
+  cfg.model = dataclasses.replace(cfg.model, attention_impl='pallas',
+                                  pallas_backend=pallas_backend)
+  p_loss, p_grads = sharded_loss_and_grads(cfg, MESH, 3, True)
+  assert seen and set(seen) == {kernels}
+  loss, grads = xla_loss_and_grads
   assert rel_err(p_loss, loss) < 1e-5
   assert max(jax.tree.leaves(jax.tree.map(rel_err, p_grads, grads))) < 1e-5
 
@@ -59,30 +83,6 @@ def test_pallas_under_per_shard_grad_accumulation():
   loss, grads = sharded_loss_and_grads(cfg, MeshConfig(data=2, fsdp=2, tensor=2), 1, True)
   assert rel_err(loss, ref_loss) < 1e-5
   assert max(jax.tree.leaves(jax.tree.map(rel_err, grads, ref_grads))) < 1e-5
-
-
-@pytest.mark.parametrize('pallas_backend, kernels', [
-    ('mosaic_gpu', ('mosaic_gpu', None)),
-    ('mosaic_gpu_fused', ('mosaic_gpu', 'mosaic_gpu_fused'))])
-def test_pallas_backend_reaches_the_kernel(monkeypatch, pallas_backend, kernels):
-  """model.pallas_backend picks flash_attention's forward and backward kernels inside the
-  sharded model. The Mosaic kernels themselves are checked in test_flash_attention_mgpu;
-  here the call is recorded and served by the portable kernels."""
-  real, seen = transformer.flash_attention, []
-
-  def recording(*args, backend=None, backend_bwd=None, **kwargs):
-    seen.append((backend, backend_bwd))
-    return real(*args, **kwargs)
-
-  monkeypatch.setattr(transformer, 'flash_attention', recording)
-  cfg = tiny_config()
-  mesh_cfg = MeshConfig(data=1, fsdp=2, tensor=4)
-  loss, _ = sharded_loss_and_grads(cfg, mesh_cfg, 3, True)
-  cfg.model = dataclasses.replace(cfg.model, attention_impl='pallas',
-                                  pallas_backend=pallas_backend)
-  p_loss, _ = sharded_loss_and_grads(cfg, mesh_cfg, 3, True)
-  assert seen and set(seen) == {kernels}
-  assert rel_err(p_loss, loss) < 1e-5
 
 
 @pytest.mark.parametrize('overrides, message', [

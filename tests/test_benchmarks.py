@@ -1,10 +1,16 @@
 """The GPU benchmark scripts run end to end (CPU smoke mode: tiny shapes, interpret)."""
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
 from benchmarks import attention, paged_decode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_attention_benchmark_smoke():
@@ -44,3 +50,32 @@ def test_paged_decode_tile_sweep_smoke():
   rows = paged_decode.main(['--smoke', '--tiles'])
   assert [r['tiles'] for r in rows] == [dict(pages_per_block=2, num_warps=4, num_stages=2)]
   assert rows[0]['bandwidth_gbs'] > 0
+
+
+MY_CONFIG = """
+from training.cli import load_config_file
+
+def get_config(variant=''):
+  cfg = load_config_file('default.py:tiny')
+  cfg.steps, cfg.data.cache_dir = 4, {cache!r}
+  return cfg
+"""
+
+
+def test_train_throughput_on_a_config_outside_configs(tmp_path):
+  """`python -m benchmarks.train_throughput --config=/some/path/mine.py`: the same
+  --config handling as train.py, a path outside configs/ included."""
+  (tmp_path / 'mine.py').write_text(MY_CONFIG.format(cache=str(tmp_path / 'cache')))
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'MESHLM_RESULTS_DIR': str(tmp_path / 'out')}
+  result = subprocess.run(
+      [sys.executable, '-m', 'benchmarks.train_throughput', f'--config={tmp_path}/mine.py',
+       '--config.optim.warmup_steps=1', '--warmup=1'],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  [name] = os.listdir(tmp_path / 'out')
+  assert name == 'train_mine_cpu.json'
+  row = json.load(open(tmp_path / 'out' / name))
+  assert row['config'] == 'mine' and row['steps'] == 4
+  assert row['overrides'] == ['--config.optim.warmup_steps=1']
+  assert row['tokens_per_sec'] == pytest.approx(8 * 32 / row['median_step_time_s'])
+  assert math.isfinite(row['first_loss']) and math.isfinite(row['last_loss'])

@@ -9,6 +9,9 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
+import subprocess
+import sys
 import sysconfig
 
 import numpy as np
@@ -21,6 +24,8 @@ from training import corpus
 from training import data
 from training import prepare
 from training import tokenizer as tokenizer_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BYTE_EOS = 256
 
@@ -369,6 +374,26 @@ def test_prepare_byte_round_trip(tmp_path, capsys):
   np.testing.assert_array_equal(tokens, reference_stream(expected, BYTE_EOS))
   assert meta['num_documents'] == len(texts)
   assert f'{tokens.size} tokens' in capsys.readouterr().out
+
+
+def test_prepare_runs_as_a_module_and_as_the_installed_command(tmp_path):
+  """`python -m training.prepare` and the `meshlm-prepare` entry point, as processes."""
+  texts = ['héllo\nworld', 'def f():\n  return 1\n', 'line one', 'ünïcode ✓']
+  inputs = write_inputs(tmp_path, texts)
+  command = shutil.which('meshlm-prepare')
+  assert command, 'meshlm-prepare is not installed: pip install -e ".[dev]"'
+  env = {**os.environ, 'PYTHONPATH': ROOT}   # this checkout's code, not another install's
+  for name, argv in (('module', [sys.executable, '-m', 'training.prepare']),
+                     ('script', [command])):
+    out = tmp_path / name / 'train.bin'
+    result = subprocess.run([*argv, '--input', *inputs, '--output', str(out),
+                             '--jsonl_field', 'body'], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (name, result.stderr[-3000:])
+    tokens, _ = data.open_token_file(str(out))
+    expected = [list(t.encode('utf-8')) for t in texts]
+    np.testing.assert_array_equal(tokens, reference_stream(expected, BYTE_EOS))
+    assert f'{tokens.size} tokens' in result.stdout
 
 
 def test_prepare_hf_round_trip(tmp_path):

@@ -7,12 +7,21 @@ loses Hopper's wgmma. None of that shows in interpret mode. They say nothing abo
 """
 
 import dataclasses
+import importlib.util
+import platform
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-pytest.importorskip('triton', reason='the triton wheel compiles the IR (pip install triton)')
+# triton is a dev dependency on linux x86_64: missing there, the install is broken and
+# these tests fail; elsewhere (no wheel) they skip.
+if importlib.util.find_spec('triton') is None:
+  if sys.platform == 'linux' and platform.machine() == 'x86_64':
+    raise ImportError('triton is missing: it is a dev dependency on linux x86_64; '
+                      'pip install -e ".[dev]"')
+  pytest.skip('no triton wheel for this platform', allow_module_level=True)
 
 from benchmarks import kernel_resources as kr  # noqa: E402
 

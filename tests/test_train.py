@@ -5,6 +5,7 @@ import json
 import os
 import re
 import socket
+import struct
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tensorboardX.proto import event_pb2
 
 import model
 from training import checkpoint, trainer
@@ -42,8 +44,24 @@ def tiny(workdir, cache_dir, **overrides):
   return cfg
 
 
+def read_scalars(tensorboard_dir) -> dict:
+  """{(tag, step): value} from the TFRecord event files (length, crc, event, crc)."""
+  scalars = {}
+  for name in os.listdir(tensorboard_dir):
+    raw, at = open(os.path.join(tensorboard_dir, name), 'rb').read(), 0
+    while at < len(raw):
+      (length,) = struct.unpack('<Q', raw[at:at + 8])
+      event = event_pb2.Event.FromString(raw[at + 12:at + 12 + length])
+      at += 16 + length
+      for value in event.summary.value:
+        scalars[value.tag, event.step] = value.simple_value
+  return scalars
+
+
 def test_training_lowers_loss_and_writes_run_files(tmp_path, cache_dir):
-  cfg = tiny(tmp_path, cache_dir, metrics__peak_tflops_per_device=0.5)
+  # Saves at 6, 12, 18 and the last step 20 (not a multiple of 6); keep=2 prunes to 18, 20.
+  cfg = tiny(tmp_path, cache_dir, metrics__peak_tflops_per_device=0.5,
+             checkpoint__every_steps=6, checkpoint__keep=2)
   history = trainer.train(cfg)
   losses = [r['loss'] for r in history]
   assert len(losses) == 20
@@ -52,8 +70,11 @@ def test_training_lowers_loss_and_writes_run_files(tmp_path, cache_dir):
   assert [l['step'] for l in lines] == list(range(1, 21))
   assert all(set(REQUIRED) <= set(l) for l in lines)
   assert json.load(open(tmp_path / 'config.json'))['model']['num_layers'] == 2
-  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['10', '20']
-  assert any(f.startswith('events') for f in os.listdir(tmp_path / 'tensorboard'))
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['18', '20']
+  scalars = read_scalars(tmp_path / 'tensorboard')   # every logged number, read back
+  for l in lines:
+    for key in REQUIRED[1:]:
+      assert scalars[f'train/{key}', l['step']] == pytest.approx(l[key], rel=1e-6), key
   # MFU: analytic model FLOPs per step over the configured peak of all devices.
   tokens = cfg.data.batch_size * cfg.data.seq_len
   step_flops = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens

@@ -89,7 +89,7 @@ def documents(path: str, tok, field: str,
     yield ids
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> None:
   args = parse_args(argv)
   console = console_lib.Console(stderr=True)
   try:
@@ -113,7 +113,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
   summary = (f'{meta["num_documents"]:,} documents, {meta["num_tokens"]:,} tokens '
              f'({meta["tokenizer"]}, vocab {meta["vocab_size"]}) -> {args.output}')
   console_lib.Console().print(summary, markup=False, highlight=False)
-  return meta
 
 
 if __name__ == '__main__':
