@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import importlib.util
+import logging as std_logging
 import os
 import re
 import sys
@@ -142,6 +143,10 @@ def run(job=trainer.train) -> None:
       fail(str(e))
     return
   logging.set_verbosity(logging.WARNING)   # orbax logs every file it writes at INFO
+  # orbax logs a failed save with a traceback from each of its threads; the trainer
+  # reports it in one line (training.trainer._save_failed).
+  std_logging.getLogger('absl').addFilter(
+      lambda r: r.levelno < std_logging.ERROR or 'orbax' not in r.pathname)
   try:
     config_lib.init_distributed(cfg.distributed)
     job(cfg)
