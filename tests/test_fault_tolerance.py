@@ -375,6 +375,41 @@ def test_a_failed_save_is_reported_and_older_checkpoints_stay_intact(tmp_path, c
   assert losses_by_step(tmp_path) == reference
 
 
+# --- events.jsonl ---------------------------------------------------------------------------
+
+class RaiseAt:
+  """A data iterator that raises `error` when asked for batch n+1."""
+
+  def __init__(self, it, n, error):
+    self.it, self.left, self.error = it, n, error
+
+  def __next__(self):
+    if self.left == 0:
+      raise self.error
+    self.left -= 1
+    return next(self.it)
+
+  def __getattr__(self, name):
+    return getattr(self.it, name)
+
+
+@pytest.mark.parametrize('error, last', [
+    (RuntimeError('disk on fire'), ('crashed', 'RuntimeError: disk on fire')),
+    (KeyboardInterrupt(), ('interrupted', None))])
+def test_every_stop_leaves_a_line_in_events(tmp_path, cache_dir, monkeypatch, error, last):
+  trainer.train(tiny(tmp_path, cache_dir, steps=2, checkpoint__every_steps=2))
+  real = trainer.data.make_train_iterator
+  monkeypatch.setattr(trainer.data, 'make_train_iterator',
+                      lambda *a, **k: RaiseAt(real(*a, **k), 2, error))
+  with pytest.raises(type(error)):
+    trainer.train(tiny(tmp_path, cache_dir, steps=8, checkpoint__every_steps=100))
+  log = [(e['event'], e.get('step'), e.get('error')) for e in events(tmp_path)]
+  saved_on_ctrl_c = [('saved', 4, None)] if isinstance(error, KeyboardInterrupt) else []
+  assert log == [('started', None, None), ('saved', 2, None), ('finished', 2, None),
+                 ('started', None, None), ('resumed', 2, None), *saved_on_ctrl_c,
+                 (last[0], 4, last[1])]
+
+
 # --- Bad input at start (cases tests/test_cli.py does not cover) ----------------------------
 
 def assert_one_line_error(result, *fragments):
