@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import importlib.util
+import logging as std_logging
 import os
 import re
 import sys
@@ -11,7 +12,7 @@ import jax
 from absl import flags, logging
 from ml_collections import config_flags
 
-from training import checkpoint, describe, trainer
+from training import checkpoint, describe, resilience, trainer
 from training import config as config_lib
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -88,21 +89,32 @@ def check_overrides(argv: list[str], root: type = config_lib.Config) -> None:
 
 
 def config_spec(argv: list[str]) -> str:
-  """The `--config=` value (resolved path and variant), or the default file."""
-  for arg in argv:
+  """The `--config=` value (resolved path and variant), or the default file; the last
+  one given counts, as for absl's flags."""
+  for arg in reversed(argv):
     match = re.fullmatch(r'--?config=(.+)', arg)
     if match:
       return match.group(1)
   return os.path.join(CONFIGS_DIR, 'default.py')
 
 
+def check_config_file(spec: str) -> None:
+  """Exits with one line if `NAME.py[:variant]` does not give a Config."""
+  try:
+    loaded = load_config_file(spec)   # a raising get_config or unknown variant
+  except Exception as e:  # pylint: disable=broad-except
+    fail(f'--config={spec}: get_config failed: {type(e).__name__}: {e}')
+  if not isinstance(loaded, config_lib.Config):
+    fail(f'--config={spec}: get_config returned a {type(loaded).__name__}, not a '
+         'training.config.Config: build one (see configs/default.py) and return it.')
+
+
 def parse(argv: list[str]) -> tuple[config_lib.Config, str]:
   """(config with overrides, its file spec); every problem is one line and exit 2."""
   spec = config_spec(argv)
-  try:
-    load_config_file(spec)   # a raising get_config or unknown variant: one clean line
-  except Exception as e:  # pylint: disable=broad-except
-    fail(f'--config={spec}: get_config failed: {type(e).__name__}: {e}')
+  # absl loads every --config= given (the last one counts): each must load cleanly.
+  for given in [a.partition('=')[2] for a in argv if re.match(r'--?config=', a)] or [spec]:
+    check_config_file(given)
   config = _config_flag()
   try:
     rest = flags.FLAGS(argv)
@@ -131,8 +143,19 @@ def run(job=trainer.train) -> None:
       fail(str(e))
     return
   logging.set_verbosity(logging.WARNING)   # orbax logs every file it writes at INFO
+  # orbax logs a failed save with a traceback from each of its threads; the trainer
+  # reports it in one line (training.trainer._save_failed).
+  std_logging.getLogger('absl').addFilter(
+      lambda r: r.levelno < std_logging.ERROR or 'orbax' not in r.pathname)
   try:
     config_lib.init_distributed(cfg.distributed)
     job(cfg)
   except (trainer.ConfigError, checkpoint.CheckpointError, FileNotFoundError) as e:
     fail(str(e))
+  except resilience.RunStopped as e:   # preempted, non-finite steps, a failed save
+    print(f'stopped: {e}', file=sys.stderr)
+    sys.exit(e.exit_status)
+  except KeyboardInterrupt:
+    print('stopped: interrupted (Ctrl-C); run the same command again to resume from the '
+          'newest checkpoint.', file=sys.stderr)
+    sys.exit(resilience.EXIT_INTERRUPTED)

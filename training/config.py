@@ -70,6 +70,9 @@ class OptimConfig:
   """Global-norm gradient clipping; 0 disables it."""
   grad_accum: int = 1
   """Microbatches per step (their gradients summed before one update)."""
+  max_skipped_steps: int = 5
+  """A step with a non-finite loss or gradient changes nothing and is skipped; this many
+  in a row stop the run (exit status 3)."""
 
 
 @dataclasses.dataclass
@@ -81,6 +84,9 @@ class CheckpointConfig:
   """Checkpoints kept; older ones are pruned."""
   async_save: bool = True
   """Write in the background while training continues."""
+  on_save_error: str = 'continue'
+  """A save that fails (disk full, unwritable): 'continue' reports it and trains on (the
+  next save tries again); 'stop' ends the run (exit status 4)."""
 
 
 @dataclasses.dataclass
@@ -133,7 +139,7 @@ class Config:
   steps: int = 200
   """Training steps in all (a rerun with more resumes from the last checkpoint)."""
   workdir: str = 'runs/default'
-  """Run directory: config.json, metrics.jsonl, tensorboard/, checkpoints/."""
+  """Run directory: config.json, metrics.jsonl, events.jsonl, tensorboard/, checkpoints/."""
   seed: int = 0
   """Seed of the initial weights and the data order."""
 
@@ -203,6 +209,11 @@ def validate(cfg: Config, num_devices: int, process_count: int = 1,
                      f'model.max_seq_len={cfg.model.max_seq_len}).')
   if cfg.checkpoint.every_steps < 1 or cfg.checkpoint.keep < 1:
     raise ValueError('checkpoint.every_steps and checkpoint.keep must be >= 1.')
+  if cfg.checkpoint.on_save_error not in ('continue', 'stop'):
+    raise ValueError(f'checkpoint.on_save_error={cfg.checkpoint.on_save_error!r}: choose '
+                     "'continue' or 'stop'.")
+  if cfg.optim.max_skipped_steps < 1:
+    raise ValueError(f'optim.max_skipped_steps={cfg.optim.max_skipped_steps} must be >= 1.')
 
 
 def data_files(cfg: DataConfig) -> list[str]:

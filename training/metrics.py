@@ -67,7 +67,7 @@ class MetricsLogger:
     step = record['step']
     if self._tb is not None:
       for key, value in record.items():
-        if key != 'step' and value is not None:
+        if key != 'step' and isinstance(value, (int, float)):
           self._tb.add_scalar(f'train/{key}', value, step)
     if self._progress is not None:
       info = f"loss {record['loss']:.4f}  {record['tokens_per_sec']:,.0f} tok/s"

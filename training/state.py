@@ -116,6 +116,18 @@ def _accumulate_per_shard(params, micro, cfg: Config, plan: ShardingPlan):
   return jnp.sum(total), jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)
 
 
+def skip_if_not_finite(new: TrainState, old: TrainState, loss, grad_norm):
+  """(new, True) after a finite step, else (old, False): the step changes nothing.
+
+  Selected leaf by leaf, so each keeps its (ZeRO) sharding and the old state comes back
+  bitwise. `step` counts applied updates (it drives the schedule, like the optimizer's own
+  count). optax.apply_if_finite would wrap the optimizer state (old checkpoints would no
+  longer restore), look at the updates only, and apply a bad update after its limit.
+  """
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old), ok
+
+
 def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
   """jit(state, batch) -> (state, metrics); the state buffer is donated."""
   shardings = state_shardings(cfg, plan, tx)
@@ -128,8 +140,12 @@ def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     params = jax.lax.with_sharding_constraint(params, shardings.params)
-    metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads), 'lr': schedule(state.step)}
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    grad_norm = optax.tree.norm(grads)
+    new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    new, ok = skip_if_not_finite(new, state, loss, grad_norm)
+    metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state.step),
+               'skipped': 1 - ok.astype(jnp.int32)}
+    return new, metrics
 
   batch_sh = plan.batch_sharding()
   return jax.jit(step, in_shardings=(shardings, batch_sh),

@@ -12,7 +12,8 @@ from rich.console import Console
 import model
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingPlan, check_divisible, make_plan
-from training import checkpoint, config as config_lib, data, metrics, optimizer, sample, state
+from training import (checkpoint, config as config_lib, data, metrics, optimizer, resilience,
+                      sample, state)
 
 console = Console(stderr=True)
 
@@ -37,6 +38,9 @@ class Trainer:
   data_iter: object
   tokenizer: object
   is_main: bool
+  events: resilience.Events
+  step: int | None = None           # the last finished step, once known
+  pending_save: int | None = None   # a save started but not yet known to be committed
 
 
 def setup(cfg: config_lib.Config) -> Trainer:
@@ -59,13 +63,17 @@ def setup(cfg: config_lib.Config) -> Trainer:
     raise ConfigError(str(e)) from e
   is_main = jax.process_index() == 0
   if is_main:
-    os.makedirs(cfg.workdir, exist_ok=True)
-    with open(os.path.join(cfg.workdir, 'config.json'), 'w') as f:
-      f.write(config_lib.to_json(cfg))
+    try:
+      os.makedirs(cfg.workdir, exist_ok=True)
+      with open(os.path.join(cfg.workdir, 'config.json'), 'w') as f:
+        f.write(config_lib.to_json(cfg))
+    except OSError as e:
+      raise ConfigError(f'workdir={cfg.workdir!r} cannot be written ({e.strerror}): choose '
+                        'another --config.workdir.') from e
   tx = optimizer.make_optimizer(cfg.optim, cfg.steps)
   ckpt = checkpoint.Checkpointer(os.path.join(cfg.workdir, 'checkpoints'), cfg.checkpoint)
   return Trainer(cfg, plan, tx, optimizer.lr_schedule(cfg.optim, cfg.steps), ckpt,
-                 data_iter, info.tokenizer, is_main)
+                 data_iter, info.tokenizer, is_main, resilience.Events(cfg.workdir, is_main))
 
 
 def restore_or_init(t: Trainer):
@@ -81,6 +89,8 @@ def restore_or_init(t: Trainer):
                   'on the new data.[/]')
   t.data_iter.set_state(meta['data'])
   console.print(f'resumed from step {meta["step"]} in {t.ckpt.directory}')
+  t.events('resumed', step=int(meta['step']),
+           rejected=[{k: r[k] for k in ('step', 'reason')} for r in t.ckpt.rejected])
   return train_state, int(meta['step'])
 
 
@@ -108,17 +118,18 @@ def compile_step(t: Trainer, train_state, batch):
   return compiled
 
 
-def run_loop(t: Trainer, train_state, start: int) -> tuple[object, list[dict]]:
+def run_loop(t: Trainer, train_state, start: int,
+             stop: resilience.StopSignal) -> tuple[object, list[dict]]:
   cfg = t.cfg
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
   flops_per_step = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
   peak = metrics.peak_flops_per_device(cfg.metrics)
   logger = metrics.MetricsLogger(cfg.workdir, cfg.metrics, start_step=start,
                                  total_steps=cfg.steps, enabled=t.is_main)
-  history, step_fn, step = [], None, start
+  history, step_fn, t.step, skips = [], None, start, 0
   data_state = t.data_iter.get_state()   # the data position matching `train_state`
   try:
-    while step < cfg.steps:
+    while t.step < cfg.steps:
       tic = time.perf_counter()
       batch = global_batch(t, next(t.data_iter))
       if step_fn is None:
@@ -126,21 +137,52 @@ def run_loop(t: Trainer, train_state, start: int) -> tuple[object, list[dict]]:
         tic = time.perf_counter()   # compile time stays out of step_time_s
       train_state, out = step_fn(train_state, batch)
       out = {k: float(v) for k, v in jax.device_get(out).items()}
-      step, data_state = step + 1, t.data_iter.get_state()
-      record = _record(step, out, time.perf_counter() - tic, tokens_per_step, flops_per_step,
-                       peak)
+      t.step, data_state = t.step + 1, t.data_iter.get_state()
+      record = _record(t.step, out, time.perf_counter() - tic, tokens_per_step,
+                       flops_per_step, peak)
       history.append(record)
-      if step % cfg.metrics.log_every == 0 or step == cfg.steps:
+      if t.step % cfg.metrics.log_every == 0 or t.step == cfg.steps or record['skipped']:
         logger.log(record)
-      if step % cfg.checkpoint.every_steps == 0 or step == cfg.steps:
-        save(t, step, train_state, data_state)
+      skips = _count_skips(t, record, skips)
+      if t.step % cfg.checkpoint.every_steps == 0 or t.step == cfg.steps:
+        save(t, t.step, train_state, data_state)
+      if stop.should_stop(t.step) and t.step < cfg.steps:
+        _save_and_stop(t, train_state, data_state)
   except KeyboardInterrupt:
-    _save_on_interrupt(t, step, start, train_state, data_state)
+    _save_on_interrupt(t, t.step, start, train_state, data_state)
     raise
   finally:
     logger.close()
-    t.ckpt.wait()
+    commit_pending(t)
   return train_state, history
+
+
+def _count_skips(t: Trainer, record: dict, skips: int) -> int:
+  """Consecutive skipped steps so far; too many stop the run."""
+  if not record['skipped']:
+    return 0
+  t.events('skipped', step=t.step, reason=record['skipped'])
+  console.print(f'[yellow]step {t.step} skipped: {record["skipped"]}[/]')
+  skips += 1
+  if skips >= t.cfg.optim.max_skipped_steps:
+    latest = max(t.ckpt.steps(), default=None)
+    raise resilience.TooManySkippedSteps(
+        f'{skips} steps in a row (to step {t.step}) had a {record["skipped"]} and were '
+        f'skipped (optim.max_skipped_steps={t.cfg.optim.max_skipped_steps}); stopped. '
+        f'Newest checkpoint: {latest} in {t.ckpt.directory}. Lower optim.learning_rate or '
+        'check the data, then run again to resume.')
+  return skips
+
+
+def _save_and_stop(t: Trainer, train_state, data_state) -> None:
+  """SIGTERM: the finished step is saved and committed, then the run stops."""
+  if t.step not in t.ckpt.steps():
+    save(t, t.step, train_state, data_state)
+  commit_pending(t)
+  latest = max(t.ckpt.steps(), default=None)
+  raise resilience.Preempted(
+      f'preempted (SIGTERM) after step {t.step}; newest checkpoint: step {latest} in '
+      f'{t.ckpt.directory}. Run the same command again to resume.')
 
 
 def _save_on_interrupt(t: Trainer, step: int, start: int, train_state, data_state) -> None:
@@ -156,15 +198,56 @@ def _save_on_interrupt(t: Trainer, step: int, start: int, train_state, data_stat
 
 
 def save(t: Trainer, step: int, train_state, data_state: dict) -> None:
-  t.ckpt.save(step, train_state, {'data': data_state, 'data_setup': data_setup(t.cfg)})
+  """Starts a save (in the background with checkpoint.async_save). A failed save, this
+  one's start or the previous one's commit, goes to `_save_failed`."""
+  commit_pending(t)
+  try:
+    t.ckpt.save(step, train_state, {'data': data_state, 'data_setup': data_setup(t.cfg)})
+  except Exception as e:  # pylint: disable=broad-except
+    _save_failed(t, step, e)
+    return
+  t.pending_save = step
+  if not t.cfg.checkpoint.async_save:
+    commit_pending(t)
+
+
+def commit_pending(t: Trainer) -> None:
+  """Waits for the save in flight; 'saved' goes to events.jsonl once it is committed."""
+  step, t.pending_save = t.pending_save, None
+  try:
+    t.ckpt.wait()
+  except Exception as e:  # pylint: disable=broad-except
+    _save_failed(t, step, e)
+    return
+  if step is not None:
+    t.events('saved', step=step)
+
+
+def _save_failed(t: Trainer, step: int | None, error: Exception) -> None:
+  """One line on the console and in events.jsonl; stops the run if configured to."""
+  reason = ' '.join(f'{type(error).__name__}: {error}'.split())
+  if len(reason) > 800:   # the cause is at the end of orbax's and tensorstore's messages
+    reason = f'{reason[:300]} ... {reason[-500:]}'
+  message = f'checkpoint {step} could not be saved in {t.ckpt.directory} ({reason})'
+  t.events('save_failed', step=step, error=reason)
+  if t.cfg.checkpoint.on_save_error == 'stop':
+    raise resilience.SaveFailed(
+        f'{message}; stopped (checkpoint.on_save_error=stop). Older checkpoints are '
+        'intact: free space or fix the directory, then run the same command to resume.')
+  console.print(f'[yellow]warning: {message}; training goes on, the next save tries '
+                'again.[/]', highlight=False, soft_wrap=True)
 
 
 def _record(step, out, elapsed, tokens_per_step, flops_per_step, peak) -> dict:
   mfu = None
   if peak:
     mfu = flops_per_step / elapsed / (peak * jax.device_count())
+  skipped = None
+  if out['skipped']:
+    skipped = 'non-finite loss' if not np.isfinite(out['loss']) else 'non-finite gradients'
   return {'step': step, 'loss': out['loss'], 'grad_norm': out['grad_norm'], 'lr': out['lr'],
-          'tokens_per_sec': tokens_per_step / elapsed, 'step_time_s': elapsed, 'mfu': mfu}
+          'tokens_per_sec': tokens_per_step / elapsed, 'step_time_s': elapsed, 'mfu': mfu,
+          'skipped': skipped}
 
 
 def startup_line(t: Trainer, start: int) -> str:
@@ -192,16 +275,28 @@ def print_sample(t: Trainer, params) -> str:
 
 
 def train(cfg: config_lib.Config) -> list[dict]:
-  """Trains cfg.steps steps (resuming from cfg.workdir) and returns the per-step records."""
+  """Trains cfg.steps steps (resuming from cfg.workdir) and returns the per-step records.
+
+  Every way this ends leaves a line in workdir/events.jsonl; SIGTERM saves the last
+  finished step and raises resilience.Preempted.
+  """
   t = setup(cfg)
-  train_state, start = restore_or_init(t)
-  if t.is_main:
-    console.print(startup_line(t, start), markup=False, highlight=False)
-  train_state, history = run_loop(t, train_state, start)
+  t.events('started', steps=cfg.steps, processes=jax.process_count(),
+           devices=jax.device_count())
+  try:
+    with resilience.StopSignal() as stop:
+      train_state, start = restore_or_init(t)
+      if t.is_main:
+        console.print(startup_line(t, start), markup=False, highlight=False)
+      train_state, history = run_loop(t, train_state, start, stop)
+  except BaseException as e:
+    t.events.stopped(e, t.step)
+    raise
   if history and t.is_main:
     console.print(json.dumps({k: history[-1][k] for k in ('step', 'loss')}))
   if cfg.sample.num_tokens > 0:
     print_sample(t, train_state.params)
+  t.events('finished', step=t.step, newest_checkpoint=max(t.ckpt.steps(), default=None))
   t.ckpt.close()
   t.data_iter.close()
   return history
