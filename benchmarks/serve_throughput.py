@@ -86,19 +86,20 @@ def run_meshlm(path: str, shapes: Shapes, prompts, out_lens) -> dict:
   from serve.engine import Engine
   from serve.hf_llama import load_hf_model
   served = load_hf_model(path)
+  # No prefix caching: the one-at-a-time pass reruns the prompts and must not find them.
   cfg = ServeConfig(num_blocks=shapes.num_requests * 20, max_num_seqs=shapes.batch_size,
-                    max_num_batched_tokens=512, max_model_len=512)
+                    max_num_batched_tokens=512, max_model_len=512,
+                    enable_prefix_caching=False, warmup=True)
   with Engine(served, cfg) as engine:
-    engine.generate(prompts, _params(out_lens))          # compiles every bucket it meets
+    warm = engine.runner.num_compiles
     start = time.perf_counter()
     batched = engine.generate(prompts, _params(out_lens))
     cb_s = time.perf_counter() - start
-    for p, sp in zip(prompts, _params([2] * len(prompts))):   # one-row buckets
-      engine.generate([p], [sp])
     start = time.perf_counter()
     single = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, _params(out_lens))]
     one_s = time.perf_counter() - start
     compiles = engine.runner.num_compiles
+    assert compiles == warm, f'{compiles - warm} programs compiled after the warm-up'
   assert [len(r.token_ids) for r in batched] == out_lens
   return {'continuous_s': cb_s, 'one_at_a_time_s': one_s, 'compiles': compiles,
           'same_tokens': [r.token_ids for r in batched] == [r.token_ids for r in single],
@@ -116,14 +117,31 @@ def run_transformers(path: str, shapes: Shapes, prompts, out_lens) -> dict:
   batches = [range(i, min(i + shapes.batch_size, len(prompts)))
              for i in range(0, len(prompts), shapes.batch_size)]
   generate = lambda b: _hf_batch(hf, [prompts[i] for i in b], max(out_lens[i] for i in b))  # noqa
+  threads = _fastest_threads(hf, [prompts[i] for i in batches[0]])
   generate(batches[0])   # warm-up
   start = time.perf_counter()
   outputs = [generate(b) for b in batches]
   seconds = time.perf_counter() - start
   computed = sum(len(b) * max(out_lens[i] for i in b) for b in batches)
   rows = [row for out in outputs for row in out]
-  return {'static_s': seconds, 'computed_tokens': computed,
+  return {'static_s': seconds, 'computed_tokens': computed, 'torch_threads': threads,
           'tokens': [row[:n] for row, n in zip(rows, out_lens)]}
+
+
+def _fastest_threads(hf, prompts) -> int:
+  """Sets torch to the thread count (1 or all cores) that decodes a probe batch fastest:
+  on a loaded machine, torch's spinning worker threads can cost more than they give."""
+  import torch  # pylint: disable=import-outside-toplevel
+  times = {}
+  for threads in sorted({1, os.cpu_count() or 1}):
+    torch.set_num_threads(threads)
+    _hf_batch(hf, prompts, 4)
+    start = time.perf_counter()
+    _hf_batch(hf, prompts, 16)
+    times[threads] = time.perf_counter() - start
+  best = min(times, key=times.get)
+  torch.set_num_threads(best)
+  return best
 
 
 def _hf_batch(hf, prompts, num_tokens: int) -> list[list[int]]:
@@ -166,8 +184,8 @@ def benchmark(shapes: Shapes) -> dict:
                         'requests_equal_to_transformers': sum(
                             a == b for a, b in zip(meshlm['tokens'], peer['tokens']))},
       'load_average_1min': os.getloadavg()[0],   # the 2 cores are shared: context
-      'versions': {'transformers': transformers.__version__, 'torch': torch.__version__,
-                   'torch_threads': torch.get_num_threads()},
+      'versions': {'transformers': transformers.__version__, 'torch': torch.__version__},
+      'torch_threads': peer['torch_threads'],
   }
 
 
