@@ -82,16 +82,32 @@ def paged_attend(q, k_pages, v_pages, batch: PagedBatch, impl: str, plan):
   q_spec = spec((None, 'act_heads', None))
   kv_spec = spec((None, None, 'act_kv_heads', None))
   rep = jax.sharding.PartitionSpec()
-  return jax.shard_map(lambda q, k, v, *m: fn(q, k, v, *m), mesh=plan.mesh,
-                       in_specs=(q_spec, kv_spec, kv_spec) + (rep,) * 4, out_specs=q_spec,
-                       check_vma=False)(q, k_pages, v_pages, *meta)
+  return jax.shard_map(fn, mesh=plan.mesh, in_specs=(q_spec, kv_spec, kv_spec) + (rep,) * 4,
+                       out_specs=q_spec, check_vma=False)(q, k_pages, v_pages, *meta)
+
+
+def layer_pages(cache: KVCache, index, batch: PagedBatch, impl: str):
+  """Layer `index`'s K and V pages [P', page, Hkv, D], and the batch that indexes them.
+
+  XLA: every layer's pages as one pool [L * P, ...] (a free reshape of the carried
+  cache), this layer's at offset index * P, because slicing the layer out copies it,
+  every layer of every step (measured: temp memory of one layer's K and V). Pallas: the
+  slice, copy included: the kernel's page offsets are int32 arithmetic, which a pool of
+  all layers is likelier to overflow (not measured on GPU).
+  """
+  if impl == 'pallas':
+    return cache[0][index], cache[1][index], batch
+  pool = [c.reshape(-1, *c.shape[2:]) for c in cache]
+  offset = batch.page_indices + index * cache[0].shape[1]
+  return pool[0], pool[1], batch._replace(page_indices=offset)
 
 
 def paged_attention_layer(x, layer, index, cache, batch, inv_freq, impl, plan):
   """x [1, T, d] -> (attention output [1, T, d], cache with this layer's K/V written)."""
   q, k, v = project_qkv(x, layer, batch.positions[None], inv_freq, plan)
   cache = write_kv(cache, index, k[0], v[0], batch.slots)
-  out = paged_attend(q[0], cache[0][index], cache[1][index], batch, impl, plan)
+  k_pages, v_pages, batch = layer_pages(cache, index, batch, impl)
+  out = paged_attend(q[0], k_pages, v_pages, batch, impl, plan)
   return output_projection(out[None], layer), cache
 
 

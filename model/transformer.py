@@ -1,8 +1,10 @@
 """A Llama-family decoder, written once with logical axis names.
 
 Reads top-down: parameters (declared abstractly) -> rope, norm -> attention, mlp ->
-block -> forward -> loss. Einsum letters: b batch, t/s query/key positions, d embed,
-h query heads, k kv heads, g query heads per kv head, e head dim, f mlp, v vocab.
+block -> forward -> loss. The serving forward (model/paged.py) runs the same project_qkv,
+residual_block and mlp with K/V in a paged cache. Einsum letters: b batch, t/s query/key
+positions, d embed, h query heads, k kv heads, g query heads per kv head, e head dim,
+f mlp, v vocab.
 """
 
 import dataclasses

@@ -110,70 +110,132 @@ def _token_layout(t, kv_lens, cu_q_lens, num_seqs):
 
 # ------------------------------------------------------------------------ XLA (serving)
 
+_XLA_WINDOW = 32   # query rows per work item of the by-sequence path
+
+
 def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                        sm_scale=None, block_k=None):
+                        sm_scale=None, block_k=None, window=None):
   """Ragged paged attention in plain jnp for serving without the kernel (CPU default).
 
-  Flash-style over key blocks: iteration j gathers, for every query row, block j of its
-  own sequence's pages ([T, block_k, Hkv, D]) and folds it into an online softmax. The
-  loop runs to the longest live sequence's last block (a dynamic trip count), so working
-  memory is O(T * block_k) whatever the context length, and the FLOPs are those of the
-  live keys (rounded up to a block) only; the reference's O(T * max_context) gather
-  never exists. What it does not do, unlike the kernel, is share a page block among the
-  query rows of one prefill chunk: each row gathers its own copy (bytes moved per step
-  T * context * Hkv * D, below the attention FLOPs by a factor of 4 * Hq / Hkv).
-  Same arguments and output as `paged_attention`; padding rows give exactly 0.
+  Flash-style (online softmax over key blocks of `block_k` tokens), so no step ever
+  holds a row's whole context, by one of two paths chosen at run time (lax.cond, one
+  program):
+  - decode-only steps (every q_len 1), by row: each key block is gathered for all rows
+    at once ([T, block_k, Hkv, D]), the loop running to the longest live context.
+  - steps with a prefill chunk, by sequence: for each live sequence, for each window of
+    `window` of its query rows, each key block is gathered once and shared by the
+    window's rows ([window, Hq] x [block_k] scores). A gather per row would copy a
+    chunk's keys once per row (measured 20x slower than the dense forward on CPU).
+  Working memory: O(T * block_k) and O(window * block_k) (plus q and out); FLOPs: the
+  live keys, rounded up to a block (and a decode row sharing a mixed step is padded to
+  a window). Same arguments and output as `paged_attention`; padding rows give 0.
   """
   _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
-  t, hq, d = q.shape
-  _, page_size, hkv, _ = k_pages.shape
-  pages_per_seq = page_indices.shape[1]
-  ppb = max(1, min((block_k or _BLOCK_K_TOKENS) // page_size, pages_per_seq))
-  scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+  page_size = k_pages.shape[1]
+  ppb = max(1, min((block_k or _BLOCK_K_TOKENS) // page_size, page_indices.shape[1]))
+  scale = 1.0 / math.sqrt(q.shape[2]) if sm_scale is None else sm_scale
   kv_lens, cu_q_lens, page_indices = (
       jnp.asarray(x, jnp.int32) for x in (kv_lens, cu_q_lens, page_indices))
+  num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
+  # Whole blocks of table slots; slots past a sequence's pages read page 0 (masked).
+  table = jnp.pad(page_indices, ((0, 0), (0, -page_indices.shape[1] % ppb)))
+  args = (q, (k_pages, v_pages), kv_lens, table, cu_q_lens, num_seqs)
+  by_row = functools.partial(_xla_by_row, ppb=ppb, scale=scale)
+  by_seq = functools.partial(_xla_by_sequence, ppb=ppb, scale=scale,
+                             window=min(window or _XLA_WINDOW, q.shape[0]))
+  out = lax.cond(cu_q_lens[num_seqs] == num_seqs, by_row, by_seq, *args)
+  return out.astype(q.dtype)
+
+
+def _xla_by_row(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale):
+  t, hq, d = q.shape
+  hkv = pages[0].shape[2]
   seq, pos, live = _token_layout(t, kv_lens, cu_q_lens, num_seqs)
-  # The table padded to whole blocks; slots past a sequence's pages read page 0 (masked).
-  table = jnp.pad(page_indices, ((0, 0), (0, -pages_per_seq % ppb)))[seq]   # [T, pages]
   row_len = jnp.where(live, kv_lens[seq], 0)
-  qg = q.reshape(t, hkv, hq // hkv, d)
-  step = functools.partial(_xla_key_block, qg=qg, pages=(k_pages, v_pages), table=table,
-                           pos=pos, row_len=row_len, ppb=ppb, scale=scale)
-  carry = (jnp.full((t, hkv, hq // hkv), _MASK_VALUE, jnp.float32),
-           jnp.zeros((t, hkv, hq // hkv), jnp.float32),
-           jnp.zeros((t, hkv, hq // hkv, d), jnp.float32))
-  num_blocks = pl.cdiv(jnp.max(row_len), ppb * page_size)
-  _, l, acc = lax.fori_loop(0, num_blocks, step, carry)
+  step = functools.partial(_xla_row_block, qg=q.reshape(t, hkv, hq // hkv, d), pages=pages,
+                           table=table[seq], pos=pos, row_len=row_len, ppb=ppb, scale=scale)
+  num_blocks = pl.cdiv(jnp.max(row_len), ppb * pages[0].shape[1])
+  _, l, acc = lax.fori_loop(0, num_blocks, step, _softmax_init((t, hkv, hq // hkv), d))
   out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(t, hq, d)
-  return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
+  return jnp.where(live[:, None, None], out, 0)
 
 
-def _xla_key_block(j, carry, *, qg, pages, table, pos, row_len, ppb, scale):
-  """Online-softmax step over key block j of every row's sequence."""
-  m_prev, l_prev, acc_prev = carry
+def _xla_row_block(j, carry, *, qg, pages, table, pos, row_len, ppb, scale):
+  """Key block j of every row's own sequence: k, v [T, block_k, Hkv, D]."""
   t = qg.shape[0]
-  k_pages, v_pages = pages
-  page_size = k_pages.shape[1]
-  block_k = ppb * page_size
-  ids = lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=1)               # [T, ppb]
+  block_k = ppb * pages[0].shape[1]
   k_pos = j * block_k + jnp.arange(block_k)
   k_ok = k_pos[None, :] < row_len[:, None]                                  # [T, block_k]
-  ids = jnp.where(k_ok.reshape(t, ppb, page_size)[:, :, 0], ids, 0)
-  gather = lambda p: p[ids].reshape(t, block_k, *p.shape[2:])   # [T, block_k, Hkv, D]
-  # Junk past a sequence's end may be NaN; 0 * NaN would poison p @ v.
-  k = jnp.where(k_ok[..., None, None], gather(k_pages), 0)
-  v = jnp.where(k_ok[..., None, None], gather(v_pages), 0)
-  hi = lax.Precision.HIGHEST if qg.dtype == jnp.float32 else None
-  scores = jnp.einsum('tkgd,tskd->tkgs', qg, k, precision=hi,
-                      preferred_element_type=jnp.float32) * scale
+  ids = lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=1)               # [T, ppb]
+  ids = jnp.where(k_ok.reshape(t, ppb, -1)[:, :, 0], ids, 0)
+  k, v = (p[ids].reshape(t, block_k, *p.shape[2:]) for p in pages)
+  # Junk past a sequence's end may be NaN, and 0 * NaN would poison p @ v.
+  v = jnp.where(k_ok[..., None, None], v, 0)
   visible = (k_ok & (k_pos[None, :] <= pos[:, None]))[:, None, None]       # [T,1,1,bk]
+  return _softmax_step(carry, qg, k, v, visible, scale, 'tkgd,tskd->tkgs', 'tkgs,tskd->tkgd')
+
+
+def _xla_by_sequence(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale, window):
+  """fori over live sequences, then over windows of their query rows."""
+  t, hq, d = q.shape
+  hkv = pages[0].shape[2]
+  q = jnp.pad(q, ((0, window), (0, 0), (0, 0)))   # a sequence's last window may run past T
+  block_k = ppb * pages[0].shape[1]
+
+  def one_window(w, out, s):
+    q_start, q_len, kv_len = cu_q_lens[s], cu_q_lens[s + 1] - cu_q_lens[s], kv_lens[s]
+    r0 = q_start + w * window
+    rows = w * window + jnp.arange(window)
+    qw = lax.dynamic_slice_in_dim(q, r0, window).reshape(window, hkv, hq // hkv, d)
+    step = functools.partial(_xla_seq_block, qw=qw, pages=pages, row=table[s],
+                             q_pos=kv_len - q_len + rows, kv_len=kv_len, ppb=ppb, scale=scale)
+    # Causal: keys up to the window's last live row.
+    keys = kv_len - q_len + jnp.minimum((w + 1) * window, q_len)
+    _, l, acc = lax.fori_loop(0, pl.cdiv(keys, block_k), step,
+                              _softmax_init((window, hkv, hq // hkv), d))
+    new = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(window, hq, d)
+    old = lax.dynamic_slice_in_dim(out, r0, window)
+    # Rows past q_len belong to the next sequence (or are padding): keep them.
+    new = jnp.where((rows < q_len)[:, None, None], new, old)
+    return lax.dynamic_update_slice_in_dim(out, new, r0, axis=0)
+
+  def one_sequence(s, out):
+    q_len = cu_q_lens[s + 1] - cu_q_lens[s]
+    return lax.fori_loop(0, pl.cdiv(q_len, window),
+                         functools.partial(one_window, s=s), out)
+
+  out = lax.fori_loop(0, num_seqs, one_sequence, jnp.zeros((t + window, hq, d), jnp.float32))
+  return out[:t]
+
+
+def _xla_seq_block(j, carry, *, qw, pages, row, q_pos, kv_len, ppb, scale):
+  """Key block j of one sequence, shared by a window of its rows: k, v [block_k, Hkv, D]."""
+  block_k = ppb * pages[0].shape[1]
+  k_pos = j * block_k + jnp.arange(block_k)
+  k_ok = k_pos < kv_len
+  ids = jnp.where(k_ok.reshape(ppb, -1)[:, 0], lax.dynamic_slice_in_dim(row, j * ppb, ppb), 0)
+  k, v = (p[ids].reshape(block_k, *p.shape[2:]) for p in pages)
+  v = jnp.where(k_ok[:, None, None], v, 0)   # junk past the end may be NaN
+  visible = (k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]))[:, None, None]
+  return _softmax_step(carry, qw, k, v, visible, scale, 'qkgd,skd->qkgs', 'qkgs,skd->qkgd')
+
+
+def _softmax_init(rows_shape, d):
+  return (jnp.full(rows_shape, _MASK_VALUE, jnp.float32), jnp.zeros(rows_shape, jnp.float32),
+          jnp.zeros((*rows_shape, d), jnp.float32))
+
+
+def _softmax_step(carry, q, k, v, visible, scale, qk, pv):
+  """One online-softmax update; q [..., Hkv, G, D], scores [..., Hkv, G, block_k]."""
+  m_prev, l_prev, acc_prev = carry
+  hi = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  scores = jnp.einsum(qk, q, k, precision=hi, preferred_element_type=jnp.float32) * scale
   scores = jnp.where(visible, scores, _MASK_VALUE)
   m = jnp.maximum(m_prev, scores.max(axis=-1))
   p = jnp.where(visible, jnp.exp(scores - m[..., None]), 0.0)
   alpha = jnp.exp(m_prev - m)
-  pv = jnp.einsum('tkgs,tskd->tkgd', p.astype(v.dtype), v, precision=hi,
-                  preferred_element_type=jnp.float32)
-  return m, alpha * l_prev + p.sum(axis=-1), alpha[..., None] * acc_prev + pv
+  out = jnp.einsum(pv, p.astype(v.dtype), v, precision=hi, preferred_element_type=jnp.float32)
+  return m, alpha * l_prev + p.sum(axis=-1), alpha[..., None] * acc_prev + out
 
 
 # --------------------------------------------------------------------------------- kernel

@@ -20,7 +20,8 @@ import numpy as np
 from model.config import ModelConfig
 
 
-def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, tensor_parallel: int = 1) -> int:
+def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int,
+                       tensor_parallel: int = 1) -> int:
   """Bytes of one block's K and V over all layers (on one device of `tensor_parallel`)."""
   kv_heads = model_cfg.num_kv_heads // tensor_parallel
   per_token = 2 * model_cfg.num_layers * kv_heads * model_cfg.resolved_head_dim

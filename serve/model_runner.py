@@ -1,12 +1,14 @@
 """ModelRunner: one jitted ragged step over a scheduler's output, the KV cache in place.
 
 The scheduler's chunks (decode tokens and prefill chunks, mixed) become one flat batch
-(model.paged.PagedBatch) padded to bucketed sizes: the token count to a power of two
-(at least MIN_TOKEN_BUCKET, at most max_num_batched_tokens) and the sequence count to a
-power of two up to max_num_seqs. A long run therefore compiles at most
-log2(tokens) x log2(seqs) programs, not one per step. The cache is donated to the step,
-so its buffers are reused in place; only the sampled chunks' last rows reach the
-vocabulary projection.
+(model.paged.PagedBatch) padded to bucketed sizes: the token count T to a power of two
+(at least MIN_TOKEN_BUCKET, at most max_num_batched_tokens), and the sequence slots to
+min(T, max_num_seqs), enough for any step of T tokens. So the sequence bucket follows
+the token bucket and a long run compiles one program per token bucket (8, 16, ..., 512:
+7 for the defaults), not one per step. Dead sequence slots cost nothing that grows with
+the context: the XLA attention never loops over them and the kernel's programs for them
+exit at once. The cache is donated to the step, so its buffers are reused in place;
+only the sampled chunks' last rows reach the vocabulary projection.
 """
 
 import dataclasses
@@ -18,11 +20,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from model import paged
 from model.config import ModelConfig
-from model.transformer import logical_axes
-from sharding.rules import REPLICATED, ShardingPlan, activation_rules
+from model.transformer import abstract_params, logical_axes
+from sharding.rules import REPLICATED, ShardingPlan, activation_rules, check_divisible
 
 ATTENTION = ('xla', 'pallas')
 MIN_TOKEN_BUCKET = 8
+_FIELD_OF_AXIS = {'vocab': 'model.vocab_size', 'heads': 'model.num_heads',
+                  'kv_heads': 'model.num_kv_heads', 'mlp': 'model.mlp_dim'}
 
 
 @dataclasses.dataclass
@@ -61,8 +65,9 @@ def token_buckets(cfg: RunnerConfig) -> list[int]:
   return _powers_of_two(MIN_TOKEN_BUCKET, cfg.max_num_batched_tokens)
 
 
-def seq_buckets(cfg: RunnerConfig) -> list[int]:
-  return _powers_of_two(1, cfg.max_num_seqs)
+def seq_bucket(cfg: RunnerConfig, token_bucket: int) -> int:
+  """Sequence slots of a step with `token_bucket` tokens: each chunk has a token."""
+  return min(token_bucket, cfg.max_num_seqs)
 
 
 def _powers_of_two(lo: int, cap: int) -> list[int]:
@@ -96,21 +101,24 @@ class ModelRunner:
     self.model_cfg, self.cfg = model_cfg, runner_cfg
     self.plan = serving_plan(mesh)
     self.impl = runner_cfg.resolved_attention
-    self._tokens, self._seqs = token_buckets(runner_cfg), seq_buckets(runner_cfg)
-    cache_sharding = None
-    if self.plan is None:
-      params = jax.device_put(params)
-    else:
-      param_shardings = self.plan.tree(self.plan.params, logical_axes(model_cfg))
-      params = jax.device_put(params, param_shardings)
-      cache_sharding = self.plan.sharding(self.plan.params, paged.KV_CACHE_AXES)
-    self.params = params
+    self._tokens = token_buckets(runner_cfg)
+    self.params, cache_sharding = self._place(params)
     self.cache = paged.init_kv_cache(model_cfg, runner_cfg.num_blocks,
                                      runner_cfg.block_size, cache_sharding)
     out_sh = None
     if self.plan is not None:   # logits gathered whole for the sampler
       out_sh = (NamedSharding(mesh, PartitionSpec()), (cache_sharding,) * 2)
     self._step = jax.jit(self._run, donate_argnums=(1,), out_shardings=out_sh)
+
+  def _place(self, params):
+    """Parameters on the device(s), and the cache's sharding (None: one device)."""
+    if self.plan is None:
+      return jax.device_put(params), None
+    axes = logical_axes(self.model_cfg)
+    check_divisible(self.plan, self.plan.params, abstract_params(self.model_cfg), axes,
+                    _FIELD_OF_AXIS)
+    params = jax.device_put(params, self.plan.tree(self.plan.params, axes))
+    return params, self.plan.sharding(self.plan.params, paged.KV_CACHE_AXES)
 
   def _run(self, params, cache, batch):
     return paged.sampled_logits(params, cache, batch, self.model_cfg, impl=self.impl,
@@ -119,6 +127,14 @@ class ModelRunner:
   @property
   def num_compiles(self) -> int:
     return self._step._cache_size()
+
+  def warmup(self) -> None:
+    """Compiles every token bucket's program now (a step of padding only, which writes
+    nothing), so no request waits for a compile later."""
+    for t in self._tokens:
+      batch = _empty_batch(t, seq_bucket(self.cfg, t), self.cfg)
+      batch = paged.PagedBatch(**{k: jnp.asarray(v) for k, v in batch.items()})
+      _, self.cache = self._step(self.params, self.cache, batch)
 
   def execute(self, out) -> jax.Array:
     """float32 logits [chunks with sample=True, vocab] in chunk order; the step's K/V
@@ -136,7 +152,8 @@ class ModelRunner:
     cfg = self.cfg
     num_tokens = sum(len(c.token_ids) for c in chunks)
     self._check_sizes(len(chunks), num_tokens)
-    t, s = _bucket(num_tokens, self._tokens), _bucket(len(chunks), self._seqs)
+    t = _bucket(num_tokens, self._tokens)
+    s = seq_bucket(cfg, t)
     a = _empty_batch(t, s, cfg)
     row, sampled = 0, 0
     for i, c in enumerate(chunks):
