@@ -14,6 +14,12 @@ Stop strings: text that could still become a stop string is held back; when one 
 the text before it (with it, if include_stop) is the last piece. The stop that completes
 first wins (the longest, if several end at the same character), so the result does not
 depend on how the text was split into tokens.
+
+The pieces (and `text`, their concatenation) equal the full decode of the output cut at
+the stop, with one exception: a byte-fallback decoder (Llama-2, Mistral) turns a run of
+byte tokens that is not valid UTF-8 into one U+FFFD per byte, so a bad byte can rewrite
+text already shown. Final texts should therefore be `text`, so a stream and a
+non-streamed answer always agree.
 """
 
 PROMPT_CONTEXT = 5      # prompt tokens decoded ahead of the output (vLLM uses 5 too)

@@ -2,7 +2,7 @@
 
 Per-row settings travel as arrays, so one program serves any mix of greedy, temperature,
 top-k, top-p and min-p rows; programs differ only by the row bucket (a power of two), by
-`mode` (all greedy / no sort needed / sort) and by whether any row wants top logprobs.
+which filters some row uses and by whether any row wants top logprobs.
 
 Filters apply in the order Hugging Face applies them: temperature, top-k, top-p (on the
 top-k survivors, renormalised), min-p (relative to the most likely token, so it commutes
@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from serve.sampling_params import GREEDY_BELOW, MAX_LOGPROBS, SamplingParams
+
+FEW_TOP_K = 256     # top-k up to this many works on lax.top_k's candidates, not a bisection
 
 
 @dataclasses.dataclass
@@ -54,11 +56,13 @@ def sample(logits: jax.Array, params: list[SamplingParams], steps: list[int], vo
     raise ValueError(f'sample: logits have {logits.shape[1]} columns, fewer than the '
                      f'vocabulary ({vocab_size}); pass the tokenizer vocab_size')
   rows = _bucket(n)
-  rows_args = _row_arrays(params, steps, rng or np.random.default_rng(), rows)
+  row_args = _row_arrays(params, steps, rng or np.random.default_rng(), rows, vocab_size)
   logits = jnp.asarray(logits)
   padded = jnp.pad(logits, ((0, rows - n), (0, 0))) if rows > n else logits
   want_top = any(p.logprobs for p in params)
-  out = _sample_rows(padded, *rows_args, vocab_size=vocab_size, mode=_mode(params),
+  out = _sample_rows(padded, *row_args, vocab_size=vocab_size,
+                     filters=_filters(params, vocab_size),
+                     logprobs=any(p.logprobs is not None for p in params),
                      top_n=min(MAX_LOGPROBS, vocab_size) if want_top else 0)
   return _result(params, jax.device_get(out), n)
 
@@ -67,11 +71,20 @@ def _bucket(n: int) -> int:
   return 1 << max(0, n - 1).bit_length()
 
 
-def _mode(params: list[SamplingParams]) -> str:
+def _filters(params: list[SamplingParams], vocab_size: int) -> tuple[int, bool] | None:
+  """The static part of the program: None if all rows are greedy, else (top_k_cap, top_p)
+  as filtered_logprobs takes them, from the rows that sample."""
   sampled = [p for p in params if not p.greedy]
   if not sampled:
-    return 'greedy'
-  return 'sort' if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else 'plain'
+    return None
+  ks = [p.top_k for p in sampled]
+  if not any(k > 0 for k in ks):
+    cap = 0
+  elif all(0 < k <= FEW_TOP_K for k in ks):
+    cap = min(_bucket(max(ks)), vocab_size)
+  else:
+    cap = -1
+  return cap, any(p.top_p < 1.0 for p in sampled)
 
 
 def _key_data(seed: int) -> tuple[int, int]:
@@ -80,73 +93,143 @@ def _key_data(seed: int) -> tuple[int, int]:
   return seed >> 32, seed & 0xFFFFFFFF
 
 
-def _row_arrays(params, steps, rng, rows):
+def _row_arrays(params, steps, rng, rows, vocab_size):
   """Per-row settings as arrays of `rows` entries; padding rows are greedy and unseeded."""
   pad = rows - len(params)
-  column = lambda values, fill, dtype: np.asarray(list(values) + [fill] * pad, dtype)  # noqa
+
+  def column(values, fill, dtype):
+    return np.asarray(list(values) + [fill] * pad, dtype)
+
   seeds = [p.seed if p.seed is not None else int(rng.integers(1 << 63)) for p in params]
   keys = np.asarray([_key_data(s) for s in seeds] + [(0, 0)] * pad, np.uint32)
   return (column((p.temperature for p in params), 0.0, np.float32),
-          column((p.top_k for p in params), 0, np.int32),
+          column((min(max(p.top_k, 0), vocab_size) for p in params), 0, np.int32),
           column((p.top_p for p in params), 1.0, np.float32),
           column((p.min_p for p in params), 0.0, np.float32),
           keys, column(steps, 0, np.int32))
 
 
-@functools.partial(jax.jit, static_argnames=('vocab_size', 'mode', 'top_n'))
+@functools.partial(jax.jit, static_argnames=('vocab_size', 'filters', 'logprobs', 'top_n'))
 def _sample_rows(logits, temperature, top_k, top_p, min_p, key_data, steps, *,
-                 vocab_size, mode, top_n):
+                 vocab_size, filters, logprobs, top_n):
   logits = logits[:, :vocab_size].astype(jnp.float32)
-  raw = jax.nn.log_softmax(logits, axis=-1)
   token = jnp.argmax(logits, axis=-1)
-  if mode != 'greedy':
-    filtered = filtered_logprobs(logits, temperature, top_k, top_p, min_p, sort=mode == 'sort')
-    keys = jax.vmap(_row_key)(key_data, steps)
-    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
+  if filters is not None:
+    filtered = filtered_logprobs(logits, temperature, top_k, top_p, min_p, *filters)
+    drawn = _draw(jax.vmap(_row_key)(key_data, steps), filtered)
     token = jnp.where(temperature < GREEDY_BELOW, token, drawn)
-  token_logprob = jnp.take_along_axis(raw, token[:, None], axis=1)[:, 0]
-  top = jax.lax.top_k(raw, top_n) if top_n else None
-  return token.astype(jnp.int32), token_logprob, top
+  token = token.astype(jnp.int32)
+  if not logprobs:
+    return token, None, None
+  log_total = jax.nn.logsumexp(logits, axis=-1)
+  token_logprob = jnp.take_along_axis(logits, token[:, None], axis=1)[:, 0] - log_total
+  if not top_n:
+    return token, token_logprob, None
+  values, ids = jax.lax.top_k(logits, top_n)
+  return token, token_logprob, (values - log_total[:, None], ids)
 
 
 def _row_key(key_data, step):
   return jax.random.fold_in(jax.random.wrap_key_data(key_data, impl='threefry2x32'), step)
 
 
-def filtered_logprobs(logits, temperature, top_k, top_p, min_p, sort=True):
+def _draw(keys, logprobs):
+  """Inverse-CDF sampling with one uniform per row (a Gumbel per token costs 5x on CPU).
+
+  u is in (0, 1], so a token of probability 0 (filtered out, or padding) is never chosen.
+  """
+  cdf = jnp.cumsum(jnp.exp(logprobs), axis=-1)
+  u = 1.0 - jax.vmap(jax.random.uniform)(keys)
+  return jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
+
+
+def filtered_logprobs(logits, temperature, top_k, top_p, min_p, top_k_cap=-1, use_top_p=True):
   """log p of the distribution rows are sampled from: -inf outside the kept tokens.
 
-  logits [N, V]; the rest [N]. sort=False skips top-k and top-p (callers pass it only when
-  every row has them off). Greedy rows (temperature ~0) come back at temperature 1.
+  logits [N, V]; the rest [N]. Greedy rows (temperature ~0) come back at temperature 1.
+  The static arguments only pick the cheapest exact program for the rows at hand:
+  top_k_cap -1: any k; 0: no row uses top-k; K > 0: every row's k is in 1..K (top-k and
+  top-p then look at the K largest logits only). use_top_p=False: no row uses top-p.
   """
   temperature = jnp.where(temperature < GREEDY_BELOW, 1.0, temperature)
   scaled = logits / temperature[:, None]
   # min-p: p_i >= min_p * p_max, in a form that needs no normalisation.
   keep = jnp.exp(scaled - scaled.max(axis=-1, keepdims=True)) >= min_p[:, None]
-  if sort:
-    keep &= scaled >= _top_k_top_p_cutoff(scaled, top_k, top_p)[:, None]
+  if top_k_cap > 0:
+    keep &= _in_few_top_k_top_p(scaled, top_k, top_p, top_k_cap, use_top_p)
+  elif top_k_cap < 0 or use_top_p:
+    in_top_k = _in_top_k(scaled, top_k) if top_k_cap < 0 else jnp.ones_like(keep)
+    if use_top_p:
+      in_top_k &= _in_top_p(jax.nn.softmax(jnp.where(in_top_k, scaled, -jnp.inf), axis=-1),
+                            top_p)
+    keep &= in_top_k
   return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
 
 
-def _top_k_top_p_cutoff(scaled, top_k, top_p):
-  """Per row, the smallest logit top-k and then top-p keep (kept sets are sorted prefixes)."""
-  desc = -jnp.sort(-scaled, axis=-1)
-  vocab = scaled.shape[-1]
-  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-  in_top_k = desc >= jnp.take_along_axis(desc, (k - 1)[:, None], axis=1)
-  probs = jax.nn.softmax(jnp.where(in_top_k, desc, -jnp.inf), axis=-1)
-  mass_before = jnp.cumsum(probs, axis=-1) - probs
-  # top_p == 1 must keep everything even where float32 cumsums pass 1.0 early.
-  in_top_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-  return jnp.min(jnp.where(in_top_k & in_top_p, desc, jnp.inf), axis=-1)
+def _in_few_top_k_top_p(scaled, top_k, top_p, cap, use_top_p):
+  """Top-k, then top-p, when every k is <= cap: both from the cap largest logits, sorted."""
+  values = jax.lax.top_k(scaled, cap)[0]                              # [N, cap] descending
+  k = jnp.clip(jnp.where(top_k > 0, top_k, cap), 1, cap)
+  kth = jnp.take_along_axis(values, (k - 1)[:, None], axis=1)
+  in_top_k = scaled >= kth
+  if not use_top_p:
+    return in_top_k
+  # normalised over the whole top-k set: ties with the k-th may lie beyond the cap
+  log_total = jax.nn.logsumexp(jnp.where(in_top_k, scaled, -jnp.inf), axis=-1, keepdims=True)
+  probs = jnp.where(values >= kth, jnp.exp(values - log_total), 0.0)
+  needed = (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]) & (values >= kth)
+  cut = jnp.min(jnp.where(needed, values, jnp.inf), axis=-1, keepdims=True)
+  return in_top_k & ((scaled >= cut) | (top_p[:, None] >= 1.0))
+
+
+# Otherwise top-k and top-p keep every token at least as likely as a per-row threshold
+# found by bisection over the float32 bit patterns (32 masked reductions per row, exact):
+# a sort of the vocabulary costs 30x more on CPU at 32k tokens.
+
+def _in_top_k(scaled, top_k):
+  """Tokens whose logit is >= the k-th largest (ties at it kept); k <= 0 keeps all."""
+  keys = _order_key(scaled)
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, scaled.shape[-1]), scaled.shape[-1])
+  kth = _largest_passing(keys.min(axis=-1), keys.max(axis=-1) + 1,
+                         lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k)
+  return keys >= kth[:, None]
+
+
+def _in_top_p(probs, top_p):
+  """The most likely tokens whose mass first reaches top_p (ties at the last one kept)."""
+  bits = jax.lax.bitcast_convert_type(probs, jnp.int32)   # monotone for p >= 0
+
+  def reaches_top_p(t):
+    return jnp.sum(jnp.where(bits >= t[:, None], probs, 0.0), axis=-1) >= top_p
+
+  cut = _largest_passing(jnp.zeros_like(top_p, jnp.int32), bits.max(axis=-1) + 1,
+                         reaches_top_p)
+  # top_p == 1 keeps everything, also where a float32 sum falls short of 1.0.
+  return (bits >= cut[:, None]) | (top_p[:, None] >= 1.0)
+
+
+def _order_key(x):
+  """int32 keys ordered as the float32 values are (negative floats' bits reversed)."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+  return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _largest_passing(lo, hi, passes):
+  """Per row, the largest int32 t in [lo, hi) with passes(t); lo passes, hi does not,
+  and passes is true below some point and false above it."""
+  def halve(_, bounds):
+    lo, hi = bounds
+    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)     # floor((lo + hi) / 2) without overflow
+    ok = passes(mid)
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+  return jax.lax.fori_loop(0, 32, halve, (lo, hi))[0]
 
 
 def _result(params, out, n) -> SampleResult:
   token, token_logprob, top = out
-  asked = any(p.logprobs is not None for p in params)
   tops = [_top_pairs(top, i, p.logprobs) for i, p in enumerate(params)]
-  return SampleResult(np.asarray(token[:n]), np.asarray(token_logprob[:n]) if asked else None,
-                      tops)
+  return SampleResult(np.asarray(token[:n]),
+                      None if token_logprob is None else np.asarray(token_logprob[:n]), tops)
 
 
 def _top_pairs(top, row, count):

@@ -2,7 +2,8 @@
 
 Ranges follow the OpenAI API where it defines one (temperature 0..2, top_p in (0, 1],
 logprobs 0..20) and vLLM's extensions otherwise (top_k, -1 or 0 for off; min_p in [0, 1];
-stop_token_ids; ignore_eos). Errors are `SamplingParamsError`, a ValueError whose `param`
+stop_token_ids; ignore_eos). Logprobs are the model's own ("raw": before temperature and
+filters, as vLLM reports by default). A seed is any integer (used modulo 2**64). Errors are `SamplingParamsError`, a ValueError whose `param`
 is the OpenAI field name, so the server can put it in the error body.
 """
 
@@ -119,7 +120,10 @@ def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
   if not isinstance(body, dict):
     raise SamplingParamsError('body', f'must be a JSON object, got {type(body).__name__}')
   _refuse_unsupported(body)
-  get = lambda name, default: default if body.get(name) is None else body[name]  # noqa
+
+  def get(name, default):      # JSON null means "the default", as OpenAI reads it
+    return default if body.get(name) is None else body[name]
+
   top_k = get('top_k', 0)
   params = SamplingParams(
       max_tokens=_max_tokens(body, chat, default_max_tokens),
