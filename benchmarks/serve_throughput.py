@@ -36,11 +36,14 @@ class Shapes:
   input_len: tuple[int, int] = (16, 128)
   output_len: tuple[int, int] = (8, 96)
   batch_size: int = 16            # transformers' static batch = meshlm's max_num_seqs
+  max_batched_tokens: int = 512   # meshlm's token budget per step
+  max_model_len: int = 512
   seed: int = 0
 
 
 SMOKE = Shapes(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=300,
-               num_requests=6, input_len=(4, 20), output_len=(2, 10), batch_size=4)
+               num_requests=6, input_len=(4, 20), output_len=(2, 10), batch_size=4,
+               max_batched_tokens=32, max_model_len=64)
 
 
 def build_hf_model(shapes: Shapes, path: str) -> None:
@@ -52,7 +55,7 @@ def build_hf_model(shapes: Shapes, path: str) -> None:
   config = transformers.LlamaConfig(
       vocab_size=shapes.vocab, hidden_size=shapes.hidden, intermediate_size=shapes.intermediate,
       num_hidden_layers=shapes.layers, num_attention_heads=shapes.heads,
-      num_key_value_heads=shapes.kv_heads, max_position_embeddings=512,
+      num_key_value_heads=shapes.kv_heads, max_position_embeddings=shapes.max_model_len,
       bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
       initializer_range=0.2)   # sharp logits: greedy ties cannot blur the agreement check
   transformers.LlamaForCausalLM(config).save_pretrained(path)
@@ -88,7 +91,8 @@ def run_meshlm(path: str, shapes: Shapes, prompts, out_lens) -> dict:
   served = load_hf_model(path)
   # No prefix caching: the one-at-a-time pass reruns the prompts and must not find them.
   cfg = ServeConfig(num_blocks=shapes.num_requests * 20, max_num_seqs=shapes.batch_size,
-                    max_num_batched_tokens=512, max_model_len=512,
+                    max_num_batched_tokens=shapes.max_batched_tokens,
+                    max_model_len=shapes.max_model_len,
                     enable_prefix_caching=False, warmup=True)
   with Engine(served, cfg) as engine:
     warm = engine.runner.num_compiles

@@ -30,7 +30,7 @@ from serve import kv_cache, sampler
 from serve.config import ServeConfig
 from serve.detokenizer import IncrementalDetokenizer
 from serve.kv_cache_manager import KVCacheManager
-from serve.model_runner import ModelRunner, RunnerConfig, seq_buckets, token_buckets
+from serve.model_runner import ModelRunner, RunnerConfig, seq_bucket, token_buckets
 from serve.request import Request, RequestStatus
 from serve.sampling_params import SamplingParams
 from serve.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
@@ -311,26 +311,25 @@ class Engine:
                           enable_caching=self.cfg.enable_prefix_caching)
 
   def _warmup(self) -> None:
-    """Compiles the runner for every (token, sequence) bucket and the sampler for every
-    row count and mode, before the loop starts, so no request waits on a compile."""
+    """Compiles the runner for every token bucket and the sampler for every row count and
+    mode, before the loop starts, so no request waits on a compile."""
     start, cfg = time.perf_counter(), self.runner.cfg
     logits = {}   # per sequence bucket: [bucket, V] as the runner lays them out
-    for s in seq_buckets(cfg):
-      for t in token_buckets(cfg):
-        if s <= t <= s * self.max_model_len:
-          logits[s] = self.runner.execute(_warmup_step(s, t, cfg.block_size))
+    for t in token_buckets(cfg):
+      s = seq_bucket(cfg, t)
+      logits[s] = self.runner.execute(_warmup_step(s, t, cfg.block_size))
     self._warmup_sampler(logits)
     print(f'Warm-up: {self.runner.num_compiles} step programs compiled in '
           f'{time.perf_counter() - start:.1f}s.', flush=True)
 
   def _warmup_sampler(self, logits: dict) -> None:
     # The runner's logits are [bucket, V] cut to the n sampled rows outside jit, and the
-    # sampler pads them back: both small ops compile once per n (and per sharding).
+    # sampler pads them back: both small ops compile once per (bucket, n).
     modes = (SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_p=0.9))
-    for n in range(1, max(logits) + 1):
-      rows = logits[min(s for s in logits if s >= n)][:n]
-      for params in modes:
-        self.sampler(rows, [params] * n, [0] * n, self.vocab_size)
+    for s, full in logits.items():
+      for n in range(1, s + 1):
+        for params in modes:
+          self.sampler(full[:n], [params] * n, [0] * n, self.vocab_size)
 
   # ---------------------------------------------------------------- public API
 
