@@ -36,11 +36,14 @@ class Shapes:
   input_len: tuple[int, int] = (16, 128)
   output_len: tuple[int, int] = (8, 96)
   batch_size: int = 16            # transformers' static batch = meshlm's max_num_seqs
+  max_batched_tokens: int = 512   # meshlm's token budget per step
+  max_model_len: int = 512
   seed: int = 0
 
 
 SMOKE = Shapes(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=300,
-               num_requests=6, input_len=(4, 20), output_len=(2, 10), batch_size=4)
+               num_requests=6, input_len=(4, 20), output_len=(2, 10), batch_size=4,
+               max_batched_tokens=32, max_model_len=64)
 
 
 def build_hf_model(shapes: Shapes, path: str) -> None:
@@ -52,7 +55,7 @@ def build_hf_model(shapes: Shapes, path: str) -> None:
   config = transformers.LlamaConfig(
       vocab_size=shapes.vocab, hidden_size=shapes.hidden, intermediate_size=shapes.intermediate,
       num_hidden_layers=shapes.layers, num_attention_heads=shapes.heads,
-      num_key_value_heads=shapes.kv_heads, max_position_embeddings=512,
+      num_key_value_heads=shapes.kv_heads, max_position_embeddings=shapes.max_model_len,
       bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
       initializer_range=0.2)   # sharp logits: greedy ties cannot blur the agreement check
   transformers.LlamaForCausalLM(config).save_pretrained(path)
@@ -86,19 +89,21 @@ def run_meshlm(path: str, shapes: Shapes, prompts, out_lens) -> dict:
   from serve.engine import Engine
   from serve.hf_llama import load_hf_model
   served = load_hf_model(path)
+  # No prefix caching: the one-at-a-time pass reruns the prompts and must not find them.
   cfg = ServeConfig(num_blocks=shapes.num_requests * 20, max_num_seqs=shapes.batch_size,
-                    max_num_batched_tokens=512, max_model_len=512)
+                    max_num_batched_tokens=shapes.max_batched_tokens,
+                    max_model_len=shapes.max_model_len,
+                    enable_prefix_caching=False, warmup=True)
   with Engine(served, cfg) as engine:
-    engine.generate(prompts, _params(out_lens))          # compiles every bucket it meets
+    warm = engine.runner.num_compiles
     start = time.perf_counter()
     batched = engine.generate(prompts, _params(out_lens))
     cb_s = time.perf_counter() - start
-    for p, sp in zip(prompts, _params([2] * len(prompts))):   # one-row buckets
-      engine.generate([p], [sp])
     start = time.perf_counter()
     single = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, _params(out_lens))]
     one_s = time.perf_counter() - start
     compiles = engine.runner.num_compiles
+    assert compiles == warm, f'{compiles - warm} programs compiled after the warm-up'
   assert [len(r.token_ids) for r in batched] == out_lens
   return {'continuous_s': cb_s, 'one_at_a_time_s': one_s, 'compiles': compiles,
           'same_tokens': [r.token_ids for r in batched] == [r.token_ids for r in single],
@@ -116,14 +121,31 @@ def run_transformers(path: str, shapes: Shapes, prompts, out_lens) -> dict:
   batches = [range(i, min(i + shapes.batch_size, len(prompts)))
              for i in range(0, len(prompts), shapes.batch_size)]
   generate = lambda b: _hf_batch(hf, [prompts[i] for i in b], max(out_lens[i] for i in b))  # noqa
+  threads = _fastest_threads(hf, [prompts[i] for i in batches[0]])
   generate(batches[0])   # warm-up
   start = time.perf_counter()
   outputs = [generate(b) for b in batches]
   seconds = time.perf_counter() - start
   computed = sum(len(b) * max(out_lens[i] for i in b) for b in batches)
   rows = [row for out in outputs for row in out]
-  return {'static_s': seconds, 'computed_tokens': computed,
+  return {'static_s': seconds, 'computed_tokens': computed, 'torch_threads': threads,
           'tokens': [row[:n] for row, n in zip(rows, out_lens)]}
+
+
+def _fastest_threads(hf, prompts) -> int:
+  """Sets torch to the thread count (1 or all cores) that decodes a probe batch fastest:
+  on a loaded machine, torch's spinning worker threads can cost more than they give."""
+  import torch  # pylint: disable=import-outside-toplevel
+  times = {}
+  for threads in sorted({1, os.cpu_count() or 1}):
+    torch.set_num_threads(threads)
+    _hf_batch(hf, prompts, 4)
+    start = time.perf_counter()
+    _hf_batch(hf, prompts, 16)
+    times[threads] = time.perf_counter() - start
+  best = min(times, key=times.get)
+  torch.set_num_threads(best)
+  return best
 
 
 def _hf_batch(hf, prompts, num_tokens: int) -> list[list[int]]:
@@ -166,8 +188,8 @@ def benchmark(shapes: Shapes) -> dict:
                         'requests_equal_to_transformers': sum(
                             a == b for a, b in zip(meshlm['tokens'], peer['tokens']))},
       'load_average_1min': os.getloadavg()[0],   # the 2 cores are shared: context
-      'versions': {'transformers': transformers.__version__, 'torch': torch.__version__,
-                   'torch_threads': torch.get_num_threads()},
+      'versions': {'transformers': transformers.__version__, 'torch': torch.__version__},
+      'torch_threads': peer['torch_threads'],
   }
 
 

@@ -19,6 +19,7 @@ class ServeConfig:
   enable_prefix_caching: bool = True
   max_waiting_requests: int = 256    # beyond it add_request raises QueueFull
   seed: int = 0                      # draws the seeds of requests that give none
+  warmup: bool = False               # compile every step shape at start, not on first use
 
   def validate(self) -> None:
     """Raises ValueError naming the flag and the fix."""

@@ -30,10 +30,10 @@ from serve import kv_cache, sampler
 from serve.config import ServeConfig
 from serve.detokenizer import IncrementalDetokenizer
 from serve.kv_cache_manager import KVCacheManager
-from serve.model_runner import ModelRunner, RunnerConfig
+from serve.model_runner import ModelRunner, RunnerConfig, seq_bucket, token_buckets
 from serve.request import Request, RequestStatus
 from serve.sampling_params import SamplingParams
-from serve.scheduler import Scheduler, SchedulerConfig
+from serve.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from sharding.mesh import MeshConfig, make_mesh
 
 FINISH_REASONS = {
@@ -246,6 +246,15 @@ def describe_cache(num_blocks: int, cfg: ServeConfig, max_model_len: int) -> str
           'tokens at once.')
 
 
+def _warmup_step(num_seqs: int, num_tokens: int, block_size: int) -> SchedulerOutput:
+  """num_seqs chunks of num_tokens in all, every block the null block 0 (whose K/V
+  nobody reads), each chunk sampled."""
+  sizes = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+  chunks = [ScheduledChunk(f'warmup{i}', [0] * n, 0, [0] * math.ceil(n / block_size), True)
+            for i, n in enumerate(sizes)]
+  return SchedulerOutput(chunks, [], [], num_tokens)
+
+
 def _count(value) -> int | float:
   """Scheduler counters may be properties or methods."""
   return value() if callable(value) else value
@@ -278,6 +287,8 @@ class Engine:
     self._lock = threading.RLock()
     self._wake = threading.Event()
     self._admitting, self._stopping = True, False
+    if cfg.warmup:
+      self._warmup()
     self._thread = threading.Thread(target=self._run, name='meshlm-engine', daemon=True)
     self._thread.start()
 
@@ -298,6 +309,27 @@ class Engine:
   def _make_kv_manager(self):
     return KVCacheManager(self.num_blocks, self.cfg.block_size,
                           enable_caching=self.cfg.enable_prefix_caching)
+
+  def _warmup(self) -> None:
+    """Compiles the runner for every token bucket and the sampler for every row count and
+    mode, before the loop starts, so no request waits on a compile."""
+    start, cfg = time.perf_counter(), self.runner.cfg
+    logits = {}   # per sequence bucket: [bucket, V] as the runner lays them out
+    for t in token_buckets(cfg):
+      s = seq_bucket(cfg, t)
+      logits[s] = self.runner.execute(_warmup_step(s, t, cfg.block_size))
+    self._warmup_sampler(logits)
+    print(f'Warm-up: {self.runner.num_compiles} step programs compiled in '
+          f'{time.perf_counter() - start:.1f}s.', flush=True)
+
+  def _warmup_sampler(self, logits: dict) -> None:
+    # The runner's logits are [bucket, V] cut to the n sampled rows outside jit, and the
+    # sampler pads them back: both small ops compile once per (bucket, n).
+    modes = (SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_p=0.9))
+    for s, full in logits.items():
+      for n in range(1, s + 1):
+        for params in modes:
+          self.sampler(full[:n], [params] * n, [0] * n, self.vocab_size)
 
   # ---------------------------------------------------------------- public API
 

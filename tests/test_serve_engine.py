@@ -295,3 +295,12 @@ def test_throughput_benchmark_smoke(tmp_path):
   assert result['greedy_agrees'] == {'batched_vs_one_at_a_time': True,
                                      'requests_equal_to_transformers': len(out_lens)}
   assert all(rate > 0 for rate in result['output_tokens_per_s'].values())
+
+
+def test_warmup_compiles_every_step_shape_up_front(varied, prompts, reference):
+  cfg = ServeConfig(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32, warmup=True)
+  with Engine(varied, cfg) as eng:
+    compiled = eng.runner.num_compiles
+    assert compiled == 3   # token buckets 8, 16, 32
+    assert ids(eng.generate(prompts[:8], GREEDY)) == reference[:8]
+    assert eng.runner.num_compiles == compiled
