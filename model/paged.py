@@ -20,6 +20,7 @@ page index past the end that the scatter drops: a negative "no slot" index would
 onto the last page.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -34,6 +35,11 @@ from sharding.rules import ShardingPlan, constrain
 # Logical axes of one cache array [layers, pages, page slot, kv heads, head dim].
 KV_CACHE_AXES = ('layers', None, None, 'kv_heads', 'head_dim')
 PAGED_ATTENTION = {'xla': paged_attention_xla, 'pallas': paged_attention}
+# XLA attention of steps up to SMALL_STEP tokens: every row by itself over key blocks of
+# SMALL_STEP_BLOCK_K (measured on a 2-core CPU, 6-layer d=384 model: the step 12.6 ->
+# 9.8 ms for 16 decodes, 57 -> 36 ms for 15 decodes + a 100-token chunk; larger blocks
+# were slower). Bigger steps keep the default split (long prefills by sequence).
+SMALL_STEP, SMALL_STEP_BLOCK_K = 128, 32
 
 KVCache = tuple[jax.Array, jax.Array]
 
@@ -75,6 +81,8 @@ def paged_attend(q, k_pages, v_pages, batch: PagedBatch, impl: str, plan):
   """q [T, Hq, D] over pages [P, page, Hkv, D]; with a plan, each tensor shard attends
   its own kv heads and their q heads (the kernel is opaque to the partitioner)."""
   fn = PAGED_ATTENTION[impl]
+  if impl == 'xla' and q.shape[0] <= SMALL_STEP:
+    fn = functools.partial(fn, block_k=SMALL_STEP_BLOCK_K, row_tokens=SMALL_STEP)
   meta = (batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs)
   if plan is None:
     return fn(q, k_pages, v_pages, *meta)

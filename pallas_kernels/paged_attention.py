@@ -114,7 +114,7 @@ _XLA_WINDOW = 32   # query rows per work item of the by-sequence path
 
 
 def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                        sm_scale=None, block_k=None, window=None):
+                        sm_scale=None, block_k=None, window=None, row_tokens=0):
   """Ragged paged attention in plain jnp for serving without the kernel (CPU default).
 
   Flash-style (online softmax over key blocks of `block_k` tokens), so no step ever
@@ -129,6 +129,9 @@ def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
   Working memory: O(T * block_k) and O(window * block_k) (plus q and out); FLOPs: the
   live keys, rounded up to a block (and a decode row sharing a mixed step is padded to
   a window). Same arguments and output as `paged_attention`; padding rows give 0.
+  row_tokens: steps of at most this many rows (T, static) take the by-row path even with
+  prefill chunks: at small T its gathers cost less than the by-sequence path's loops and
+  padded windows (measured on CPU: 128 rows, 15 decodes + a 100-token chunk, 40% faster).
   """
   _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
   page_size = k_pages.shape[1]
@@ -143,6 +146,8 @@ def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
   by_row = functools.partial(_xla_by_row, ppb=ppb, scale=scale)
   by_seq = functools.partial(_xla_by_sequence, ppb=ppb, scale=scale,
                              window=min(window or _XLA_WINDOW, q.shape[0]))
+  if q.shape[0] <= row_tokens:
+    return by_row(*args).astype(q.dtype)
   out = lax.cond(cu_q_lens[num_seqs] == num_seqs, by_row, by_seq, *args)
   return out.astype(q.dtype)
 
