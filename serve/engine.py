@@ -36,12 +36,6 @@ from serve.sampling_params import SamplingParams
 from serve.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from sharding.mesh import MeshConfig, make_mesh
 
-FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: 'stop', RequestStatus.FINISHED_LENGTH: 'length',
-    RequestStatus.FINISHED_ABORTED: 'abort', RequestStatus.FINISHED_ERROR: 'error',
-}
-
-
 class QueueFull(RuntimeError):
   """More requests wait than ServeConfig.max_waiting_requests allows (HTTP 429)."""
 
@@ -255,11 +249,6 @@ def _warmup_step(num_seqs: int, num_tokens: int, block_size: int) -> SchedulerOu
   return SchedulerOutput(chunks, [], [], num_tokens)
 
 
-def _count(value) -> int | float:
-  """Scheduler counters may be properties or methods."""
-  return value() if callable(value) else value
-
-
 # ------------------------------------------------------------------------ engine
 
 class Engine:
@@ -389,10 +378,9 @@ class Engine:
     with self._lock:
       s = self.scheduler
       return EngineStats(
-          num_running=_count(s.num_running), num_waiting=_count(s.num_waiting),
-          kv_cache_usage=float(_count(s.kv_cache_usage)),
-          prefix_cache_queries=_count(s.prefix_cache_queries),
-          prefix_cache_hits=_count(s.prefix_cache_hits),
+          num_running=s.num_running, num_waiting=s.num_waiting,
+          kv_cache_usage=float(s.kv_cache_usage),
+          prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
           prompt_tokens=self._totals['prompt_tokens'],
           generation_tokens=self._totals['generation_tokens'],
           finished=dict(self._finished_by_reason))
@@ -455,7 +443,7 @@ class Engine:
       raise EngineClosed('The engine is shutting down and takes no new requests.')
     if request_id in self._tracked:
       raise ValueError(f'request id {request_id!r} is already in use.')
-    waiting = _count(self.scheduler.num_waiting)
+    waiting = self.scheduler.num_waiting
     if bounded and waiting >= self.cfg.max_waiting_requests:
       raise QueueFull(f'{waiting} requests are already waiting (--max-waiting-requests='
                       f'{self.cfg.max_waiting_requests}); retry later.')
@@ -547,7 +535,7 @@ class Engine:
   def _finish(self, t: _Tracked, reason=None, token_ids=(), text='', logprobs=None,
               error=None) -> None:
     req = t.request
-    reason = reason or FINISH_REASONS.get(req.status, 'stop')
+    reason = reason or req.status.finish_reason or 'stop'
     self._tracked.pop(req.request_id, None)
     self._aborts.pop(req.request_id, None)
     self._finished_by_reason[reason] += 1

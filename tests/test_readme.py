@@ -24,10 +24,23 @@ ABSL_RECORD = re.compile(r'^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]', re.
 
 
 def readme_blocks(path=os.path.join(ROOT, 'README.md')) -> list[list[str]]:
-  """The commands of each ```bash block, continuation lines joined, comments kept."""
+  """The commands of each ```bash block: continuation lines joined, comments kept, a
+  here-document (`<<'EOF'` ... `EOF`) kept whole in its command."""
   blocks = re.findall(r'```bash\n(.*?)```', open(path, encoding='utf-8').read(), re.S)
-  return [[c.strip() for c in block.replace('\\\n', ' ').splitlines() if c.strip()]
-          for block in blocks]
+  return [_commands(block.replace('\\\n', ' ').splitlines()) for block in blocks]
+
+
+def _commands(lines: list[str]) -> list[str]:
+  commands, heredoc = [], None
+  for line in lines:
+    if heredoc is not None:
+      commands[-1] += '\n' + line
+      heredoc = None if line.strip() == heredoc else heredoc
+    elif line.strip():
+      commands.append(line.strip())
+      match = re.search(r"<<'?(\w+)'?", line)
+      heredoc = match.group(1) if match else None
+  return commands
 
 
 CASES = [(i, j) for i, block in enumerate(readme_blocks()) for j in range(len(block))]
@@ -62,9 +75,11 @@ def run(argv, env, cwd):
 
 
 def run_command(command: str, cwd, cache_dir) -> None:
+  if not command.startswith(('python', 'JAX_')):   # plain shell: files the next ones use
+    subprocess.run(['bash', '-c', command], cwd=cwd, check=True, timeout=60)
+    return
   env, words = split(command)
   env.setdefault('JAX_NUM_CPU_DEVICES', '1')   # one device unless the README says more
-  assert words[0] == 'python', f'README command {command!r} is not a python command'
   argv = words[1:]
   if argv[0] == 'train.py':
     argv[0] = os.path.join(ROOT, 'train.py')
@@ -106,3 +121,5 @@ def test_readme_commands_are_found():
   commands = [c for block in readme_blocks() for c in block]
   assert 'python train.py --config=gpt_64k.py:smoke' in ' '.join(commands)
   assert any(c.startswith('JAX_NUM_CPU_DEVICES=8 ') for c in commands)
+  heredoc = next(c for c in commands if c.startswith('cat > prompts.jsonl'))
+  assert heredoc.endswith('\nEOF') and heredoc.count('\n') == 3, heredoc

@@ -16,7 +16,7 @@ import pytest
 
 import model
 from serve.config import ServeConfig
-from serve.engine import Engine, QueueFull
+from serve.engine import Engine, EngineClosed, QueueFull
 from serve.sampling_params import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -304,3 +304,21 @@ def test_warmup_compiles_every_step_shape_up_front(varied, prompts, reference):
     assert compiled == 3   # token buckets 8, 16, 32
     assert ids(eng.generate(prompts[:8], GREEDY)) == reference[:8]
     assert eng.runner.num_compiles == compiled
+
+
+def test_shutdown_lets_requests_finish_within_grace_then_aborts(varied, prompts, reference):
+  cfg = ServeConfig(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32)
+  eng = Engine(varied, cfg)
+  stream = eng.add_request(prompts[0], GREEDY)
+  eng.shutdown(grace_s=120)
+  assert stream.result().token_ids == reference[0]
+  with pytest.raises(EngineClosed, match='shutting down'):
+    eng.add_request(prompts[1], GREEDY)
+  eng = Engine(varied, cfg)
+  long = SamplingParams(max_tokens=60 - len(prompts[1]), temperature=0.0, ignore_eos=True)
+  stream = eng.add_request(prompts[1], long)
+  next(iter(stream))   # running
+  eng.shutdown(grace_s=0)
+  result = stream.result()
+  assert result.finish_reason == 'abort' and 'shut down' in result.error
+  assert eng.stats().kv_cache_usage == 0 and not eng._thread.is_alive()

@@ -86,6 +86,13 @@ def test_restores_the_newest_params_bitwise_with_the_run_config(run):
   assert _snapshot(workdir) == before
 
 
+def test_a_workdir_relative_to_the_current_directory_loads(run, monkeypatch):
+  """`--checkpoint runs/default`, as the README writes it (orbax wants absolute paths)."""
+  workdir, _, full = run
+  monkeypatch.chdir(workdir.parent)
+  _assert_params_equal(load_checkpoint(workdir.name).params, full[2].params)
+
+
 @pytest.mark.parametrize('shape, names', [((2,), ('tensor',)), ((4, 2), ('data', 'tensor'))])
 def test_params_land_on_a_tensor_parallel_mesh(run, shape, names):
   workdir, cfg, full = run

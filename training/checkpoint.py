@@ -149,6 +149,7 @@ def restore_params(directory: str, target) -> tuple[object, int]:
   if not os.path.isdir(directory):
     raise FileNotFoundError(f'{directory} does not exist: pass the workdir of a train.py '
                             'run (--config.workdir) that has saved a checkpoint.')
+  directory = os.path.abspath(directory)   # orbax refuses relative paths
   options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
                                          save_interval_steps=0)
   manager = ocp.CheckpointManager(directory, item_names=_ITEMS, options=options)
