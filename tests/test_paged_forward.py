@@ -75,15 +75,18 @@ def setup():
 DECODE_ONLY = [(1, 9), (1, 30), (1, 1), (1, 17)]
 
 
-@pytest.mark.parametrize('seqs', [MIXED, DECODE_ONLY], ids=['by_sequence', 'by_row'])
+@pytest.mark.parametrize('seqs, row_tokens', [(MIXED, 0), (DECODE_ONLY, 0), (MIXED, 10**6)],
+                         ids=['by_sequence', 'by_row', 'mixed_by_row'])
 @pytest.mark.parametrize('hq,hkv,block_k,window', [(8, 2, 4, 4), (4, 4, 8, 32),
                                                    (6, 2, 64, 5), (7, 1, 8, 1)])
-def test_xla_matches_reference_poisoned(seqs, hq, hkv, block_k, window):
-  """Mixed decode/prefill steps (the by-sequence path; chunks over several windows) and
-  decode-only steps (the by-row path), NaN in padding rows, unowned pages and page
-  tails, junk in dead sequence slots: live rows equal the reference, padding rows 0."""
+def test_xla_matches_reference_poisoned(seqs, row_tokens, hq, hkv, block_k, window):
+  """Mixed decode/prefill steps (the by-sequence path; chunks over several windows, or by
+  row when the step has at most row_tokens rows) and decode-only steps (the by-row
+  path), NaN in padding rows, unowned pages and page tails, junk in dead sequence slots:
+  live rows equal the reference, padding rows 0."""
   case = make_case(seqs, hq=hq, hkv=hkv, max_seqs=7, seed=hq)
-  fn = lambda *a: pa.paged_attention_xla(*a, block_k=block_k, window=window)
+  fn = lambda *a: pa.paged_attention_xla(*a, block_k=block_k, window=window,
+                                         row_tokens=row_tokens)
   out = jax.jit(fn)(*case.args)
   ref = pa.paged_attention_reference(*case.args)
   live = np.asarray(out[:case.live_rows])
