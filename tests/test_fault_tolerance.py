@@ -336,9 +336,11 @@ def test_too_many_skipped_steps_exit_with_status_3(tmp_path, cache_dir):
 # --- A checkpoint directory that cannot take a save -----------------------------------------
 
 def with_file_size_limit(cmd: list[str]) -> list[str]:
-  """Files cannot grow past 512 KiB (a checkpoint's array file is ~1.3 MB, everything else
-  a run writes is smaller): the write fails with EFBIG, as on a full disk."""
-  return ['bash', '-c', 'trap "" XFSZ; ulimit -f 512; exec "$@"', 'limited', *cmd]
+  """Files cannot grow past 64 KiB: the write fails with EFBIG, as on a full disk. A
+  checkpoint's arrays take ~1.3 MB, written in chunks of a few hundred KB whose split
+  varies from run to run (at 512 KiB one save in a CI run fitted); everything else a run
+  writes (metrics, events, TensorBoard, checkpoint metadata) stays under 20 KB."""
+  return ['bash', '-c', 'trap "" XFSZ; ulimit -f 64; exec "$@"', 'limited', *cmd]
 
 
 def test_a_failed_save_is_reported_and_older_checkpoints_stay_intact(tmp_path, cache_dir,
