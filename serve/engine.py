@@ -476,7 +476,16 @@ class Engine:
         self._emit(tokens, logprobs, finished)
     except Exception as e:  # pylint: disable=broad-except
       traceback.print_exc(file=sys.stderr)
-      self._fail([c.request_id for c in out.chunks], e)
+      failed = [c.request_id for c in out.chunks]
+      if self.runner.recover_cache():
+        # The K/V of every running request went with the cache, and cached prefixes
+        # now point at empty blocks: fail what ran, forget the prefix cache.
+        failed += [r.request_id for r in self.scheduler.running]
+        self._fail(failed, e)
+        with self._lock:
+          self.scheduler.kv = self._make_kv_manager()
+      else:
+        self._fail(failed, e)
     return True
 
   def _execute(self, out):
@@ -550,12 +559,12 @@ class Engine:
         traceback.print_exc(file=sys.stderr)
 
   def _apply_aborts(self) -> None:
-    for rid, why in list(self._aborts.items()):
+    while self._aborts:   # taken one by one: a failing abort is not retried forever
+      rid, why = self._aborts.popitem()
       t = self._tracked.get(rid)
       if t is not None:
         self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
         self._finish(t, 'abort', error=why)
-    self._aborts.clear()
 
   def _fail(self, request_ids, error: Exception) -> None:
     """A failed step ends the requests it held with finish_reason 'error'."""

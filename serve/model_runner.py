@@ -103,12 +103,28 @@ class ModelRunner:
     self.impl = runner_cfg.resolved_attention
     self._tokens = token_buckets(runner_cfg)
     self.params, cache_sharding = self._place(params)
-    self.cache = paged.init_kv_cache(model_cfg, runner_cfg.num_blocks,
-                                     runner_cfg.block_size, cache_sharding)
+    self._cache_sharding = cache_sharding
+    self.cache = self._empty_cache()
     out_sh = None
     if self.plan is not None:   # logits gathered whole for the sampler
       out_sh = (NamedSharding(mesh, PartitionSpec()), (cache_sharding,) * 2)
     self._step = jax.jit(self._run, donate_argnums=(1,), out_shardings=out_sh)
+
+  def _empty_cache(self):
+    return paged.init_kv_cache(self.model_cfg, self.cfg.num_blocks, self.cfg.block_size,
+                               self._cache_sharding)
+
+  def recover_cache(self) -> bool:
+    """After a failed step: True if it consumed (donated) or broke the KV cache, which is
+    then rebuilt empty, so every cached block's contents are gone."""
+    try:
+      if not any(x.is_deleted() for x in self.cache):
+        jax.block_until_ready(self.cache)   # an async failure surfaces here
+        return False
+    except Exception:  # pylint: disable=broad-except
+      pass
+    self.cache = self._empty_cache()
+    return True
 
   def _place(self, params):
     """Parameters on the device(s), and the cache's sharding (None: one device)."""

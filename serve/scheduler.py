@@ -129,19 +129,21 @@ class Scheduler:
     by finish_request after schedule() is skipped.
     """
     finished = []
-    for chunk in out.chunks:
-      request = self.requests.get(chunk.request_id)
-      if request is None or request.status is not RequestStatus.RUNNING:
-        continue
-      request.num_computed_tokens = chunk.start_position + len(chunk.token_ids)
-      self.kv.cache_blocks(request)
-      if chunk.sample:
-        status = self._append_token(request, _sampled_token(sampled, chunk.request_id))
-        if status is not None:
-          self._finish(request, status)
-          finished.append(request)
-    if finished:
-      self.running = [r for r in self.running if not r.is_finished]
+    try:
+      for chunk in out.chunks:
+        request = self.requests.get(chunk.request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+          continue
+        request.num_computed_tokens = chunk.start_position + len(chunk.token_ids)
+        self.kv.cache_blocks(request)
+        if chunk.sample:
+          status = self._append_token(request, _sampled_token(sampled, chunk.request_id))
+          if status is not None:
+            self._finish(request, status)
+            finished.append(request)
+    finally:   # also when a later chunk raises: a finished request never runs again
+      if finished:
+        self.running = [r for r in self.running if not r.is_finished]
     return finished
 
   def finish_request(self, request_id: str, status: RequestStatus,

@@ -195,6 +195,28 @@ def test_failing_step_fails_its_requests_and_engine_keeps_serving(engine, prompt
   assert ids(engine.generate(prompts[:2], GREEDY)) == reference[:2]
 
 
+def test_a_step_that_loses_the_cache_rebuilds_it_and_forgets_cached_prefixes(
+    engine, prompts, reference, monkeypatch):
+  """A device failure after the cache was donated: the step's requests fail, the cache is
+  rebuilt empty and the prefix cache forgotten (its blocks would read zeros)."""
+  assert ids(engine.generate(prompts[:2], GREEDY)) == reference[:2]   # prefixes cached
+  real = engine.runner._step
+
+  def lose_cache(params, cache, batch):
+    del params, batch
+    for x in cache:
+      x.delete()
+    raise RuntimeError('injected device failure')
+
+  monkeypatch.setattr(engine.runner, '_step', lose_cache)
+  failed = engine.add_request(prompts[0], GREEDY).result()
+  assert failed.finish_reason == 'error' and 'injected device failure' in failed.error
+  monkeypatch.setattr(engine.runner, '_step', real)
+  wait_idle(engine)
+  assert engine.stats().kv_cache_usage == 0
+  assert ids(engine.generate(prompts[:2], GREEDY)) == reference[:2]
+
+
 def test_queue_bound_raises_queue_full(engine, prompts, monkeypatch):
   monkeypatch.setattr(engine.cfg, 'max_waiting_requests', 3)
   with engine._lock:   # the loop cannot schedule: everything added stays waiting
