@@ -240,13 +240,15 @@ def describe_cache(num_blocks: int, cfg: ServeConfig, max_model_len: int) -> str
           'tokens at once.')
 
 
-def _warmup_step(num_seqs: int, num_tokens: int, block_size: int) -> SchedulerOutput:
-  """num_seqs chunks of num_tokens in all, every block the null block 0 (whose K/V
-  nobody reads), each chunk sampled."""
-  sizes = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+def _warmup_step(num_seqs: int, num_tokens: int, block_size: int,
+                 max_len: int) -> SchedulerOutput:
+  """num_seqs chunks of num_tokens in all (fewer if chunks of max_len cannot hold them),
+  every block the null block 0 (whose K/V nobody reads), each chunk sampled."""
+  total = min(num_tokens, num_seqs * max_len)
+  sizes = [total // num_seqs + (i < total % num_seqs) for i in range(num_seqs)]
   chunks = [ScheduledChunk(f'warmup{i}', [0] * n, 0, [0] * math.ceil(n / block_size), True)
             for i, n in enumerate(sizes)]
-  return SchedulerOutput(chunks, [], [], num_tokens)
+  return SchedulerOutput(chunks, [], [], total)
 
 
 # ------------------------------------------------------------------------ engine
@@ -304,9 +306,13 @@ class Engine:
     mode, before the loop starts, so no request waits on a compile."""
     start, cfg = time.perf_counter(), self.runner.cfg
     logits = {}   # per sequence bucket: [bucket, V] as the runner lays them out
+    smaller = 0
     for t in token_buckets(cfg):
       s = seq_bucket(cfg, t)
-      logits[s] = self.runner.execute(_warmup_step(s, t, cfg.block_size))
+      step = _warmup_step(s, t, cfg.block_size, cfg.max_model_len)
+      if step.num_batched_tokens > smaller:   # else no real step lands in bucket t
+        logits[s] = self.runner.execute(step)
+      smaller = t
     self._warmup_sampler(logits)
     print(f'Warm-up: {self.runner.num_compiles} step programs compiled in '
           f'{time.perf_counter() - start:.1f}s.', flush=True)

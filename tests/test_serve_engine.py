@@ -217,6 +217,15 @@ def test_a_step_that_loses_the_cache_rebuilds_it_and_forgets_cached_prefixes(
   assert ids(engine.generate(prompts[:2], GREEDY)) == reference[:2]
 
 
+def test_warmup_with_token_buckets_past_the_context(varied, prompts, reference):
+  """128-token steps of one sequence cannot happen with a 64-token context: warm-up
+  skips that bucket instead of building a chunk the runner refuses."""
+  cfg = ServeConfig(num_blocks=40, max_num_seqs=1, max_num_batched_tokens=128,
+                    max_model_len=64, warmup=True)
+  with Engine(varied, cfg) as eng:
+    assert ids(eng.generate(prompts[:2], GREEDY)) == reference[:2]
+
+
 def test_queue_bound_raises_queue_full(engine, prompts, monkeypatch):
   monkeypatch.setattr(engine.cfg, 'max_waiting_requests', 3)
   with engine._lock:   # the loop cannot schedule: everything added stays waiting
