@@ -368,7 +368,14 @@ class Engine:
     if len(params) != len(prompts):
       raise ValueError(f'{len(params)} SamplingParams for {len(prompts)} prompts; give '
                        'one for all or one per prompt.')
-    streams = [self.add_request(p, sp, bounded=False) for p, sp in zip(prompts, params)]
+    streams = []
+    try:
+      for p, sp in zip(prompts, params):
+        streams.append(self.add_request(p, sp, bounded=False))
+    except Exception:
+      for stream in streams:   # a refused prompt: the ones already queued would run unread
+        self.abort(stream.request_id)
+      raise
     results = []
     for stream in streams:
       results.append(stream.result())

@@ -226,6 +226,19 @@ def test_warmup_with_token_buckets_past_the_context(varied, prompts, reference):
     assert ids(eng.generate(prompts[:2], GREEDY)) == reference[:2]
 
 
+def test_generate_with_a_refused_prompt_leaves_nothing_running(engine, prompts):
+  """The prompts queued before a refused one are aborted, not left to run unread."""
+  before = engine.stats()
+  with engine._lock:   # the loop cannot take the first prompt before the second is refused
+    with pytest.raises(ValueError):
+      engine.generate([prompts[0], []], GREEDY)
+  wait_idle(engine)
+  after = engine.stats()
+  assert after.generation_tokens == before.generation_tokens
+  assert after.finished.get('abort', 0) == before.finished.get('abort', 0) + 1
+  assert (after.num_running, after.num_waiting, after.kv_cache_usage) == (0, 0, 0)
+
+
 def test_queue_bound_raises_queue_full(engine, prompts, monkeypatch):
   monkeypatch.setattr(engine.cfg, 'max_waiting_requests', 3)
   with engine._lock:   # the loop cannot schedule: everything added stays waiting
