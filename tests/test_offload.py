@@ -125,7 +125,7 @@ def test_compiled_step_takes_and_returns_optimizer_state_in_host_memory():
   assert on_host(layout.group(2)) == shards
 
 
-def _placements(text: str) -> list[tuple[str, str, str]]:
+def _placements(text: str) -> list[tuple[str, str, str, str]]:
   """(result, operand, memory kind, result type) of each annotate_device_placement."""
   return [m.group(1, 2, 3, 4) for m in _PLACEMENT.finditer(text)]
 
@@ -161,6 +161,9 @@ def test_checkpoint_restores_offloaded_state_into_host_memory(runs, tmp_path):
   cfg = offload_config()
   plan, tx, _ = setup_step(cfg)
   saved = runs['offload'][0][-1]
+  # Host leaves are checksummed one by one on the device; the values are those of the
+  # resident state, checksummed in one call.
+  assert checkpoint.checksums(saved) == checkpoint.checksums(runs['mesh'][0][-1])
   ckpt = checkpoint.Checkpointer(str(tmp_path), CheckpointConfig(async_save=False))
   ckpt.save(3, saved, {'data': {}})
   ckpt.wait()
