@@ -139,12 +139,12 @@ def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
                                                   offload.default_kind(plan.mesh))
 
   def step(state: TrainState, batch: dict):
-    if cfg.parallel.offload_optimizer:
-      # Host -> device for the update; out_shardings send the new state back to host.
-      state = state.replace(opt_state=jax.device_put(state.opt_state, device_opt_shardings))
     loss, grads = loss_and_grads(state.params, batch, cfg, plan)
     # ZeRO-2/3: the constraint turns the gradient all-reduce into a reduce-scatter.
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+    if cfg.parallel.offload_optimizer:
+      # Host -> device for the update only; out_shardings send the new state back.
+      state = state.replace(opt_state=jax.device_put(state.opt_state, device_opt_shardings))
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     params = jax.lax.with_sharding_constraint(params, shardings.params)
