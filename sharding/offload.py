@@ -21,23 +21,26 @@ def memory_kinds(device: jax.Device) -> set[str]:
   return {m.kind for m in device.addressable_memories()}
 
 
+def _local_default_kind(devices) -> str:
+  """The default memory kind of this process's first device among `devices` (another
+  process's devices cannot be asked)."""
+  device = next(d for d in devices if d.process_index == jax.process_index())
+  return device.default_memory().kind
+
+
 def default_kind(mesh: jax.sharding.Mesh) -> str:
   """The memory kind arrays get when none is named (the accelerator's own memory)."""
-  return mesh.devices.flat[0].default_memory().kind
+  return _local_default_kind(mesh.devices.flat)
 
 
 def is_offloaded(x) -> bool:
-  """Whether x is an array placed outside its devices' default memory."""
-  if not isinstance(x, jax.Array):
-    return False
-  kind = x.sharding.memory_kind
-  return kind is not None and kind != next(iter(x.devices())).default_memory().kind
+  """Whether x is an array placed in host memory."""
+  return isinstance(x, jax.Array) and x.sharding.memory_kind in (HOST, 'unpinned_host')
 
 
 def to_default_memory(x: jax.Array) -> jax.Array:
   """A copy of x in its devices' default memory, same sharding otherwise."""
-  kind = next(iter(x.devices())).default_memory().kind
-  return jax.device_put(x, x.sharding.with_memory_kind(kind))
+  return jax.device_put(x, x.sharding.with_memory_kind(_local_default_kind(x.devices())))
 
 
 def with_memory_kind(shardings, kind: str):

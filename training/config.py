@@ -182,7 +182,8 @@ def validate(cfg: Config, num_devices: int, process_count: int = 1,
        'set --config.parallel.offload_optimizer=False'),
       (cfg.model.remat == 'offload', 'model.remat', "'offload'",
        'set --config.model.remat=full (recompute instead of offloading)')):
-    error = on and platform and offload.host_memory_error(field, value, fix, jax.devices()[0])
+    error = on and platform and offload.host_memory_error(field, value, fix,
+                                                          jax.local_devices()[0])
     if error:
       raise ValueError(error)
   seq_shards = sizes['context'] * (sizes['tensor'] if cfg.parallel.sequence_parallel else 1)
