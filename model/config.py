@@ -5,7 +5,7 @@ import dataclasses
 ATTENTION_IMPLS = ('xla', 'cudnn', 'pallas')
 # The flash kernels attention_impl='pallas' runs (pallas_kernels.flash_attention's backend).
 PALLAS_BACKENDS = ('triton', 'mosaic_gpu', 'mosaic_gpu_fused')
-REMAT_POLICIES = ('none', 'full', 'save_matmuls')
+REMAT_POLICIES = ('none', 'full', 'save_matmuls', 'offload')
 
 
 @dataclasses.dataclass
@@ -48,7 +48,8 @@ class ModelConfig:
   param_dtype: str = 'float32'
   """Master-weight dtype (and optimizer state): float32, bfloat16 or float16."""
   remat: str = 'none'
-  """Activation recomputation per block: none, full or save_matmuls."""
+  """Activation recomputation per block: none, full, save_matmuls, or offload (the block's
+  projections and mid-block residual saved in pinned host memory, the rest recomputed)."""
   attention_impl: str = 'xla'
   """Attention: xla (einsums), cudnn (GPU only) or pallas (our flash kernels)."""
   pallas_backend: str = 'triton'

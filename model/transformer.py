@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from model.config import ModelConfig
 from pallas_kernels.flash_attention import flash_attention
@@ -23,6 +24,9 @@ Params = dict[str, Any]
 
 # Residual stream at block edges; `seq` picks up `tensor` under sequence parallelism.
 RESIDUAL = ('batch', 'seq', 'act_embed')
+# Activations named in each block (checkpoint_name) that remat='offload' keeps in host
+# memory; the backward pass recomputes everything else from them.
+OFFLOADED = ('query', 'key', 'value', 'context', 'mid_residual', 'mlp_gate', 'mlp_up')
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -193,7 +197,8 @@ def project_qkv(x, layer, positions, inv_freq, plan):
   kv_axes = ('batch', 'act_seq', 'act_kv_heads', None)
   q = constrain(apply_rope(q, positions, inv_freq), q_axes, plan)
   k = constrain(apply_rope(k, positions, inv_freq), kv_axes, plan)
-  return q, k, constrain(v, kv_axes, plan)
+  v = constrain(v, kv_axes, plan)
+  return checkpoint_name(q, 'query'), checkpoint_name(k, 'key'), checkpoint_name(v, 'value')
 
 
 def attention(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan):
@@ -204,7 +209,7 @@ def attention(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan
     out = attention_cudnn(q, k, v, segment_ids)
   else:
     out = attention_pallas(q, k, v, segment_ids, plan, cfg.pallas_backend)
-  return output_projection(out, layer)
+  return output_projection(checkpoint_name(out, 'context'), layer)
 
 
 def output_projection(out, layer):
@@ -215,8 +220,8 @@ def output_projection(out, layer):
 
 def mlp(x, layer, plan):
   dtype = x.dtype
-  gate = jnp.einsum('btd,df->btf', x, layer['w_gate'].astype(dtype))
-  up = jnp.einsum('btd,df->btf', x, layer['w_up'].astype(dtype))
+  gate = checkpoint_name(jnp.einsum('btd,df->btf', x, layer['w_gate'].astype(dtype)), 'mlp_gate')
+  up = checkpoint_name(jnp.einsum('btd,df->btf', x, layer['w_up'].astype(dtype)), 'mlp_up')
   hidden = constrain(jax.nn.silu(gate) * up, ('batch', 'act_seq', 'act_mlp'), plan)
   return jnp.einsum('btf,fd->btd', hidden, layer['w_down'].astype(dtype))
 
@@ -231,7 +236,7 @@ def residual_block(x, layer, cfg: ModelConfig, plan, attend):
   serving path's attention also returns its updated KV cache as aux."""
   with jax.named_scope('attention'):
     h, aux = attend(rms_norm(x, layer['attn_norm'], cfg.norm_eps))
-    x = constrain(x + h, RESIDUAL, plan)
+    x = checkpoint_name(constrain(x + h, RESIDUAL, plan), 'mid_residual')
   with jax.named_scope('mlp'):
     h = rms_norm(x, layer['mlp_norm'], cfg.norm_eps)
     x = constrain(x + mlp(h, layer, plan), RESIDUAL, plan)
@@ -243,6 +248,10 @@ def _remat(fn, policy: str):
     return fn
   if policy == 'full':
     return jax.checkpoint(fn)
+  if policy == 'offload':
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=OFFLOADED,
+        offload_src='device', offload_dst='pinned_host'))
   # Keep projection outputs; recompute elementwise work and attention scores.
   return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
 

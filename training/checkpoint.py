@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from sharding import offload
 from training.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,13 @@ def _checksums(tree):
 
 
 def checksums(tree) -> list[int]:
-  return [int(c) for c in jax.tree.leaves(jax.device_get(_checksums(tree)))]
+  """One checksum per leaf. Leaves offloaded to host memory (a jitted computation reads
+  one memory kind) are copied to the device one at a time, never all at once."""
+  leaves = jax.tree.leaves(tree)
+  on_host = [offload.is_offloaded(x) for x in leaves]
+  sums = iter(jax.device_get(_checksums([x for x, h in zip(leaves, on_host) if not h])))
+  return [int(_checksums(offload.to_default_memory(x)) if h else next(sums))
+          for x, h in zip(leaves, on_host)]
 
 
 class Checkpointer:

@@ -12,6 +12,7 @@ import os
 import jax
 
 from model.config import ModelConfig
+from sharding import offload
 from sharding.mesh import MeshConfig, mesh_shape
 
 
@@ -22,6 +23,9 @@ class ParallelConfig:
   """0 DP; 1 optimizer state sharded over fsdp; 2 + gradients; 3 + parameters (FSDP)."""
   sequence_parallel: bool = True
   """With mesh.tensor > 1: the residual stream between blocks is split on the sequence."""
+  offload_optimizer: bool = False
+  """Keep the optimizer state in host memory (pinned_host) between steps, in its ZeRO
+  layout, and move it to the device for the update (ZeRO-Offload)."""
 
 
 @dataclasses.dataclass
@@ -173,6 +177,15 @@ def validate(cfg: Config, num_devices: int, process_count: int = 1,
         f"model.attention_impl='cudnn' needs a GPU, and this run has {platform} devices: "
         "set --config.model.attention_impl=xla (or pallas), or size the run without "
         "running it with --check.")
+  for on, field, value, fix in (
+      (cfg.parallel.offload_optimizer, 'parallel.offload_optimizer', True,
+       'set --config.parallel.offload_optimizer=False'),
+      (cfg.model.remat == 'offload', 'model.remat', "'offload'",
+       'set --config.model.remat=full (recompute instead of offloading)')):
+    error = on and platform and offload.host_memory_error(field, value, fix,
+                                                          jax.local_devices()[0])
+    if error:
+      raise ValueError(error)
   seq_shards = sizes['context'] * (sizes['tensor'] if cfg.parallel.sequence_parallel else 1)
   if cfg.data.seq_len % seq_shards:
     raise ValueError(

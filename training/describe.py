@@ -84,12 +84,16 @@ def check_report(cfg: config_lib.Config, available_devices: int) -> str:
   size = run_size(cfg, available_devices)
   memory = {'parameters': size['param_bytes'], 'gradients': size['grad_bytes'],
             'optimizer state': size['opt_state_bytes']}
+  host = ''
+  if cfg.parallel.offload_optimizer:   # in host memory between steps
+    host = f'; optimizer state {_gib(memory.pop("optimizer state"))} in host memory'
   return '\n'.join([
       f'parameters    {size["parameters"]:,} ({size["parameters"] / 1e9:.2f}B)',
       f'mesh          {size["mesh"]}: needs {size["devices"]} device(s); this machine has '
       f'{available_devices}',
       f'per device    {", ".join(f"{k} {_gib(v)}" for k, v in memory.items())}; '
-      f'{_gib(sum(memory.values()))} before activations (ZeRO-{cfg.parallel.zero_stage})',
+      f'{_gib(sum(memory.values()))} before activations (ZeRO-{cfg.parallel.zero_stage})'
+      f'{host}',
       f'global batch  {cfg.data.batch_size} x {cfg.data.seq_len} = '
       f'{size["batch_tokens"]:,} tokens per step, in {cfg.optim.grad_accum} microbatch(es)',
   ])

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 import model
+from sharding import offload
 from sharding.rules import BATCH_AXES, ShardingPlan
 from training.config import Config
 
@@ -28,6 +29,8 @@ def state_shardings(cfg: Config, plan: ShardingPlan, tx) -> TrainState:
   opt_state = optax.tree_map_params(
       tx, lambda _, s: s, abstract, opt_shardings,
       transform_non_params=lambda _: plan.replicated())
+  if cfg.parallel.offload_optimizer:
+    opt_state = offload.with_memory_kind(opt_state, offload.HOST)
   return TrainState(step=plan.replicated(), params=plan.tree(plan.params, axes),
                     opt_state=opt_state)
 
@@ -132,11 +135,16 @@ def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
   """jit(state, batch) -> (state, metrics); the state buffer is donated."""
   shardings = state_shardings(cfg, plan, tx)
   grad_shardings = plan.tree(plan.grads, model.logical_axes(cfg.model))
+  device_opt_shardings = offload.with_memory_kind(shardings.opt_state,
+                                                  offload.default_kind(plan.mesh))
 
   def step(state: TrainState, batch: dict):
     loss, grads = loss_and_grads(state.params, batch, cfg, plan)
     # ZeRO-2/3: the constraint turns the gradient all-reduce into a reduce-scatter.
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+    if cfg.parallel.offload_optimizer:
+      # Host -> device for the update only; out_shardings send the new state back.
+      state = state.replace(opt_state=jax.device_put(state.opt_state, device_opt_shardings))
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     params = jax.lax.with_sharding_constraint(params, shardings.params)

@@ -255,6 +255,8 @@ def startup_line(t: Trainer, start: int) -> str:
   zero = f'ZeRO-{cfg.parallel.zero_stage}'
   if cfg.parallel.zero_stage and shape['fsdp'] == 1:
     zero += ' (fsdp=1: nothing to shard, so data parallel)'
+  if cfg.parallel.offload_optimizer:
+    zero += ', optimizer state in host memory'
   notes = [f'{model.count_params(cfg.model) / 1e6:.2f}M parameters on mesh {shape}, {zero}',
            f'steps {start} -> {cfg.steps}', f'workdir {os.path.abspath(cfg.workdir)}',
            metrics.mfu_note(cfg.metrics)]
