@@ -124,6 +124,9 @@ def paged_attention_layer(x, layer, index, cache, batch, inv_freq, impl, plan):
 def paged_forward(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelConfig, *,
                   impl: str = 'xla', plan: ShardingPlan | None = None):
   """Final hidden states [1, T, d] of the batch's tokens, and the updated cache."""
+  if cfg.num_experts:
+    raise ValueError(f'model.num_experts={cfg.num_experts}: the paged (serving) forward runs '
+                     'dense models only; mixture-of-experts layers are not served yet.')
   inv_freq = rope_inv_freq(cfg)
   x = params['embed'][batch.tokens[None]].astype(cfg.dtype)
   x = constrain(x, RESIDUAL, plan)
