@@ -4,9 +4,12 @@ Every layer's MLP is a mixture of 64 fine-grained routed experts (width 1408, to
 softmax router, weights renormalized) plus 2 shared experts every token goes through,
 on a 24-layer, 2048-wide decoder with grouped-query attention (16 query / 4 KV heads of
 128; DeepSeek uses MLA, which meshlm does not have). Experts are split 8 ways over
-mesh.expert (expert parallelism, all-to-all token dispatch with capacity factor 1.25),
-and parameters and optimizer state over mesh.fsdp (ZeRO-3). Launch on 8 GPUs:
-`python train.py --config=gpt_moe.py` (mesh.expert=8, mesh.fsdp=-1 takes the rest).
+mesh.expert (expert parallelism, all-to-all token dispatch with capacity factor 1.25;
+the 8 expert devices also split the batch). Launch on 8 GPUs: `python train.py
+--config=gpt_moe.py`: each holds 1/8 of the experts and the dense rest whole (41 GiB of
+fp32 weights, gradients and Adam state before activations, per `--check`). On 16, 32, ...
+GPUs add --config.mesh.fsdp=2, 4, ...: ZeRO-3 shards parameters and optimizer state over
+fsdp too.
 
 Variants: '' (the real run, GPU), 'smoke' (same structure, tiny sizes, one dense and one
 MoE layer, runs on CPU on any device count; try
@@ -30,7 +33,7 @@ def get_config(variant: str = '') -> Config:
   m.max_seq_len, m.rope_theta = 4096, 10_000.0
   m.tie_embeddings, m.remat, m.attention_impl = False, 'full', 'cudnn'
   m.dtype, m.param_dtype, m.loss_chunk = 'bfloat16', 'float32', 1024
-  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert = 1, -1, 8
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert = 1, 1, 8
   cfg.parallel.zero_stage = 3
   cfg.data.seq_len, cfg.data.batch_size = 4096, 64
   cfg.optim.learning_rate, cfg.optim.warmup_steps = 4.2e-4, 2000

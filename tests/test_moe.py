@@ -156,8 +156,8 @@ def ep_config(dispatch='capacity', **model_kw) -> config_lib.Config:
   return cfg
 
 
-def sharded(cfg, mesh_cfg, zero, devices=None):
-  plan = make_plan(make_mesh(mesh_cfg, devices), zero, False)
+def sharded(cfg, mesh_cfg, zero, devices=None, sp=False):
+  plan = make_plan(make_mesh(mesh_cfg, devices), zero, sp)
   axes = model.logical_axes(cfg.model)
   params = jax.device_put(model.init_params(cfg.model, jax.random.key(0)),
                           plan.tree(plan.params, axes))
@@ -188,16 +188,53 @@ def test_capacity_and_dropless_agree_without_drops(one_device):
 
 
 EP_LAYOUTS = {
-    'ep4_dp2': ('capacity', MeshConfig(data=2, expert=4), 0),
-    'ep4_dp2_dropless': ('dropless', MeshConfig(data=2, expert=4), 0),
-    'ep2_fsdp4_zero3': ('capacity', MeshConfig(data=1, fsdp=4, expert=2), 3),
+    'ep4_dp2': ('capacity', MeshConfig(data=2, expert=4), 0, False),
+    'ep4_dp2_dropless': ('dropless', MeshConfig(data=2, expert=4), 0, False),
+    'ep2_fsdp4_zero3': ('capacity', MeshConfig(data=1, fsdp=4, expert=2), 3, False),
+    'ep2_tp2_sp_dp2_dropless': ('dropless', MeshConfig(data=2, expert=2, tensor=2), 1, True),
+    # No expert axis: capacity dispatch left to the partitioner, experts' mlp on tensor.
+    'fsdp2_tp4_sp_zero3': ('capacity', MeshConfig(data=1, fsdp=2, tensor=4), 3, True),
 }
 
 
 @pytest.mark.parametrize('name', EP_LAYOUTS)
 def test_expert_parallel_matches_single_device(name, one_device):
-  dispatch, mesh_cfg, zero = EP_LAYOUTS[name]
-  assert_close(sharded(ep_config(dispatch), mesh_cfg, zero), one_device[dispatch])
+  dispatch, mesh_cfg, zero, sp = EP_LAYOUTS[name]
+  assert_close(sharded(ep_config(dispatch), mesh_cfg, zero, sp=sp), one_device[dispatch])
+
+
+def test_grad_accumulation_under_expert_parallel():
+  """2 microbatches on EP 4 = one batch on one device (aux coefficients 0: the
+  load-balancing loss is per microbatch; the z-loss, a mean, averages back exactly)."""
+  cfg = ep_config(moe_aux_loss_coef=0.0, router_z_loss_coef=0.0)
+  cfg.data.batch_size = 16
+  ref = sharded(cfg, MeshConfig(data=1), 0, jax.devices()[:1])
+  cfg.optim.grad_accum = 2
+  got = sharded(cfg, MeshConfig(data=2, expert=4), 0)
+  assert rel_err(got[0], ref[0]) < 1e-5
+  assert max(jax.tree.leaves(jax.tree.map(rel_err, got[1], ref[1]))) < 1e-5
+  assert rel_err(got[2]['router_z_loss'], ref[2]['router_z_loss']) < 1e-5
+
+
+def test_aux_losses_enter_the_gradient_not_the_loss():
+  cfg = ep_config()
+  plain = ep_config(moe_aux_loss_coef=0.0, router_z_loss_coef=0.0)
+  params = model.init_params(cfg.model, jax.random.key(0))
+  batch = random_batch(cfg)
+  loss, grads = jax.jit(lambda p: state.loss_and_grads(p, batch, cfg, None))(params)
+  loss0, grads0 = jax.jit(lambda p: state.loss_and_grads(p, batch, plain, None))(params)
+  assert rel_err(loss, loss0) < 1e-7
+
+  def penalty(p):
+    aux = model.summed_nll_and_aux(p, batch, cfg.model)[1]
+    m = cfg.model
+    return m.moe_aux_loss_coef * aux['moe_aux_loss'] + m.router_z_loss_coef * aux[
+        'router_z_loss']
+
+  want = jax.tree.map(jnp.add, grads0, jax.jit(jax.grad(penalty))(params))
+  router = lambda g: g['moe_layers']['router']
+  assert rel_err(router(grads), router(want)) < 1e-5
+  assert rel_err(router(grads), router(grads0)) > 1e-3
 
 
 def test_expert_parallel_dropped_count_matches_one_device():

@@ -22,6 +22,7 @@ console = Console(stderr=True)
 _FIELD_OF_AXIS = {
     'vocab': 'model.vocab_size', 'embed': 'model.embed_dim', 'heads': 'model.num_heads',
     'kv_heads': 'model.num_kv_heads', 'mlp': 'model.mlp_dim', 'layers': 'model.num_layers',
+    'experts': 'model.num_experts',
 }
 
 
