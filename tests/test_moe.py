@@ -216,14 +216,12 @@ def test_grad_accumulation_under_expert_parallel():
   assert rel_err(got[2]['router_z_loss'], ref[2]['router_z_loss']) < 1e-5
 
 
-def test_aux_losses_enter_the_gradient_not_the_loss():
+def test_aux_losses_enter_the_gradient_not_the_loss(one_device):
   cfg = ep_config()
   plain = ep_config(moe_aux_loss_coef=0.0, router_z_loss_coef=0.0)
   params = model.init_params(cfg.model, jax.random.key(0))
   batch = random_batch(cfg)
-  loss, grads = jax.jit(lambda p: state.loss_and_grads(p, batch, cfg, None))(params)
-  loss0, grads0 = jax.jit(lambda p: state.loss_and_grads(p, batch, plain, None))(params)
-  assert rel_err(loss, loss0) < 1e-7
+  loss, grads = one_device['capacity'][:2]   # the same params, batch and coefficients
 
   def penalty(p):
     aux = model.summed_nll_and_aux(p, batch, cfg.model)[1]
@@ -231,7 +229,10 @@ def test_aux_losses_enter_the_gradient_not_the_loss():
     return m.moe_aux_loss_coef * aux['moe_aux_loss'] + m.router_z_loss_coef * aux[
         'router_z_loss']
 
-  want = jax.tree.map(jnp.add, grads0, jax.jit(jax.grad(penalty))(params))
+  (loss0, grads0), extra = jax.jit(
+      lambda p: (state.loss_and_grads(p, batch, plain, None), jax.grad(penalty)(p)))(params)
+  assert rel_err(loss, loss0) < 1e-6
+  want = jax.tree.map(jnp.add, grads0, extra)
   router = lambda g: g['moe_layers']['router']
   assert rel_err(router(grads), router(want)) < 1e-5
   assert rel_err(router(grads), router(grads0)) > 1e-3
