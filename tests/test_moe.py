@@ -302,16 +302,18 @@ def test_dense_config_unchanged():
       'attn_norm', 'wq', 'wk', 'wv', 'wo', 'mlp_norm', 'w_gate', 'w_up', 'w_down'}
 
 
-def test_gpt_moe_smoke_writes_aux_metrics(tmp_path):
+def test_gpt_moe_smoke_trains_with_expert_parallel_and_logs_aux(tmp_path):
   cfg = load_config_file('gpt_moe.py:smoke')
   cfg.mesh = MeshConfig(data=2, expert=4)
-  cfg.steps, cfg.workdir, cfg.data.cache_dir = 2, str(tmp_path), str(tmp_path / 'cache')
+  cfg.workdir, cfg.data.cache_dir = str(tmp_path), str(tmp_path / 'cache')
   cfg.metrics.progress_bar = cfg.metrics.tensorboard = False
-  cfg.model = dataclasses.replace(cfg.model, capacity_factor=0.5)
   history = trainer.train(cfg)
   with open(os.path.join(tmp_path, 'metrics.jsonl')) as f:
     lines = [json.loads(line) for line in f]
-  assert [r['step'] for r in lines] == [1, 2]
+  assert [r['step'] for r in lines] == list(range(1, cfg.steps + 1))
   for r in lines:
+    # Measured on jax 0.10.2: 159, 146, 288 pairs over capacity (factor 1.25).
     assert r['moe_aux_loss'] > 0 and r['router_z_loss'] > 0 and r['dropped_tokens'] > 0, r
     assert r['loss'] == pytest.approx(history[r['step'] - 1]['loss'])
+  # Step 1 runs at lr 0 (warmup 1); measured 6.24, 6.24, 5.86.
+  assert lines[-1]['loss'] < lines[0]['loss'] - 0.1, [r['loss'] for r in lines]
