@@ -69,6 +69,7 @@ def _moe_param_specs(cfg: ModelConfig, specs: Params) -> None:
   restack = lambda s, n: ParamSpec((n, *s.shape[1:]), s.axes, s.init)
   if num_moe < cfg.num_layers:
     specs['layers'] = {k: restack(s, cfg.num_layers - num_moe) for k, s in layers.items()}
+  # Everything but the dense MLP (w_gate, w_up, w_down).
   attn = {k: restack(s, num_moe) for k, s in layers.items() if not k.startswith('w_')}
   specs['moe_layers'] = {**attn, **{k: ParamSpec(*v) for k, v in moe.param_shapes(cfg).items()}}
 
@@ -274,9 +275,12 @@ def _remat(fn, policy: str):
 
 # -------------------------------------------------------------------------------- forward
 
-def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, **kwargs) -> jax.Array:
-  """Final hidden states [b, t, d] for tokens [b, t] (forward_with_aux's arguments)."""
-  return forward_with_aux(params, tokens, cfg, **kwargs)[0]
+def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
+            positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+            plan: ShardingPlan | None = None, embed: jax.Array | None = None) -> jax.Array:
+  """Final hidden states [b, t, d] for tokens [b, t]; see forward_with_aux."""
+  return forward_with_aux(params, tokens, cfg, positions=positions, segment_ids=segment_ids,
+                          plan=plan, embed=embed)[0]
 
 
 def forward_with_aux(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
