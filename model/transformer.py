@@ -249,8 +249,16 @@ def residual_block(x, layer, cfg: ModelConfig, plan, attend):
     x = constrain(x + h, RESIDUAL, plan)
   with jax.named_scope('mlp'):
     h = rms_norm(x, layer['mlp_norm'], cfg.norm_eps)
-    x = constrain(x + mlp(h, layer, plan), RESIDUAL, plan)
+    x = constrain(x + feed_forward(h, layer, cfg, plan), RESIDUAL, plan)
   return x, aux
+
+
+def feed_forward(h, layer, cfg: ModelConfig, plan):
+  """The layer's MLP. A MoE layer here (serving) runs dropless without its aux values,
+  with the partitioner left to split it."""
+  if 'router' not in layer:
+    return mlp(h, layer, plan)
+  return moe.moe_mlp(h, layer, dataclasses.replace(cfg, moe_dispatch='dropless'), None)[0]
 
 
 def moe_block(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan):

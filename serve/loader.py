@@ -79,7 +79,4 @@ def _model_config(raw: dict, workdir: str) -> ModelConfig:
                      'not know: serve it with the meshlm version that trained it.')
   cfg = ModelConfig(**given)
   cfg.validate()
-  if cfg.num_experts:
-    raise ValueError(f'{workdir} trained a mixture-of-experts model (model.num_experts='
-                     f'{cfg.num_experts}); serving runs dense models only so far.')
   return cfg

@@ -317,3 +317,24 @@ def test_gpt_moe_smoke_trains_with_expert_parallel_and_logs_aux(tmp_path):
     assert r['loss'] == pytest.approx(history[r['step'] - 1]['loss'])
   # Step 1 runs at lr 0 (warmup 1); measured 6.24, 6.24, 5.86.
   assert lines[-1]['loss'] < lines[0]['loss'] - 0.1, [r['loss'] for r in lines]
+
+
+@pytest.mark.parametrize('moe_every, tensor', [(1, 1), (2, 2)])
+def test_paged_serving_forward_matches_training_forward(moe_every, tensor):
+  """Serving runs MoE layers dropless: prefill in chunks and decode through the paged
+  cache (on one device, and with the experts' mlp split over tensor=2) give the training
+  forward's logits (dropless there too)."""
+  from tests.test_paged_forward import (LOGITS_TOL, Chunk, Out, dense_logits, err,
+                                        tiny_cfg, tiny_runner)
+  cfg = tiny_cfg(num_experts=4, experts_per_token=2, num_shared_experts=1, moe_mlp_dim=32,
+                 moe_every=moe_every, moe_dispatch='dropless')
+  params = model.init_params(cfg, jax.random.key(0))
+  prompt = [int(t) for t in np.random.default_rng(0).integers(0, 320, 13)]
+  want = dense_logits(params, cfg, prompt)
+  mesh = make_mesh(MeshConfig(data=1, tensor=tensor), jax.devices()[:tensor])
+  runner = tiny_runner(params, cfg, mesh if tensor > 1 else None)
+  start = 0
+  for n in (9, 3, 1):
+    got = runner.execute(Out([Chunk(prompt[start:start + n], start, [3, 8, 1, 5])]))
+    start += n
+    assert err(got[0], want[start - 1]) < LOGITS_TOL, err(got[0], want[start - 1])
