@@ -16,9 +16,11 @@ C = ceil(capacity_factor * seq_len * k / E) of a sequence's (token, choice) pair
 choices before second choices, earlier tokens first; the rest are dropped. A group never
 spans devices, so what drops does not depend on the mesh.
 
-Without a plan (or with mesh.expert = 1) the dispatch is plain jnp that the partitioner
-splits on the batch; with mesh.expert > 1 it goes through sharding.moe's shard_map
-exchanges (all-to-all for capacity, all-gather + reduce-scatter for dropless).
+Capacity dispatch is plain jnp that the partitioner splits on the batch, unless
+mesh.expert > 1: then sharding.moe's all-to-all exchange in shard_map. Dropless dispatch
+with a plan always runs in shard_map (each batch shard sorts its own tokens; all-gather
+and reduce-scatter over `expert`, nothing when it is 1). Serving (model/paged.py) runs
+MoE layers dropless without a plan, so no token of a request depends on the others.
 """
 
 import math
