@@ -6,6 +6,8 @@ ATTENTION_IMPLS = ('xla', 'cudnn', 'pallas')
 # The flash kernels attention_impl='pallas' runs (pallas_kernels.flash_attention's backend).
 PALLAS_BACKENDS = ('triton', 'mosaic_gpu', 'mosaic_gpu_fused')
 REMAT_POLICIES = ('none', 'full', 'save_matmuls', 'offload')
+ROUTERS = ('softmax', 'sigmoid')
+MOE_DISPATCH = ('capacity', 'dropless')
 
 
 @dataclasses.dataclass
@@ -59,6 +61,30 @@ class ModelConfig:
   """Standard deviation of the initial weights (residual outputs scaled by depth)."""
   loss_chunk: int = 0
   """>0: logits and loss this many tokens at a time (never all [b, t, vocab] at once)."""
+  num_experts: int = 0
+  """Routed experts per mixture-of-experts layer; 0: a dense MLP in every layer."""
+  experts_per_token: int = 2
+  """Routed experts each token goes to (top-k)."""
+  num_shared_experts: int = 0
+  """Experts every token goes through (DeepSeek), as one SwiGLU of this many experts' width."""
+  moe_every: int = 1
+  """Every moe_every-th layer is MoE (layers moe_every-1, 2*moe_every-1, ...), the rest dense;
+  must divide num_layers."""
+  moe_mlp_dim: int = 0
+  """Hidden width of one expert (routed or shared); 0: the dense mlp width (Mixtral)."""
+  router: str = 'softmax'
+  """'softmax' (Mixtral: top-k of the softmax, renormalized) or 'sigmoid' (DeepSeek-V3:
+  top-k of per-expert sigmoids, normalized to sum 1)."""
+  moe_aux_loss_coef: float = 0.01
+  """Weight of the load-balancing loss E * sum_i f_i * P_i (Switch/GShard) in the objective."""
+  router_z_loss_coef: float = 0.001
+  """Weight of the router z-loss, mean logsumexp(router logits)^2 (ST-MoE), in the objective."""
+  capacity_factor: float = 1.25
+  """moe_dispatch=capacity: each expert takes ceil(capacity_factor * seq_len * k / E)
+  tokens of each sequence; later ones are dropped (counted in metrics)."""
+  moe_dispatch: str = 'capacity'
+  """'capacity' (fixed-size expert buffers, all-to-all over mesh.expert, overflow dropped)
+  or 'dropless' (tokens sorted by expert, grouped matmul jax.lax.ragged_dot)."""
 
   @property
   def resolved_head_dim(self) -> int:
@@ -70,6 +96,14 @@ class ModelConfig:
       return self.mlp_dim
     width = 8 * self.embed_dim // 3
     return -(-width // self.mlp_multiple) * self.mlp_multiple
+
+  @property
+  def resolved_moe_mlp_dim(self) -> int:
+    return self.moe_mlp_dim or self.resolved_mlp_dim
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.num_layers // self.moe_every if self.num_experts else 0
 
   def validate(self) -> None:
     """Raises ValueError naming the field and the fix."""
@@ -103,3 +137,26 @@ class ModelConfig:
     for name in ('dtype', 'param_dtype'):
       need(getattr(self, name) in ('float32', 'bfloat16', 'float16'),
            f'model.{name}={getattr(self, name)!r}: choose float32, bfloat16 or float16.')
+    self._validate_moe(need)
+
+  def _validate_moe(self, need) -> None:
+    need(self.num_experts >= 0, f'model.num_experts={self.num_experts} must be >= 0 (0: dense).')
+    if not self.num_experts:
+      return
+    need(1 <= self.experts_per_token <= self.num_experts,
+         f'model.experts_per_token={self.experts_per_token} must be in [1, model.num_experts='
+         f'{self.num_experts}].')
+    need(self.num_shared_experts >= 0,
+         f'model.num_shared_experts={self.num_shared_experts} must be >= 0.')
+    need(self.moe_every >= 1 and self.num_layers % self.moe_every == 0,
+         f'model.moe_every={self.moe_every} must be >= 1 and divide model.num_layers='
+         f'{self.num_layers}.')
+    need(self.moe_mlp_dim >= 0, f'model.moe_mlp_dim={self.moe_mlp_dim} must be >= 0 (0: '
+         'the dense mlp width).')
+    need(self.router in ROUTERS, f'model.router={self.router!r}: choose one of {ROUTERS}.')
+    need(self.moe_dispatch in MOE_DISPATCH,
+         f'model.moe_dispatch={self.moe_dispatch!r}: choose one of {MOE_DISPATCH}.')
+    need(self.capacity_factor > 0,
+         f'model.capacity_factor={self.capacity_factor} must be > 0.')
+    for name in ('moe_aux_loss_coef', 'router_z_loss_coef'):
+      need(getattr(self, name) >= 0, f'model.{name}={getattr(self, name)} must be >= 0.')

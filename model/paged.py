@@ -135,9 +135,31 @@ def paged_forward(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelC
                                              impl, plan)
     return residual_block(x, layer, cfg, plan, attend), None
 
-  layers = (params['layers'], jnp.arange(cfg.num_layers))
-  (x, cache), _ = jax.lax.scan(body, (x, cache), layers)
+  if cfg.num_experts:
+    x, cache = _moe_groups(body, (x, cache), params, cfg)
+  else:
+    layers = (params['layers'], jnp.arange(cfg.num_layers))
+    (x, cache), _ = jax.lax.scan(body, (x, cache), layers)
   return rms_norm(x, params['final_norm'], cfg.norm_eps), cache
+
+
+def _moe_groups(body, carry, params: Params, cfg: ModelConfig):
+  """MoE configs: the training forward's groups of moe_every layers (the dense ones of a
+  group, then its MoE layer), each layer at its absolute index in the cache."""
+  num_moe = cfg.num_moe_layers
+  index = jnp.arange(cfg.num_layers).reshape(num_moe, cfg.moe_every)
+  dense = None
+  if 'layers' in params:
+    dense = jax.tree.map(lambda w: w.reshape(num_moe, -1, *w.shape[1:]), params['layers'])
+
+  def group(carry, xs):
+    dense_layers, moe_layer, idx = xs
+    if dense_layers is not None:
+      carry, _ = jax.lax.scan(body, carry, (dense_layers, idx[:-1]))
+    return body(carry, (moe_layer, idx[-1]))
+
+  carry, _ = jax.lax.scan(group, carry, (dense, params['moe_layers'], index))
+  return carry
 
 
 def sampled_logits(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelConfig, *,

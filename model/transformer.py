@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from model import moe
 from model.config import ModelConfig
 from pallas_kernels.flash_attention import flash_attention
 from sharding.rules import ShardingPlan, constrain
@@ -60,7 +61,21 @@ def param_specs(cfg: ModelConfig) -> Params:
   }
   if not cfg.tie_embeddings:
     specs['lm_head'] = ParamSpec((D, V), ('embed', 'vocab'), 'normal')
+  if cfg.num_experts:
+    _moe_param_specs(cfg, specs)
   return specs
+
+
+def _moe_param_specs(cfg: ModelConfig, specs: Params) -> None:
+  """MoE configs: the dense layers stay in 'layers' (num_layers - G of them; none when
+  every layer is MoE), the G MoE layers, attention included, stack in 'moe_layers'."""
+  layers, num_moe = specs.pop('layers'), cfg.num_moe_layers
+  restack = lambda s, n: ParamSpec((n, *s.shape[1:]), s.axes, s.init)
+  if num_moe < cfg.num_layers:
+    specs['layers'] = {k: restack(s, cfg.num_layers - num_moe) for k, s in layers.items()}
+  # Everything but the dense MLP (w_gate, w_up, w_down).
+  attn = {k: restack(s, num_moe) for k, s in layers.items() if not k.startswith('w_')}
+  specs['moe_layers'] = {**attn, **{k: ParamSpec(*v) for k, v in moe.param_shapes(cfg).items()}}
 
 
 def abstract_params(cfg: ModelConfig) -> Params:
@@ -239,8 +254,27 @@ def residual_block(x, layer, cfg: ModelConfig, plan, attend):
     x = checkpoint_name(constrain(x + h, RESIDUAL, plan), 'mid_residual')
   with jax.named_scope('mlp'):
     h = rms_norm(x, layer['mlp_norm'], cfg.norm_eps)
-    x = constrain(x + mlp(h, layer, plan), RESIDUAL, plan)
+    x = constrain(x + feed_forward(h, layer, cfg, plan), RESIDUAL, plan)
   return x, aux
+
+
+def feed_forward(h, layer, cfg: ModelConfig, plan):
+  """The layer's MLP. A MoE layer here (serving) runs dropless without its aux values,
+  with the partitioner left to split it."""
+  if 'router' not in layer:
+    return mlp(h, layer, plan)
+  return moe.moe_mlp(h, layer, dataclasses.replace(cfg, moe_dispatch='dropless'), None)[0]
+
+
+def moe_block(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan):
+  """A block whose MLP is the mixture of experts: (x, its aux values)."""
+  with jax.named_scope('attention'):
+    h = rms_norm(x, layer['attn_norm'], cfg.norm_eps)
+    h = attention(h, layer, cfg, positions, segment_ids, inv_freq, plan)
+    x = constrain(x + h, RESIDUAL, plan)
+  with jax.named_scope('moe'):
+    h, aux = moe.moe_mlp(rms_norm(x, layer['mlp_norm'], cfg.norm_eps), layer, cfg, plan)
+    return constrain(x + h, RESIDUAL, plan), aux
 
 
 def _remat(fn, policy: str):
@@ -261,7 +295,16 @@ def _remat(fn, policy: str):
 def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
             positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
             plan: ShardingPlan | None = None, embed: jax.Array | None = None) -> jax.Array:
-  """Final hidden states [b, t, d] for tokens [b, t].
+  """Final hidden states [b, t, d] for tokens [b, t]; see forward_with_aux."""
+  return forward_with_aux(params, tokens, cfg, positions=positions, segment_ids=segment_ids,
+                          plan=plan, embed=embed)[0]
+
+
+def forward_with_aux(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
+                     positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                     plan: ShardingPlan | None = None, embed: jax.Array | None = None):
+  """(final hidden states [b, t, d] for tokens [b, t], MoE aux values: moe.AUX_KEYS,
+  zeros for a dense model).
 
   `embed` replaces params['embed'] for the lookup: [v, d], or [shards, v, d] holding one
   copy per batch shard (shard i looks up rows i*b/shards onwards of the batch).
@@ -282,8 +325,34 @@ def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
   def body(x, layer):
     return block(x, layer, cfg, positions, segment_ids, inv_freq, plan), None
 
-  x, _ = jax.lax.scan(_remat(body, cfg.remat), x, params['layers'])
-  return rms_norm(x, params['final_norm'], cfg.norm_eps)
+  if cfg.num_experts:
+    x, aux = _moe_layers(x, params, cfg, positions, segment_ids, inv_freq, plan)
+  else:
+    x, _ = jax.lax.scan(_remat(body, cfg.remat), x, params['layers'])
+    aux = moe.zero_aux()
+  return rms_norm(x, params['final_norm'], cfg.norm_eps), aux
+
+
+def _moe_layers(x, params, cfg: ModelConfig, positions, segment_ids, inv_freq, plan):
+  """Scan over G groups of moe_every layers: the group's dense layers (an inner scan),
+  then its MoE layer. Aux losses averaged over MoE layers, dropped pairs summed."""
+  num_moe = cfg.num_moe_layers
+
+  def dense(x, layer):
+    return block(x, layer, cfg, positions, segment_ids, inv_freq, plan), None
+
+  def group(x, layers):
+    if layers[0] is not None:
+      x, _ = jax.lax.scan(_remat(dense, cfg.remat), x, layers[0])
+    return _remat(lambda x, layer: moe_block(x, layer, cfg, positions, segment_ids,
+                                             inv_freq, plan), cfg.remat)(x, layers[1])
+
+  grouped = None
+  if 'layers' in params:
+    grouped = jax.tree.map(lambda w: w.reshape(num_moe, -1, *w.shape[1:]), params['layers'])
+  x, aux = jax.lax.scan(group, x, (grouped, params['moe_layers']))
+  aux = {k: jnp.sum(v) if k == 'dropped_tokens' else jnp.mean(v) for k, v in aux.items()}
+  return x, aux
 
 
 def output_weights(params: Params, cfg: ModelConfig) -> jax.Array:
@@ -321,7 +390,12 @@ def _weighted_nll(logits_btv, targets, weights):
 
 
 def summed_nll(params: Params, batch: dict, cfg: ModelConfig, plan=None) -> jax.Array:
-  """Sum over tokens of weight * negative log-likelihood (float32).
+  """Sum over tokens of weight * negative log-likelihood (float32)."""
+  return summed_nll_and_aux(params, batch, cfg, plan)[0]
+
+
+def summed_nll_and_aux(params: Params, batch: dict, cfg: ModelConfig, plan=None):
+  """(sum over tokens of weight * negative log-likelihood (float32), MoE aux values).
 
   The weights that touch the vocabulary enter as one copy per batch shard, laid out like
   the batch (on each device, the gathered weights it would use anyway). Their gradients
@@ -341,8 +415,9 @@ def summed_nll(params: Params, batch: dict, cfg: ModelConfig, plan=None) -> jax.
     head = jnp.swapaxes(embed, 1, 2)                                     # [shards, d, v]
   else:
     head = _per_shard(params['lm_head'], shards, (None, 'act_vocab'), plan)
-  hidden = forward(params, batch['inputs'], cfg, positions=batch.get('positions'),
-                   segment_ids=batch.get('segment_ids'), plan=plan, embed=embed)
+  hidden, aux = forward_with_aux(params, batch['inputs'], cfg,
+                                 positions=batch.get('positions'),
+                                 segment_ids=batch.get('segment_ids'), plan=plan, embed=embed)
   targets, weights = batch['targets'], batch['weights'].astype(jnp.float32)
   t = hidden.shape[1]
   chunk = cfg.loss_chunk if 0 < cfg.loss_chunk < t else t
@@ -368,15 +443,16 @@ def summed_nll(params: Params, batch: dict, cfg: ModelConfig, plan=None) -> jax.
 
   total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
                           (split(hidden), split(targets), split(weights)))
-  return total
+  return total, aux
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-  """Training FLOPs per token (forward + backward = 3x forward), causal attention halved."""
+  """Training FLOPs per token (forward + backward = 3x forward), causal attention halved.
+  MoE: only the experts a token uses count (k routed + the shared ones), and the router."""
   # Every weight multiplies once per token except the embedding lookup; a tied table
   # is used once, as the output head.
   norms = (2 * cfg.num_layers + 1) * cfg.embed_dim
   lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.embed_dim
-  matmul_params = count_params(cfg) - norms - lookup
+  matmul_params = count_params(cfg) - norms - lookup - moe.inactive_params(cfg)
   attn = 2 * 2 * cfg.num_layers * seq_len * cfg.num_heads * cfg.resolved_head_dim * 0.5
   return 3 * (2 * matmul_params + attn)

@@ -90,7 +90,9 @@ def serving_plan(mesh) -> ShardingPlan | None:
     return None
   acts = activation_rules(False).with_overrides('serve_activations', batch=None, seq=None,
                                                 act_seq=None)
-  return ShardingPlan(mesh, REPLICATED, REPLICATED, REPLICATED, acts)
+  # MoE experts stay whole on each device (their mlp dimension splits over tensor).
+  params = REPLICATED.with_overrides('serve_params', experts=None)
+  return ShardingPlan(mesh, params, params, params, acts)
 
 
 class ModelRunner:

@@ -20,7 +20,7 @@ class MeshConfig:
   fsdp: int = 1
   """Batch split whose devices also share the ZeRO-sharded state (parallel.zero_stage)."""
   expert: int = 1
-  """Expert parallelism (not built yet: must be 1)."""
+  """Expert parallelism: MoE experts split (model.num_experts), and the batch too."""
   context: int = 1
   """Context parallelism (not built yet: must be 1)."""
   tensor: int = 1

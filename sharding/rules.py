@@ -23,6 +23,10 @@ MeshAxes = str | tuple[str, ...] | None
 LogicalAxes = tuple[str | None, ...]
 
 BATCH_AXES = ('data', 'fsdp')
+# Expert parallelism also splits the batch over `expert` (the dense parts run on different
+# sequences per expert device; sharding/moe.py exchanges tokens between them). Only added
+# when mesh.expert > 1, so every other layout keeps its exact specs.
+EXPERT_BATCH_AXES = BATCH_AXES + ('expert',)
 
 # Tensor parallelism (Megatron layout): heads, kv heads, mlp and vocab split over
 # `tensor`; `embed` stays whole so each block needs one reduction per projection pair.
@@ -109,7 +113,8 @@ class ShardingPlan:
     return jax.tree.map(lambda a: self.sharding(rules, a), axes_tree, is_leaf=_is_axes)
 
   def batch_sharding(self) -> NamedSharding:
-    return NamedSharding(self.mesh, PartitionSpec(BATCH_AXES, self.activations.table['seq']))
+    batch = self.activations.table['batch']
+    return NamedSharding(self.mesh, PartitionSpec(batch, self.activations.table['seq']))
 
   def replicated(self) -> NamedSharding:
     return NamedSharding(self.mesh, PartitionSpec())
@@ -124,7 +129,10 @@ def make_plan(mesh: Mesh, zero_stage: int, sequence_parallel: bool = True) -> Sh
     raise ValueError(f'parallel.zero_stage={zero_stage}: choose one of {sorted(ZERO_STAGES)}.')
   params, grads, opt_state = ZERO_STAGES[zero_stage]
   sp = sequence_parallel and mesh.shape['tensor'] > 1
-  return ShardingPlan(mesh, params, grads, opt_state, activation_rules(sp))
+  activations = activation_rules(sp)
+  if mesh.shape['expert'] > 1:
+    activations = activations.with_overrides(f'{activations.name}_ep', batch=EXPERT_BATCH_AXES)
+  return ShardingPlan(mesh, params, grads, opt_state, activations)
 
 
 def constrain(x: jax.Array, axes: LogicalAxes, plan: ShardingPlan | None) -> jax.Array:

@@ -198,11 +198,12 @@ def validate(cfg: Config, num_devices: int, process_count: int = 1,
     if getattr(cfg.model, name) % sizes['tensor']:
       raise ValueError(f'model.{name}={getattr(cfg.model, name)} is not divisible by '
                        f'mesh.tensor={sizes["tensor"]}: pick a tensor size that divides it.')
-  for name in ('stage', 'expert', 'context'):
+  for name in ('stage', 'context'):
     if sizes[name] != 1:
       raise ValueError(f'mesh.{name}={sizes[name]}: {name} parallelism is not available yet; '
                        f'set --config.mesh.{name}=1.')
-  batch_shards = sizes['data'] * sizes['fsdp']
+  _validate_experts(cfg, sizes)
+  batch_shards = sizes['data'] * sizes['fsdp'] * sizes['expert']
   micro = cfg.data.batch_size // max(cfg.optim.grad_accum, 1)
   if cfg.optim.grad_accum < 1 or cfg.data.batch_size % cfg.optim.grad_accum:
     raise ValueError(f'data.batch_size={cfg.data.batch_size} must be a multiple of '
@@ -210,7 +211,8 @@ def validate(cfg: Config, num_devices: int, process_count: int = 1,
   if micro % batch_shards:
     raise ValueError(
         f'each microbatch has {micro} sequences (data.batch_size / optim.grad_accum), '
-        f'not divisible by mesh.data * mesh.fsdp = {batch_shards}: change data.batch_size.')
+        f'not divisible by mesh.data * mesh.fsdp * mesh.expert = {batch_shards}: change '
+        'data.batch_size.')
   if cfg.data.batch_size % process_count:
     raise ValueError(f'data.batch_size={cfg.data.batch_size} is not divisible by the '
                      f'{process_count} processes.')
@@ -227,6 +229,17 @@ def validate(cfg: Config, num_devices: int, process_count: int = 1,
                      "'continue' or 'stop'.")
   if cfg.optim.max_skipped_steps < 1:
     raise ValueError(f'optim.max_skipped_steps={cfg.optim.max_skipped_steps} must be >= 1.')
+
+
+def _validate_experts(cfg: Config, sizes: dict[str, int]) -> None:
+  """Expert parallelism splits the experts (and the batch) over mesh.expert."""
+  experts, n = cfg.model.num_experts, sizes['expert']
+  if n > 1 and not experts:
+    raise ValueError(f'mesh.expert={n} needs a mixture-of-experts model: set '
+                     'model.num_experts (a multiple of it) or --config.mesh.expert=1.')
+  if experts % n:
+    raise ValueError(f'model.num_experts={experts} is not divisible by mesh.expert={n}: '
+                     'choose a multiple of it, or another mesh.expert.')
 
 
 def data_files(cfg: DataConfig) -> list[str]:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 import model
+from model import moe
 from sharding import offload
 from sharding.rules import BATCH_AXES, ShardingPlan
 from training.config import Config
@@ -55,11 +56,22 @@ def init_state(cfg: Config, plan: ShardingPlan, tx) -> TrainState:
   return init(jax.random.key(cfg.seed))
 
 
-def loss_and_grads(params, batch: dict, cfg: Config, plan: ShardingPlan | None):
-  """Mean token loss and its gradients over the batch, in `grad_accum` microbatches."""
+def loss_and_grads(params, batch: dict, cfg: Config, plan: ShardingPlan | None,
+                   with_aux: bool = False):
+  """Mean token loss and its gradients over the batch, in `grad_accum` microbatches;
+  with_aux: also the MoE aux values (model.moe.AUX_KEYS).
+
+  MoE: the gradient is that of loss + moe_aux_loss_coef * moe_aux_loss +
+  router_z_loss_coef * router_z_loss; the loss returned is the language-model loss alone.
+  With grad_accum > 1 the aux losses are computed per microbatch and averaged (dropped
+  tokens summed).
+  """
   weight = jnp.maximum(jnp.sum(batch['weights'].astype(jnp.float32)), 1.0)
   accum = cfg.optim.grad_accum
-  if accum == 1:
+  aux = moe.zero_aux()
+  if cfg.model.num_experts:
+    total, grads, aux = _moe_loss_and_grads(params, batch, cfg, plan, weight)
+  elif accum == 1:
     total, grads = jax.value_and_grad(model.summed_nll)(params, batch, cfg.model, plan)
   else:
     # Microbatch i takes rows i, i+accum, ...: each stays spread over every batch shard.
@@ -68,7 +80,40 @@ def loss_and_grads(params, batch: dict, cfg: Config, plan: ShardingPlan | None):
         batch)
     accumulate = _accumulate_per_shard if _grads_replicated(plan) else _accumulate_sharded
     total, grads = accumulate(params, micro, cfg, plan)
-  return total / weight, jax.tree.map(lambda g: g / weight, grads)
+  loss, grads = total / weight, jax.tree.map(lambda g: g / weight, grads)
+  return (loss, grads, aux) if with_aux else (loss, grads)
+
+
+def _moe_loss_and_grads(params, batch: dict, cfg: Config, plan, weight):
+  """(summed nll, gradients of summed nll + weight * aux penalty, aux values); each
+  microbatch is differentiated and its gradient accumulated (sharded, as ZeRO-2/3)."""
+  m, accum = cfg.model, cfg.optim.grad_accum
+
+  def objective(p, mb):
+    total, aux = model.summed_nll_and_aux(p, mb, m, plan)
+    penalty = m.moe_aux_loss_coef * aux['moe_aux_loss'] + m.router_z_loss_coef * aux[
+        'router_z_loss']
+    return total + weight / accum * penalty, (total, aux)
+
+  grad_fn = jax.grad(objective, has_aux=True)
+  if accum == 1:
+    grads, (total, aux) = grad_fn(params, batch)
+    return total, grads, aux
+  micro = jax.tree.map(
+      lambda x: jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1), batch)
+  grad_sh = None if plan is None else plan.tree(plan.grads, model.logical_axes(m))
+
+  def body(acc, mb):
+    grads, out = grad_fn(params, mb)
+    acc = jax.tree.map(jnp.add, acc, (grads, out))
+    if grad_sh is not None:
+      acc = (jax.lax.with_sharding_constraint(acc[0], grad_sh), acc[1])
+    return acc, None
+
+  zeros = jax.tree.map(jnp.zeros_like, (params, (jnp.zeros(()), moe.zero_aux())))
+  (grads, (total, aux)), _ = jax.lax.scan(body, zeros, micro)
+  aux = {k: v if k == 'dropped_tokens' else v / accum for k, v in aux.items()}
+  return total, grads, aux
 
 
 def _grads_replicated(plan: ShardingPlan | None) -> bool:
@@ -139,7 +184,7 @@ def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
                                                   offload.default_kind(plan.mesh))
 
   def step(state: TrainState, batch: dict):
-    loss, grads = loss_and_grads(state.params, batch, cfg, plan)
+    loss, grads, aux = loss_and_grads(state.params, batch, cfg, plan, with_aux=True)
     # ZeRO-2/3: the constraint turns the gradient all-reduce into a reduce-scatter.
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
     if cfg.parallel.offload_optimizer:
@@ -153,6 +198,8 @@ def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
     new, ok = skip_if_not_finite(new, state, loss, grad_norm)
     metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state.step),
                'skipped': 1 - ok.astype(jnp.int32)}
+    if cfg.model.num_experts:
+      metrics.update(aux)
     return new, metrics
 
   batch_sh = plan.batch_sharding()

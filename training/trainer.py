@@ -10,6 +10,7 @@ import numpy as np
 from rich.console import Console
 
 import model
+from model import moe
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingPlan, check_divisible, make_plan
 from training import (checkpoint, config as config_lib, data, metrics, optimizer, resilience,
@@ -21,6 +22,7 @@ console = Console(stderr=True)
 _FIELD_OF_AXIS = {
     'vocab': 'model.vocab_size', 'embed': 'model.embed_dim', 'heads': 'model.num_heads',
     'kv_heads': 'model.num_kv_heads', 'mlp': 'model.mlp_dim', 'layers': 'model.num_layers',
+    'experts': 'model.num_experts',
 }
 
 
@@ -245,9 +247,10 @@ def _record(step, out, elapsed, tokens_per_step, flops_per_step, peak) -> dict:
   skipped = None
   if out['skipped']:
     skipped = 'non-finite loss' if not np.isfinite(out['loss']) else 'non-finite gradients'
+  moe_aux = {k: out[k] for k in moe.AUX_KEYS if k in out}   # MoE models only
   return {'step': step, 'loss': out['loss'], 'grad_norm': out['grad_norm'], 'lr': out['lr'],
           'tokens_per_sec': tokens_per_step / elapsed, 'step_time_s': elapsed, 'mfu': mfu,
-          'skipped': skipped}
+          'skipped': skipped, **moe_aux}
 
 
 def startup_line(t: Trainer, start: int) -> str:
