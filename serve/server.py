@@ -302,6 +302,7 @@ async def _outputs(state: ServerState, reqs: list[_Req]):
           if out is not None:   # a broken stream: make sure the engine lets it go too
             state.engine.abort(r.rid)
           _finish(state, r, 'abort' if out is None else 'error')
+          yield r, None         # readers learn of the early end (_ended_early says why)
         continue
       _apply(state, r, out)
       yield r, out
@@ -328,6 +329,8 @@ async def _collect(state: ServerState, request: fastapi.Request, reqs: list[_Req
     consumer.cancel()
     watcher.cancel()
     _abort(state, reqs)
+  if consumer.done() and not consumer.cancelled() and consumer.exception() is not None:
+    raise consumer.exception()   # our failure, not an abort: a 500 (`unexpected`)
 
 
 def _ended_early(state: ServerState, reqs: list[_Req]) -> ApiError | None:
@@ -429,26 +432,38 @@ def _error_event(err: ApiError) -> str:
   return _sse({**err.body(), 'status_code': err.status})
 
 
-async def _completion_events(state, reqs, body: CompletionBody, want_logprobs: bool):
-  meta, usage = _meta('text_completion', state), _include_usage(body)
+async def _events(state, reqs, body, meta, choice_fn):
+  """The SSE stream: a chunk per delta that choice_fn(r, out) turns into a choice (None:
+  nothing to send); a request cut short ends the stream with an error event, otherwise
+  the usage chunk if asked for; then [DONE]."""
+  extra = {'usage': None} if _include_usage(body) else {}
   async for r, out in _outputs(state, reqs):
     err = _ended_early(state, [r])
     if err:
       yield _error_event(err)
       break
+    choice = choice_fn(r, out)
+    if choice is not None:
+      yield _sse({**meta, 'choices': [choice], **extra})
+  else:
+    if extra:
+      yield _sse({**meta, 'choices': [], 'usage': _usage(reqs)})
+  yield 'data: [DONE]\n\n'
+
+
+def _completion_events(state, reqs, body: CompletionBody, want_logprobs: bool):
+  def choice(r, out):
     entries = _logprob_entries(out) if want_logprobs else []
     logprobs = None
     if want_logprobs:
       logprobs = _completion_logprobs(state.served.tokenizer, entries, r.logprob_offset)
       r.logprob_offset += sum(len(t) for t in logprobs['tokens'])
-    if out.new_text or entries or r.finish_reason:
-      choice = {'index': r.index, 'text': out.new_text, 'logprobs': logprobs,
-                'finish_reason': r.finish_reason}
-      yield _sse({**meta, 'choices': [choice], **({'usage': None} if usage else {})})
-  else:
-    if usage:
-      yield _sse({**meta, 'choices': [], 'usage': _usage(reqs)})
-  yield 'data: [DONE]\n\n'
+    if not (out.new_text or entries or r.finish_reason):
+      return None
+    return {'index': r.index, 'text': out.new_text, 'logprobs': logprobs,
+            'finish_reason': r.finish_reason}
+
+  return _events(state, reqs, body, _meta('text_completion', state), choice)
 
 
 def _completion_json(state, reqs, want_logprobs: bool) -> dict:
@@ -460,27 +475,22 @@ def _completion_json(state, reqs, want_logprobs: bool) -> dict:
 
 
 async def _chat_events(state, reqs, body: ChatBody, want_logprobs: bool):
-  meta, usage = _meta('chat.completion.chunk', state), _include_usage(body)
-  extra = {'usage': None} if usage else {}
+  meta = _meta('chat.completion.chunk', state)
   first = {'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'logprobs': None,
            'finish_reason': None}
-  yield _sse({**meta, 'choices': [first], **extra})
-  async for r, out in _outputs(state, reqs):
-    err = _ended_early(state, [r])
-    if err:
-      yield _error_event(err)
-      break
+  yield _sse({**meta, 'choices': [first], **({'usage': None} if _include_usage(body) else {})})
+
+  def choice(r, out):
     entries = _logprob_entries(out) if want_logprobs else []
-    if out.new_text or entries or r.finish_reason:
-      delta = {'content': out.new_text} if out.new_text else {}
-      logprobs = _chat_logprobs(state.served.tokenizer, entries) if want_logprobs else None
-      choice = {'index': 0, 'delta': delta, 'logprobs': logprobs,
-                'finish_reason': r.finish_reason}
-      yield _sse({**meta, 'choices': [choice], **extra})
-  else:
-    if usage:
-      yield _sse({**meta, 'choices': [], 'usage': _usage(reqs)})
-  yield 'data: [DONE]\n\n'
+    if not (out.new_text or entries or r.finish_reason):
+      return None
+    delta = {'content': out.new_text} if out.new_text else {}
+    logprobs = _chat_logprobs(state.served.tokenizer, entries) if want_logprobs else None
+    return {'index': 0, 'delta': delta, 'logprobs': logprobs,
+            'finish_reason': r.finish_reason}
+
+  async for event in _events(state, reqs, body, meta, choice):
+    yield event
 
 
 def _chat_json(state, reqs, want_logprobs: bool) -> dict:

@@ -302,6 +302,72 @@ def test_disconnect_aborts_streaming_and_plain_requests(fake_server, fake):
   assert len(fake.aborted) == 2
 
 
+class _BrokenStream:
+  """An engine stream that raises after its first output (a pump that dies)."""
+
+  def __init__(self, stream):
+    self.stream, self.request_id = stream, stream.request_id
+
+  async def __aiter__(self):
+    async for out in self.stream:
+      yield out
+      raise RuntimeError('the stream broke')
+
+
+class _BrokenEngine(FakeEngine):
+  """`mode` 'stream': each stream dies after one output; 'output': its second output is
+  not a RequestOutput, so reading it fails in the server itself."""
+
+  def __init__(self, mode):
+    super().__init__()
+    self.mode = mode
+
+  def add_request(self, prompt_ids, params, request_id=None):
+    stream = super().add_request(prompt_ids, params, request_id)
+    if self.mode == 'stream':
+      return _BrokenStream(stream)
+    stream.put(engine_lib.RequestOutput(request_id, [], '', None, False, None,
+                                        len(prompt_ids), 0))
+    stream.put(object())
+    return stream
+
+
+@pytest.fixture
+def broken_server(request):
+  engine = _BrokenEngine(request.param)
+  server = ServerThread(create_app(engine, FakeServed()))
+  yield server, engine
+  server.stop()
+  engine.shutdown()
+
+
+@pytest.mark.parametrize('broken_server', ['stream'], indirect=True)
+def test_a_stream_that_dies_ends_with_an_error_chunk(broken_server):
+  server, engine = broken_server
+  with httpx.stream('POST', server.url + '/v1/completions', timeout=30,
+                    json={'model': 'fake', 'prompt': 'abcdef', 'max_tokens': 50,
+                          'stream': True}) as resp:
+    events = [l[len('data: '):] for l in resp.iter_lines() if l.startswith('data: ')]
+  assert events[-1] == '[DONE]', events
+  last = json.loads(events[-2])
+  assert last['error']['code'] == 'engine_error' and last['status_code'] == 500, events
+  with pytest.raises(openai.APIError):   # the client sees the failure, not a clean end
+    for _ in _client(server).completions.create(model='fake', prompt='abc', max_tokens=50,
+                                                 stream=True):
+      pass
+  _wait_for(lambda: engine.held == 0)
+
+
+@pytest.mark.parametrize('broken_server', ['output'], indirect=True)
+def test_a_server_failure_on_a_plain_request_is_a_500(broken_server):
+  server, engine = broken_server
+  resp = httpx.post(server.url + '/v1/completions', timeout=30,
+                    json={'model': 'fake', 'prompt': 'abc', 'max_tokens': 50})
+  assert resp.status_code == 500, resp.text
+  assert resp.json()['error']['type'] == 'server_error', resp.text
+  _wait_for(lambda: engine.held == 0)
+
+
 def test_disconnect_before_the_first_token(fake_server, fake):
   fake.paused = True
   with pytest.raises(httpx.ReadTimeout):
