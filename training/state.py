@@ -74,14 +74,18 @@ def loss_and_grads(params, batch: dict, cfg: Config, plan: ShardingPlan | None,
   elif accum == 1:
     total, grads = jax.value_and_grad(model.summed_nll)(params, batch, cfg.model, plan)
   else:
-    # Microbatch i takes rows i, i+accum, ...: each stays spread over every batch shard.
-    micro = jax.tree.map(
-        lambda x: jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1),
-        batch)
+    micro = _microbatches(batch, accum)
     accumulate = _accumulate_per_shard if _grads_replicated(plan) else _accumulate_sharded
     total, grads = accumulate(params, micro, cfg, plan)
   loss, grads = total / weight, jax.tree.map(lambda g: g / weight, grads)
   return (loss, grads, aux) if with_aux else (loss, grads)
+
+
+def _microbatches(batch: dict, accum: int) -> dict:
+  """[accum, b / accum, ...]: microbatch i takes rows i, i+accum, ..., so each stays spread
+  over every batch shard."""
+  return jax.tree.map(
+      lambda x: jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1), batch)
 
 
 def _moe_loss_and_grads(params, batch: dict, cfg: Config, plan, weight):
@@ -99,8 +103,7 @@ def _moe_loss_and_grads(params, batch: dict, cfg: Config, plan, weight):
   if accum == 1:
     grads, (total, aux) = grad_fn(params, batch)
     return total, grads, aux
-  micro = jax.tree.map(
-      lambda x: jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1), batch)
+  micro = _microbatches(batch, accum)
   grad_sh = None if plan is None else plan.tree(plan.grads, model.logical_axes(m))
 
   def body(acc, mb):
