@@ -100,7 +100,9 @@ def _token_layout(t, kv_lens, cu_q_lens, num_seqs):
   # Entries past num_seqs may be stale junk: hide them from the search.
   cu_live = jnp.where(jnp.arange(cu_q_lens.shape[0]) <= num_seqs, cu_q_lens,
                       jnp.iinfo(jnp.int32).max)
-  seq = jnp.searchsorted(cu_live, rows, side='right').astype(jnp.int32) - 1
+  # compare_all: [T, S] comparisons, no loop (the default bisects in a while loop).
+  seq = jnp.searchsorted(cu_live, rows, side='right', method='compare_all').astype(jnp.int32)
+  seq = seq - 1
   seq = jnp.clip(seq, 0, kv_lens.shape[0] - 1)
   q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
   pos = kv_lens[seq] - q_len + (rows - cu_q_lens[seq])
@@ -114,7 +116,8 @@ _XLA_WINDOW = 32   # query rows per work item of the by-sequence path
 
 
 def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                        sm_scale=None, block_k=None, window=None, row_tokens=0):
+                        sm_scale=None, block_k=None, window=None, row_tokens=0,
+                        step_dense=False):
   """Ragged paged attention in plain jnp for serving without the kernel (CPU default).
 
   Flash-style (online softmax over key blocks of `block_k` tokens), so no step ever
@@ -132,6 +135,13 @@ def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
   row_tokens: steps of at most this many rows (T, static) take the by-row path even with
   prefill chunks: at small T its gathers cost less than the by-sequence path's loops and
   padded windows (measured on CPU: 128 rows, 15 decodes + a 100-token chunk, 40% faster).
+  step_dense: first, at run time, the split path when it applies: every query row
+  attends the step's own rows densely ([T, T] scores, block-diagonal causal), and only
+  the first S rows (S = sequence slots) attend their cached prefix, by row. It applies
+  when no row past the first S has a cached prefix: decode rows first, then prefill
+  chunks starting at position 0, which is how the scheduler orders a step without
+  chunked-prefill continuations or prefix hits. Memory O(T * T * Hq): the caller enables
+  it for small T only.
   """
   _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
   page_size = k_pages.shape[1]
@@ -147,9 +157,55 @@ def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
   by_seq = functools.partial(_xla_by_sequence, ppb=ppb, scale=scale,
                              window=min(window or _XLA_WINDOW, q.shape[0]))
   if q.shape[0] <= row_tokens:
-    return by_row(*args).astype(q.dtype)
-  out = lax.cond(cu_q_lens[num_seqs] == num_seqs, by_row, by_seq, *args)
-  return out.astype(q.dtype)
+    general = by_row
+  else:
+    general = lambda *a: lax.cond(cu_q_lens[num_seqs] == num_seqs, by_row, by_seq, *a)
+  if not step_dense:
+    return general(*args).astype(q.dtype)
+  split = functools.partial(_xla_step_dense, ppb=ppb, scale=scale)
+  prefix = _prefix_lens(q.shape[0], kv_lens, cu_q_lens, num_seqs)
+  fits = jnp.all(prefix[min(page_indices.shape[0], q.shape[0]):] == 0)
+  return lax.cond(fits, split, general, *args).astype(q.dtype)
+
+
+def _prefix_lens(t, kv_lens, cu_q_lens, num_seqs):
+  """Per query row: how many of its sequence's keys were cached before this step."""
+  seq, _, live = _token_layout(t, kv_lens, cu_q_lens, num_seqs)
+  return jnp.where(live, kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq]), 0)
+
+
+def _xla_step_dense(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale):
+  """The split path (see paged_attention_xla's step_dense): the step's rows among
+  themselves, one dense online-softmax block, then the first S rows' cached prefixes."""
+  t, hq, d = q.shape
+  hkv, page_size = pages[0].shape[2], pages[0].shape[1]
+  seq, pos, live = _token_layout(t, kv_lens, cu_q_lens, num_seqs)
+  qg = q.reshape(t, hkv, hq // hkv, d)
+  # This step's K/V, read back from the slots the step has just written.
+  page = jnp.where(live, table[seq, pos // page_size], 0)
+  k, v = (p[page, pos % page_size] for p in pages)                         # [T, Hkv, D]
+  v = jnp.where(live[:, None, None], v, 0)   # padding rows' slots hold junk, maybe NaN
+  # A sequence's rows are contiguous and in position order: row r sees the rows from its
+  # sequence's first up to itself. (Comparing row indices, not gathered sequence ids and
+  # positions, which XLA:CPU re-gathers per score element: measured 3x slower.)
+  rows = jnp.arange(t)
+  first = jnp.where(live, cu_q_lens[seq], t)                      # padding rows: none
+  visible = (rows[None, :] >= first[:, None]) & (rows[None, :] <= rows[:, None])   # [T, T]
+  # Heads leading: XLA:CPU runs these dots 4x faster than with the token axis first.
+  to_heads = lambda x: jnp.moveaxis(x, 0, -2)                    # [T, Hkv, (G,) D] -> heads
+  m, l, acc = _softmax_step(_softmax_init((hkv, hq // hkv, t), d), to_heads(qg),
+                            to_heads(k), to_heads(v), visible, scale,
+                            'kgtd,kud->kgtu', 'kgtu,kud->kgtd')
+  m, l, acc = (jnp.moveaxis(x, 2, 0) for x in (m, l, acc))                # rows leading
+  n = min(table.shape[0], t)
+  prefix = _prefix_lens(t, kv_lens, cu_q_lens, num_seqs)[:n]
+  step = functools.partial(_xla_row_block, qg=qg[:n], pages=pages, table=table[seq[:n]],
+                           pos=pos[:n], row_len=prefix, ppb=ppb, scale=scale)
+  num_blocks = pl.cdiv(jnp.max(prefix), ppb * page_size)
+  head = lax.fori_loop(0, num_blocks, step, (m[:n], l[:n], acc[:n]))
+  l, acc = (jnp.concatenate([h, x[n:]]) for h, x in zip(head[1:], (l, acc)))
+  out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(t, hq, d)
+  return jnp.where(live[:, None, None], out, 0)
 
 
 def _xla_by_row(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale):

@@ -8,7 +8,7 @@ the step in flight is done, so a step never sees a request vanish under it.
   add_request ──lock──> scheduler.add_request ─┐
   abort ───────> inbox ─┐                      │
                         v                      v
-  loop:  [aborts] -> schedule() -> runner.execute() -> sample() -> update_from_output()
+  loop:  [aborts] -> schedule() -> runner.step() -> sample()    -> update_from_output()
                                                                   -> detokenize, stop strings
                                                                   -> streams
 """
@@ -294,7 +294,7 @@ class Engine:
         self._make_kv_manager())
     runner = ModelRunner(self.served.params, self.served.model_cfg,
                          RunnerConfig(**shared, attention=resolve_attention(cfg)),
-                         mesh=self.mesh)
+                         mesh=self.mesh, vocab_size=self.vocab_size)
     return scheduler, runner
 
   def _make_kv_manager(self):
@@ -503,11 +503,16 @@ class Engine:
 
   def _execute(self, out):
     """Runs the model and samples: ({id: token}, {id: TokenLogprob}) of sampling chunks."""
-    logits = self.runner.execute(out)
+    step = self.runner.step(out)
     rows = [self._tracked[c.request_id] for c in out.chunks if c.sample]
     if not rows:
       return {}, {}
-    res = self.sampler(logits, [t.request.sampling_params for t in rows],
+    params = [t.request.sampling_params for t in rows]
+    if all(p.greedy and p.logprobs is None for p in params):
+      # The step's own argmax: the token the sampler would pick, without its program.
+      res = sampler.SampleResult(np.asarray(step.greedy)[:len(rows)], None, [None] * len(rows))
+    else:
+      res = self.sampler(step.logits[:len(rows)], params,
                          [t.request.num_output_tokens for t in rows], self.vocab_size)
     tokens, logprobs = {}, {}
     for i, t in enumerate(rows):

@@ -12,6 +12,7 @@ only the sampled chunks' last rows reach the vocabulary projection.
 """
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -95,12 +96,26 @@ def serving_plan(mesh) -> ShardingPlan | None:
   return ShardingPlan(mesh, params, params, params, acts)
 
 
-class ModelRunner:
-  """Runs scheduler outputs through the paged forward; owns the KV cache."""
+class StepResult(NamedTuple):
+  """One step's sampled rows, on the device: logits [S, vocab] (rows past num_sampled are
+  padding) and each row's greedy token [S] (argmax over the first `vocab_size` ids, as
+  the sampler's greedy rows take it), so an all-greedy step needs no sampler."""
+  logits: jax.Array
+  greedy: jax.Array
+  num_sampled: int
 
-  def __init__(self, params, model_cfg: ModelConfig, runner_cfg: RunnerConfig, mesh=None):
+
+class ModelRunner:
+  """Runs scheduler outputs through the paged forward; owns the KV cache.
+
+  vocab_size: ids the greedy tokens are chosen among (the tokenizer's; default the
+  model's vocabulary, which may be padded past it)."""
+
+  def __init__(self, params, model_cfg: ModelConfig, runner_cfg: RunnerConfig, mesh=None,
+               vocab_size: int | None = None):
     runner_cfg.validate()
     self.model_cfg, self.cfg = model_cfg, runner_cfg
+    self.vocab_size = vocab_size or model_cfg.vocab_size
     self.plan = serving_plan(mesh)
     self.impl = runner_cfg.resolved_attention
     self._tokens = token_buckets(runner_cfg)
@@ -109,7 +124,8 @@ class ModelRunner:
     self.cache = self._empty_cache()
     out_sh = None
     if self.plan is not None:   # logits gathered whole for the sampler
-      out_sh = (NamedSharding(mesh, PartitionSpec()), (cache_sharding,) * 2)
+      whole = NamedSharding(mesh, PartitionSpec())
+      out_sh = (whole, whole, (cache_sharding,) * 2)
     self._step = jax.jit(self._run, donate_argnums=(1,), out_shardings=out_sh)
 
   def _empty_cache(self):
@@ -131,16 +147,19 @@ class ModelRunner:
   def _place(self, params):
     """Parameters on the device(s), and the cache's sharding (None: one device)."""
     if self.plan is None:
-      return jax.device_put(params), None
+      return paged.unstack_layers(jax.device_put(params), self.model_cfg), None
     axes = logical_axes(self.model_cfg)
     check_divisible(self.plan, self.plan.params, abstract_params(self.model_cfg), axes,
                     _FIELD_OF_AXIS)
     params = jax.device_put(params, self.plan.tree(self.plan.params, axes))
-    return params, self.plan.sharding(self.plan.params, paged.KV_CACHE_AXES)
+    return (paged.unstack_layers(params, self.model_cfg),
+            self.plan.sharding(self.plan.params, paged.KV_CACHE_AXES))
 
   def _run(self, params, cache, batch):
-    return paged.sampled_logits(params, cache, batch, self.model_cfg, impl=self.impl,
-                                plan=self.plan)
+    logits, cache = paged.sampled_logits(params, cache, batch, self.model_cfg,
+                                         impl=self.impl, plan=self.plan)
+    greedy = jnp.argmax(logits[:, :self.vocab_size], axis=-1).astype(jnp.int32)
+    return logits, greedy, cache
 
   @property
   def num_compiles(self) -> int:
@@ -152,18 +171,24 @@ class ModelRunner:
     for t in self._tokens:
       batch = _empty_batch(t, seq_bucket(self.cfg, t), self.cfg)
       batch = paged.PagedBatch(**{k: jnp.asarray(v) for k, v in batch.items()})
-      _, self.cache = self._step(self.params, self.cache, batch)
+      *_, self.cache = self._step(self.params, self.cache, batch)
 
   def execute(self, out) -> jax.Array:
     """float32 logits [chunks with sample=True, vocab] in chunk order; the step's K/V
     written into the cache. `out.chunks` items need token_ids, start_position, block_ids
     and sample."""
+    res = self.step(out)
+    return res.logits[:res.num_sampled]
+
+  def step(self, out) -> StepResult:
+    """`execute`, with the logits left padded and the greedy tokens beside them."""
     chunks = list(out.chunks)
     if not chunks:
-      return jnp.zeros((0, self.model_cfg.vocab_size), jnp.float32)
+      empty = jnp.zeros((0, self.model_cfg.vocab_size), jnp.float32)
+      return StepResult(empty, jnp.zeros((0,), jnp.int32), 0)
     batch, num_sampled = self.build_batch(chunks)
-    logits, self.cache = self._step(self.params, self.cache, batch)
-    return logits[:num_sampled]
+    logits, greedy, self.cache = self._step(self.params, self.cache, batch)
+    return StepResult(logits, greedy, num_sampled)
 
   def build_batch(self, chunks) -> tuple[paged.PagedBatch, int]:
     """The padded host-side batch for `chunks`, and how many of them are sampled."""

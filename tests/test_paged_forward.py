@@ -95,6 +95,34 @@ def test_xla_matches_reference_poisoned(seqs, row_tokens, hq, hkv, block_k, wind
   np.testing.assert_array_equal(np.asarray(out[case.live_rows:]), 0)
 
 
+# Cached prefixes only in the first max_seqs (7) rows: decodes and a continued chunk
+# first, then prompts from position 0 (what the scheduler's steps mostly look like).
+SPLIT = [(1, 9), (5, 13), (12, 12), (1, 1), (7, 7)]
+
+
+@pytest.mark.parametrize('hq,hkv,block_k', [(8, 2, 4), (4, 4, 8), (7, 1, 64)])
+def test_xla_step_dense_split_matches_reference_poisoned(hq, hkv, block_k):
+  """step_dense: the split path (the step's rows densely among themselves, then the first
+  S rows' cached prefixes) equals the reference where it applies; where a later row has
+  a cached prefix (MIXED: a chunk continued at position 23 in rows 19-25), the split path
+  alone would be wrong, and paged_attention_xla falls back to the general one."""
+  fn = jax.jit(lambda *a: pa.paged_attention_xla(*a, block_k=block_k, step_dense=True))
+  for seqs in (SPLIT, MIXED):
+    case = make_case(seqs, hq=hq, hkv=hkv, max_seqs=7, seed=hq)
+    ref = pa.paged_attention_reference(*case.args)
+    out = fn(*case.args)
+    assert np.isfinite(np.asarray(out[:case.live_rows])).all()
+    assert rel_err(out, ref) < 1e-5, (seqs, rel_err(out, ref))
+    np.testing.assert_array_equal(np.asarray(out[case.live_rows:]), 0)
+    q, k_pages, v_pages, *meta = case.args
+    split = pa._xla_step_dense(q, (k_pages, v_pages), *meta, ppb=1,
+                               scale=1 / np.sqrt(q.shape[-1]))
+    if seqs is SPLIT:
+      assert rel_err(split, ref) < 1e-5
+    else:
+      assert not rel_err(split, ref) < 1e-3   # the fallback is needed
+
+
 @pytest.mark.parametrize('dtype,tol', [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 def test_xla_long_context_and_shared_prefix(dtype, tol):
   for case in (make_case([(1, 200), (9, 200), (4, 37)], hq=8, hkv=2, d=32, page_size=8,

@@ -174,7 +174,7 @@ def test_abort_frees_every_block(engine, prompts):
 
 def test_failing_step_fails_its_requests_and_engine_keeps_serving(engine, prompts,
                                                                   reference, monkeypatch):
-  real = engine.runner.execute
+  real = engine.runner.step
   calls = []
 
   def fail_once(out):
@@ -183,7 +183,7 @@ def test_failing_step_fails_its_requests_and_engine_keeps_serving(engine, prompt
       raise RuntimeError('injected step failure')
     return real(out)
 
-  monkeypatch.setattr(engine.runner, 'execute', fail_once)
+  monkeypatch.setattr(engine.runner, 'step', fail_once)
   with engine._lock:   # both in the first step
     streams = [engine.add_request(p, GREEDY) for p in prompts[:2]]
   failed = [s.result() for s in streams]
