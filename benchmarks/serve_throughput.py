@@ -104,10 +104,48 @@ def run_meshlm(path: str, shapes: Shapes, prompts, out_lens) -> dict:
     one_s = time.perf_counter() - start
     compiles = engine.runner.num_compiles
     assert compiles == warm, f'{compiles - warm} programs compiled after the warm-up'
+    profile = profile_steps(engine, prompts, out_lens)
   assert [len(r.token_ids) for r in batched] == out_lens
   return {'continuous_s': cb_s, 'one_at_a_time_s': one_s, 'compiles': compiles,
           'same_tokens': [r.token_ids for r in batched] == [r.token_ids for r in single],
-          'tokens': [r.token_ids for r in batched]}
+          'tokens': [r.token_ids for r in batched], 'profile': profile}
+
+
+def profile_steps(engine, prompts, out_lens) -> dict:
+  """Where continuous batching's time goes: the workload once more (after the timed
+  runs, so the timing is not disturbed), each model step waited for and filed by its
+  token bucket and kind (decode only, or with prefill chunks)."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  from serve.model_runner import token_buckets
+  buckets, real, steps = token_buckets(engine.runner.cfg), engine.runner.step, {}
+
+  def timed(out):
+    start = time.perf_counter()
+    res = real(out)
+    jax.block_until_ready(res.logits)
+    tokens = sum(len(c.token_ids) for c in out.chunks)
+    key = f'{next(b for b in buckets if b >= tokens)}_' + (
+        'decode' if tokens == len(out.chunks) else 'mixed')
+    entry = steps.setdefault(key, {'steps': 0, 'seconds': 0.0, 'tokens': 0})
+    entry['steps'] += 1
+    entry['seconds'] += time.perf_counter() - start
+    entry['tokens'] += tokens
+    return res
+
+  engine.runner.step = timed
+  try:
+    start = time.perf_counter()
+    engine.generate(prompts, _params(out_lens))
+    wall = time.perf_counter() - start
+  finally:
+    del engine.runner.step   # the instance attribute; the method is back
+  in_steps = sum(e['seconds'] for e in steps.values())
+  for e in steps.values():
+    e['ms_per_step'] = 1e3 * e['seconds'] / e['steps']
+    e['share_of_wall'] = e['seconds'] / wall
+  return {'wall_s': wall, 'in_model_steps_s': in_steps, 'outside_steps_s': wall - in_steps,
+          'by_bucket': dict(sorted(steps.items(), key=lambda kv: -kv[1]['seconds']))}
 
 
 def run_transformers(path: str, shapes: Shapes, prompts, out_lens) -> dict:
@@ -190,6 +228,7 @@ def benchmark(shapes: Shapes) -> dict:
       'load_average_1min': os.getloadavg()[0],   # the 2 cores are shared: context
       'versions': {'transformers': transformers.__version__, 'torch': torch.__version__},
       'torch_threads': peer['torch_threads'],
+      'meshlm_step_profile': meshlm['profile'],
   }
 
 

@@ -46,10 +46,10 @@ def tiny_cfg(**kw) -> ModelConfig:
                      num_kv_heads=2, max_seq_len=64, init_std=0.3, **kw)
 
 
-def tiny_runner(params, cfg, mesh=None, **kw) -> ModelRunner:
+def tiny_runner(params, cfg, mesh=None, vocab_size=None, **kw) -> ModelRunner:
   rc = dict(block_size=4, num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32,
             max_model_len=64, attention='xla')
-  return ModelRunner(params, cfg, RunnerConfig(**{**rc, **kw}), mesh)
+  return ModelRunner(params, cfg, RunnerConfig(**{**rc, **kw}), mesh, vocab_size=vocab_size)
 
 
 def dense_logits(params, cfg, tokens) -> np.ndarray:

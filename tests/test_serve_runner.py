@@ -226,3 +226,17 @@ def test_describe_capacity():
   assert '4.00x concurrency' in kv_cache.describe_capacity(16, 16, 64)
   with pytest.raises(ValueError, match='fewer than one request'):
     kv_cache.describe_capacity(3, 16, 64)
+
+
+def test_step_greedy_tokens_are_the_argmax_within_the_tokenizer_vocab(setup):
+  """The step's own greedy tokens (what an all-greedy engine step uses instead of the
+  sampler) are the argmax of the sampled rows over the first vocab_size ids only: the
+  model's padded vocabulary past the tokenizer's is never chosen."""
+  cfg, params, prompts = setup
+  runner = tiny_runner(params, cfg, vocab_size=40)
+  chunks = [Chunk(p[:7], 0, list(range(5 * i, 5 * i + 5)), i != 1) for i, p in enumerate(prompts)]
+  res = runner.step(Out(chunks))
+  logits = np.asarray(res.logits[:res.num_sampled])
+  assert res.num_sampled == 3
+  np.testing.assert_array_equal(np.asarray(res.greedy)[:3], logits[:, :40].argmax(-1))
+  assert (logits.argmax(-1) >= 40).any()   # the cut matters for these rows
