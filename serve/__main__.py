@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     cfg = config_lib.config_from_args(args)
     served = config_lib.load_served_model(args)
     engine = Engine(served, cfg)
+    served = engine.served   # without the loaded weights: the engine's copy is the one kept
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2

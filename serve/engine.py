@@ -269,6 +269,9 @@ class Engine:
     self.num_blocks = size_cache(served, cfg, self.mesh, self.max_model_len)
     print(describe_cache(self.num_blocks, cfg, self.max_model_len), flush=True)
     self.scheduler, self.runner = self._build_parts()
+    # The runner holds the weights now (per layer, model.paged.unstack_layers); keep the
+    # rest only, so the caller can drop the stacked arrays it loaded (see serve.__main__).
+    self.served = dataclasses.replace(served, params=None)
     self.sampler = sampler.Sampler(cfg.seed)   # cfg.seed draws for unseeded requests
     self._tracked: dict[str, _Tracked] = {}
     self._aborts: dict[str, str] = {}   # request id -> why

@@ -141,6 +141,7 @@ def main(argv=None) -> int:
     jobs = read_jobs(args.prompts)
     served = config_lib.load_served_model(args)
     engine = Engine(served, cfg)
+    served = engine.served   # without the loaded weights: the engine's copy is the one kept
   except (BadLine, ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
