@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from model import moe
 from model.config import ModelConfig
 from pallas_kernels.flash_attention import flash_attention
+from sharding import context
 from sharding.rules import ShardingPlan, constrain
 
 Params = dict[str, Any]
@@ -218,7 +219,9 @@ def project_qkv(x, layer, positions, inv_freq, plan):
 
 def attention(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan):
   q, k, v = project_qkv(x, layer, positions, inv_freq, plan)
-  if cfg.attention_impl == 'xla':
+  if context.context_size(plan) > 1:   # the sequence split over devices
+    out = context.attention(q, k, v, segment_ids, plan, constrain)
+  elif cfg.attention_impl == 'xla':
     out = attention_xla(q, k, v, segment_ids)
   elif cfg.attention_impl == 'cudnn':
     out = attention_cudnn(q, k, v, segment_ids)

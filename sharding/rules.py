@@ -104,6 +104,9 @@ class ShardingPlan:
   grads: Rules
   opt_state: Rules
   activations: Rules
+  # Context parallelism (sharding.context), when the mesh's context axis is > 1.
+  context_strategy: str = 'all_gather'   # 'all_gather' | 'ring'
+  context_load_balance: bool = False     # the batch is reordered for causal balance
 
   def sharding(self, rules: Rules, axes: LogicalAxes) -> NamedSharding:
     return NamedSharding(self.mesh, rules.spec(axes))
@@ -124,7 +127,9 @@ def _is_axes(x) -> bool:
   return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
-def make_plan(mesh: Mesh, zero_stage: int, sequence_parallel: bool = True) -> ShardingPlan:
+def make_plan(mesh: Mesh, zero_stage: int, sequence_parallel: bool = True,
+              context_strategy: str = 'all_gather',
+              context_load_balance: bool = False) -> ShardingPlan:
   if zero_stage not in ZERO_STAGES:
     raise ValueError(f'parallel.zero_stage={zero_stage}: choose one of {sorted(ZERO_STAGES)}.')
   params, grads, opt_state = ZERO_STAGES[zero_stage]
@@ -132,7 +137,8 @@ def make_plan(mesh: Mesh, zero_stage: int, sequence_parallel: bool = True) -> Sh
   activations = activation_rules(sp)
   if mesh.shape['expert'] > 1:
     activations = activations.with_overrides(f'{activations.name}_ep', batch=EXPERT_BATCH_AXES)
-  return ShardingPlan(mesh, params, grads, opt_state, activations)
+  return ShardingPlan(mesh, params, grads, opt_state, activations, context_strategy,
+                      context_load_balance)
 
 
 def constrain(x: jax.Array, axes: LogicalAxes, plan: ShardingPlan | None) -> jax.Array:

@@ -26,6 +26,13 @@ class ParallelConfig:
   offload_optimizer: bool = False
   """Keep the optimizer state in host memory (pinned_host) between steps, in its ZeRO
   layout, and move it to the device for the update (ZeRO-Offload)."""
+  context_strategy: str = 'all_gather'
+  """With mesh.context > 1: 'all_gather' (keys and values gathered whole, queries split)
+  or 'ring' (K/V chunks passed round the devices by collective permutes, partial results
+  merged by log-sum-exp; no device holds more than two chunks)."""
+  context_load_balance: bool = True
+  """With mesh.context > 1: reorder each sequence once at the input so device i holds
+  chunks i and 2N-1-i of 2N, giving every device the same causal attention work."""
 
 
 @dataclasses.dataclass
@@ -161,6 +168,25 @@ def init_distributed(cfg: DistributedConfig) -> None:
                                num_processes=cfg.num_processes, process_id=cfg.process_id)
 
 
+def _validate_context(cfg: Config, sizes) -> None:
+  n = sizes['context']
+  if cfg.parallel.context_strategy not in ('all_gather', 'ring'):
+    raise ValueError(f'parallel.context_strategy={cfg.parallel.context_strategy!r}: choose '
+                     "'all_gather' or 'ring'.")
+  if n == 1:
+    return
+  if cfg.model.attention_impl != 'xla':
+    raise ValueError(
+        f'mesh.context={n} runs attention in jnp blocks only; model.attention_impl='
+        f'{cfg.model.attention_impl!r} under context parallelism is not built yet: set '
+        '--config.model.attention_impl=xla (or mesh.context=1).')
+  if cfg.parallel.context_load_balance and cfg.data.seq_len % (2 * n):
+    raise ValueError(
+        f'data.seq_len={cfg.data.seq_len} does not split into 2 x mesh.context = {2 * n} '
+        'chunks for parallel.context_load_balance: choose a multiple of '
+        f'{2 * n} (or set --config.parallel.context_load_balance=False).')
+
+
 def validate(cfg: Config, num_devices: int, process_count: int = 1,
              platform: str | None = None) -> None:
   """Checks what can be checked before touching a device; errors name field and fix.
@@ -198,10 +224,11 @@ def validate(cfg: Config, num_devices: int, process_count: int = 1,
     if getattr(cfg.model, name) % sizes['tensor']:
       raise ValueError(f'model.{name}={getattr(cfg.model, name)} is not divisible by '
                        f'mesh.tensor={sizes["tensor"]}: pick a tensor size that divides it.')
-  for name in ('stage', 'context'):
+  for name in ('stage',):
     if sizes[name] != 1:
       raise ValueError(f'mesh.{name}={sizes[name]}: {name} parallelism is not available yet; '
                        f'set --config.mesh.{name}=1.')
+  _validate_context(cfg, sizes)
   _validate_experts(cfg, sizes)
   batch_shards = sizes['data'] * sizes['fsdp'] * sizes['expert']
   micro = cfg.data.batch_size // max(cfg.optim.grad_accum, 1)

@@ -10,7 +10,7 @@ import optax
 
 import model
 from model import moe
-from sharding import offload
+from sharding import context, offload
 from sharding.rules import BATCH_AXES, ShardingPlan
 from training.config import Config
 
@@ -67,6 +67,7 @@ def loss_and_grads(params, batch: dict, cfg: Config, plan: ShardingPlan | None,
   tokens summed).
   """
   weight = jnp.maximum(jnp.sum(batch['weights'].astype(jnp.float32)), 1.0)
+  batch = context.reorder_batch(batch, plan)   # causal load balance under CP
   accum = cfg.optim.grad_accum
   aux = moe.zero_aux()
   if cfg.model.num_experts:
