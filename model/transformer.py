@@ -8,6 +8,7 @@ f mlp, v vocab.
 """
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -179,13 +180,17 @@ def attention_cudnn(q, k, v, segment_ids):
   return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation='cudnn')
 
 
+def _flash_kernels(backend: str) -> dict:
+  if backend == 'mosaic_gpu_fused':
+    return dict(backend='mosaic_gpu', backend_bwd=backend)
+  return dict(backend=backend)
+
+
 def attention_pallas(q, k, v, segment_ids, plan, backend='triton'):
   """The Pallas flash kernel, run per shard: a pallas_call is opaque to the partitioner.
   backend: model.pallas_backend ('mosaic_gpu_fused': the Mosaic GPU forward and its
   one-kernel backward)."""
-  kernels = dict(backend=backend)
-  if backend == 'mosaic_gpu_fused':
-    kernels = dict(backend='mosaic_gpu', backend_bwd=backend)
+  kernels = _flash_kernels(backend)
   if plan is None:
     return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, **kernels)
   spec = plan.activations.spec
@@ -220,7 +225,10 @@ def project_qkv(x, layer, positions, inv_freq, plan):
 def attention(x, layer, cfg: ModelConfig, positions, segment_ids, inv_freq, plan):
   q, k, v = project_qkv(x, layer, positions, inv_freq, plan)
   if context.context_size(plan) > 1:   # the sequence split over devices
-    out = context.attention(q, k, v, segment_ids, plan, constrain)
+    flash = None
+    if cfg.attention_impl == 'pallas':
+      flash = functools.partial(flash_attention, **_flash_kernels(cfg.pallas_backend))
+    out = context.attention(q, k, v, segment_ids, plan, constrain, flash)
   elif cfg.attention_impl == 'xla':
     out = attention_xla(q, k, v, segment_ids)
   elif cfg.attention_impl == 'cudnn':

@@ -75,12 +75,17 @@ def reorder_batch(batch: dict, plan) -> dict:
 
 # ---------------------------------------------------------------------- the two strategies
 
-def attention(q, k, v, segment_ids, plan, constrain):
+def attention(q, k, v, segment_ids, plan, constrain, flash=None):
   """q [b, t, h, d], k/v [b, t, hkv, d] (split on t over 'context') -> [b, t, h, d].
-  `constrain(x, logical_axes, plan)` pins a layout (sharding.rules.constrain)."""
+  `constrain(x, logical_axes, plan)` pins a layout (sharding.rules.constrain). flash:
+  the flash-attention kernel (pallas_kernels.flash_attention's signature, with
+  return_lse) for the ring's blocks; None: jnp blocks."""
   order = token_order(plan, q.shape[1])
   if plan.context_strategy == 'ring':
-    return _ring(q, k, v, segment_ids, plan, order)
+    return _ring(q, k, v, segment_ids, plan, order, flash)
+  if flash is not None:
+    raise ValueError("the flash kernel runs under context parallelism in the 'ring' "
+                     'strategy only: set --config.parallel.context_strategy=ring.')
   kv_axes = ('batch', None, 'act_kv_heads', None)   # whole on the sequence: all-gathered
   k, v = constrain(k, kv_axes, plan), constrain(v, kv_axes, plan)
   o, _ = _block(q, k, v, jnp.asarray(order), jnp.asarray(order),
@@ -117,14 +122,18 @@ def _block(q, k, v, q_idx, kv_idx, q_seg, kv_seg):
 
 # ------------------------------------------------------------------------------ the ring
 
-def _ring(q, k, v, segment_ids, plan, order):
+def _ring(q, k, v, segment_ids, plan, order, flash):
   spec = plan.activations.spec
   q_spec = spec(('batch', 'act_seq', 'act_heads', None))
   kv_spec = spec(('batch', 'act_seq', 'act_kv_heads', None))
   seg_spec = spec(('batch', 'act_seq'))
   segs = _segments(segment_ids, q.shape[:2])[0]
   n = context_size(plan)
-  fn = functools.partial(_ring_local, n=n, order=order)
+  block = _block_or_nothing
+  if flash is not None:   # sub-chunks of the load-balance layout (2 per device) or 1
+    chunks = 2 if plan.context_load_balance else 1
+    block = functools.partial(_flash_blocks, flash=flash, chunks=chunks)
+  fn = functools.partial(_ring_local, n=n, order=order, block=block)
   out = jax.shard_map(fn, mesh=plan.mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
                       out_specs=q_spec, check_vma=False)(q, k, v, segs)
   return out
@@ -137,9 +146,9 @@ def _local_order(order, n):
                                   lax.axis_index(AXIS) * size, size)
 
 
-def _ring_local(q, k, v, seg, *, n, order):
+def _ring_local(q, k, v, seg, *, n, order, block):
   idx = _local_order(order, n)
-  return _ring_attention(q, k, v, idx, seg, n)
+  return _ring_attention(q, k, v, idx, seg, n, block)
 
 
 def _shift(xs, n):
@@ -164,19 +173,61 @@ def _block_or_nothing(q, k, v, q_idx, kv_idx, q_seg, kv_seg):
                   q, k, v, q_idx, kv_idx, q_seg, kv_seg)
 
 
+def _flash_blocks(q, k, v, q_idx, kv_idx, q_seg, kv_seg, *, flash, chunks):
+  """The visiting K/V attended by the flash kernel: both sides cut into `chunks` pieces
+  of consecutive original tokens (aligned to one grid), so each pair of pieces is fully
+  visible (causal=False), the same piece (causal=True) or fully masked (skipped)."""
+  size = q.shape[1] // chunks
+  piece = lambda x, i: lax.slice_in_dim(x, i * size, (i + 1) * size, axis=1)
+  b, _, h, d = q.shape
+
+  def full(qa, kb, vb, sa, sb):
+    return _flash_out(flash(qa, kb, vb, causal=False, segment_ids=(sa, sb), return_lse=True))
+
+  def diagonal(qa, kb, vb, sa, sb):
+    return _flash_out(flash(qa, kb, vb, causal=True, segment_ids=(sa, sb), return_lse=True))
+
+  def nothing(*_):
+    return (jnp.zeros((b, size, h, d), jnp.float32),
+            jnp.full((b, size, h), _NEG, jnp.float32))
+
+  outs = []
+  for a in range(chunks):
+    o, lse = nothing()
+    q_first = q_idx[a * size]
+    for c in range(chunks):
+      kv_first = kv_idx[c * size]
+      mode = jnp.where(kv_first == q_first, 2, jnp.where(kv_first + size <= q_first, 1, 0))
+      o, lse = _merge(o, lse, *lax.switch(
+          mode, (nothing, full, diagonal), piece(q, a), piece(k, c), piece(v, c),
+          piece(q_seg, a), piece(kv_seg, c)))
+    outs.append((o, lse))
+  return tuple(jnp.concatenate(parts, axis=1) for parts in zip(*outs))
+
+
+def _flash_out(out):
+  o, lse = out                                               # [b, t, h, d], [b, h, t]
+  return o.astype(jnp.float32), jnp.moveaxis(lse, 1, 2)
+
+
 def _merge(o, lse, o_blk, lse_blk):
-  new = jnp.logaddexp(lse, lse_blk)
-  safe = jnp.where(jnp.isneginf(new), 0.0, new)
-  w_old = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - safe))[..., None]
-  w_blk = jnp.where(jnp.isneginf(lse_blk), 0.0, jnp.exp(lse_blk - safe))[..., None]
-  return o * w_old + o_blk * w_blk, new
+  """Two partial results by their log-sum-exps; -inf (no key seen) on either side or
+  both, with gradients free of NaN (it is differentiated inside _flash_blocks)."""
+  m = jnp.maximum(lse, lse_blk)
+  m = jnp.where(jnp.isneginf(m), 0.0, m)
+  w_old, w_blk = jnp.exp(lse - m), jnp.exp(lse_blk - m)   # exp(-inf) = 0
+  total = w_old + w_blk
+  seen = total > 0
+  total = jnp.where(seen, total, 1.0)
+  new = jnp.where(seen, m + jnp.log(total), _NEG)
+  return (o * (w_old / total)[..., None] + o_blk * (w_blk / total)[..., None]), new
 
 
-def _forward(q, k, v, idx, seg, n):
+def _forward(q, k, v, idx, seg, n, block):
   b, t, h, d = q.shape
 
   def attend(o, lse, kv):
-    return _merge(o, lse, *_block_or_nothing(q, kv[0], kv[1], idx, kv[2], seg, kv[3]))
+    return _merge(o, lse, *block(q, kv[0], kv[1], idx, kv[2], seg, kv[3]))
 
   def step(_, carry):
     o, lse, kv = carry
@@ -188,17 +239,19 @@ def _forward(q, k, v, idx, seg, n):
   return attend(o, lse, kv)   # the last chunk stays where it is
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ring_attention(q, k, v, idx, seg, n):
-  return _forward(q, k, v, idx, seg, n)[0].astype(q.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ring_attention(q, k, v, idx, seg, n, block):
+  """block(q, k, v, q_idx, kv_idx, q_seg, kv_seg) -> (o float32, lse) of one visiting
+  chunk: _block_or_nothing (jnp) or _flash_blocks."""
+  return _forward(q, k, v, idx, seg, n, block)[0].astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, idx, seg, n):
-  o, lse = _forward(q, k, v, idx, seg, n)
+def _ring_fwd(q, k, v, idx, seg, n, block):
+  o, lse = _forward(q, k, v, idx, seg, n, block)
   return o.astype(q.dtype), (q, k, v, idx, seg, o, lse)
 
 
-def _ring_bwd(n, res, do):
+def _ring_bwd(n, block, res, do):
   """Each step recomputes one block's (o_s, lse_s) under jax.vjp and pulls back the
   merged output's cotangent: d o_s = w_s do and d lse_s = w_s (<do, o_s> - <do, o>),
   with w_s = exp(lse_s - lse). dq stays here; dK and dV ride with their chunk."""
@@ -210,7 +263,7 @@ def _ring_bwd(n, res, do):
 
   def one_block(q, k_, v_, kv_idx, kv_seg):
     (o_s, lse_s), pull = jax.vjp(
-        lambda q, k_, v_: _block(q, k_, v_, idx, kv_idx, seg, kv_seg), q, k_, v_)
+        lambda q, k_, v_: block(q, k_, v_, idx, kv_idx, seg, kv_seg), q, k_, v_)
     w = jnp.where(jnp.isneginf(lse_s), 0.0, jnp.exp(lse_s - jnp.where(
         jnp.isneginf(lse), 0.0, lse)))
     d_lse = w * (jnp.sum(do * o_s, axis=-1) - do_o)

@@ -2,6 +2,8 @@
 each strategy, with and without causal load balance and packed documents; CP x FSDP x TP;
 the communication each strategy compiles to; the load-balance layout; config checks."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -135,6 +137,26 @@ def test_validate_context_axis():
     config_lib.validate(cfg, 8)
   cfg.parallel.context_load_balance = False
   config_lib.validate(cfg, 8)
-  cfg.model.attention_impl = 'pallas'
-  with pytest.raises(ValueError, match='attention_impl=.pallas. under context parallelism'):
-    config_lib.validate(cfg, 8)
+  cfg.model = dataclasses.replace(cfg.model, attention_impl='pallas')
+  config_lib.validate(cfg, 8)   # the flash kernel inside the ring
+  for strategy, impl in (('all_gather', 'pallas'), ('ring', 'cudnn')):
+    cfg.parallel.context_strategy = strategy
+    cfg.model = dataclasses.replace(cfg.model, attention_impl=impl)
+    with pytest.raises(ValueError, match=f"runs model.attention_impl=xla.*not '{impl}'"):
+      config_lib.validate(cfg, 8, platform='gpu')
+
+
+@pytest.mark.parametrize('lb', [True, False], ids=['balanced', 'unbalanced'])
+def test_ring_with_the_flash_kernel_equals_one_device(lb):
+  """attention_impl=pallas: the ring's blocks are flash-kernel calls (interpreted on CPU)
+  on 16-token pieces, merged by the kernel's log-sum-exp; packed documents."""
+  cfg = tiny_config()
+  cfg.model = dataclasses.replace(cfg.model, num_heads=4, num_kv_heads=2, max_seq_len=64,
+                                  attention_impl='pallas')
+  cfg.data.batch_size, cfg.data.seq_len = 2, 64
+  batch = random_batch(cfg)
+  want = loss_and_grads(dataclasses.replace(cfg, model=dataclasses.replace(
+      cfg.model, attention_impl='xla')), MeshConfig(data=1), batch, devices=jax.devices()[:1])
+  got = loss_and_grads(cfg, MeshConfig(data=1, context=2), batch, strategy='ring', lb=lb,
+                       devices=jax.devices()[:2])
+  assert_equal_to(got, want)

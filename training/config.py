@@ -175,11 +175,13 @@ def _validate_context(cfg: Config, sizes) -> None:
                      "'all_gather' or 'ring'.")
   if n == 1:
     return
-  if cfg.model.attention_impl != 'xla':
+  ring = cfg.parallel.context_strategy == 'ring'
+  if cfg.model.attention_impl not in (('xla', 'pallas') if ring else ('xla',)):
     raise ValueError(
-        f'mesh.context={n} runs attention in jnp blocks only; model.attention_impl='
-        f'{cfg.model.attention_impl!r} under context parallelism is not built yet: set '
-        '--config.model.attention_impl=xla (or mesh.context=1).')
+        f'mesh.context={n} with parallel.context_strategy={cfg.parallel.context_strategy!r} '
+        f'runs model.attention_impl=xla{" or pallas" if ring else ""}, not '
+        f'{cfg.model.attention_impl!r}: set --config.model.attention_impl='
+        f'{"pallas (the flash kernel in the ring)" if ring else "xla, or use the ring strategy with pallas"}.')
   if cfg.parallel.context_load_balance and cfg.data.seq_len % (2 * n):
     raise ValueError(
         f'data.seq_len={cfg.data.seq_len} does not split into 2 x mesh.context = {2 * n} '
