@@ -118,7 +118,8 @@ def test_mesh_bigger_than_the_machine_says_how_to_simulate_it(tmp_path):
 
 
 def test_cudnn_attention_on_cpu_is_refused_at_start(tmp_path):
-  result = cli('--config=gpt_64k.py', f'--config.workdir={tmp_path}')
+  result = cli('--config=gpt_64k.py', f'--config.workdir={tmp_path}',
+               '--config.model.attention_impl=cudnn')
   assert_one_line_error(result, "model.attention_impl='cudnn' needs a GPU", '--check')
 
 

@@ -49,6 +49,9 @@ def test_gpt_64k_smoke_keeps_structure_and_trains_on_cpu(tmp_path):
   assert smoke.model.num_heads // smoke.model.num_kv_heads == \
       full.model.num_heads // full.model.num_kv_heads
   assert smoke.parallel.zero_stage == full.parallel.zero_stage
+  for field in ('context_strategy', 'context_load_balance'):
+    assert getattr(smoke.parallel, field) == getattr(full.parallel, field)
+  assert (smoke.mesh.context, smoke.mesh.fsdp) == (4, 2)   # CP x FSDP on 8 CPU devices
   assert smoke.model.rope_scaling_factor * smoke.model.rope_original_max_len == \
       smoke.data.seq_len
   smoke.workdir, smoke.data.cache_dir = str(tmp_path), str(tmp_path / 'cache')
