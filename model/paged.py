@@ -143,7 +143,7 @@ def paged_forward(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelC
                                              impl, plan)
     return residual_block(x, layer, cfg, plan, attend), None
 
-  if isinstance(params['layers'], (list, tuple)):   # unstack_layers' form
+  if isinstance(params.get('layers'), (list, tuple)):   # unstack_layers' form
     for index, layer in enumerate(params['layers']):
       (x, cache), _ = body((x, cache), (layer, index))
   elif cfg.num_experts:

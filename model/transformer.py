@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from model import moe
 from model.config import ModelConfig
 from pallas_kernels.flash_attention import flash_attention
-from sharding import context
+from sharding import context, pipeline
 from sharding.rules import ShardingPlan, constrain
 
 Params = dict[str, Any]
@@ -338,6 +338,14 @@ def forward_with_aux(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
 
   if cfg.num_experts:
     x, aux = _moe_layers(x, params, cfg, positions, segment_ids, inv_freq, plan)
+  elif pipeline.stages(plan) > 1:
+    def layer(carry, layer):
+      x, pos, seg = carry
+      return (block(x, layer, cfg, pos, seg, inv_freq, plan), pos, seg), None
+
+    x = pipeline.run(_remat(layer, cfg.remat), x, positions, segment_ids, params['layers'],
+                     plan)
+    aux = moe.zero_aux()
   else:
     x, _ = jax.lax.scan(_remat(body, cfg.remat), x, params['layers'])
     aux = moe.zero_aux()

@@ -107,6 +107,9 @@ class ShardingPlan:
   # Context parallelism (sharding.context), when the mesh's context axis is > 1.
   context_strategy: str = 'all_gather'   # 'all_gather' | 'ring'
   context_load_balance: bool = False     # the batch is reordered for causal balance
+  # Pipeline parallelism (sharding.pipeline), when the mesh's stage axis is > 1.
+  pipeline_microbatches: int = 1
+  pipeline_repeats: int = 1
 
   def sharding(self, rules: Rules, axes: LogicalAxes) -> NamedSharding:
     return NamedSharding(self.mesh, rules.spec(axes))
@@ -129,7 +132,8 @@ def _is_axes(x) -> bool:
 
 def make_plan(mesh: Mesh, zero_stage: int, sequence_parallel: bool = True,
               context_strategy: str = 'all_gather',
-              context_load_balance: bool = False) -> ShardingPlan:
+              context_load_balance: bool = False, pipeline_microbatches: int = 1,
+              pipeline_repeats: int = 1) -> ShardingPlan:
   if zero_stage not in ZERO_STAGES:
     raise ValueError(f'parallel.zero_stage={zero_stage}: choose one of {sorted(ZERO_STAGES)}.')
   params, grads, opt_state = ZERO_STAGES[zero_stage]
@@ -137,8 +141,11 @@ def make_plan(mesh: Mesh, zero_stage: int, sequence_parallel: bool = True,
   activations = activation_rules(sp)
   if mesh.shape['expert'] > 1:
     activations = activations.with_overrides(f'{activations.name}_ep', batch=EXPERT_BATCH_AXES)
+  if mesh.shape['stage'] > 1:   # the layer stack split over pipeline stages
+    params, grads, opt_state = (r.with_overrides(f'{r.name}_pp', layers='stage')
+                                for r in (params, grads, opt_state))
   return ShardingPlan(mesh, params, grads, opt_state, activations, context_strategy,
-                      context_load_balance)
+                      context_load_balance, pipeline_microbatches, pipeline_repeats)
 
 
 def constrain(x: jax.Array, axes: LogicalAxes, plan: ShardingPlan | None) -> jax.Array:

@@ -284,7 +284,8 @@ def test_bad_input_fails_with_a_clear_message(args, expected, tmp_path):
 
 @pytest.mark.parametrize('overrides, message', [
     ({'mesh__data': 2, 'mesh__tensor': 4, 'data__seq_len': 30}, 'data.seq_len=30'),
-    ({'mesh__stage': 2, 'mesh__data': 4}, 'mesh.stage=2'),
+    ({'mesh__stage': 2, 'mesh__data': 4, 'parallel__pipeline_repeats': 3},
+     'mesh.stage x parallel.pipeline_repeats = 6'),
     ({'optim__grad_accum': 3}, 'optim.grad_accum=3'),
 ])
 def test_config_that_cannot_run_names_the_field(tmp_path, cache_dir, overrides, message):

@@ -33,6 +33,14 @@ class ParallelConfig:
   context_load_balance: bool = True
   """With mesh.context > 1: reorder each sequence once at the input so device i holds
   chunks i and 2N-1-i of 2N, giving every device the same causal attention work."""
+  microbatches: int = 0
+  """With mesh.stage > 1: microbatches each (grad_accum) batch is cut into for the
+  pipeline; 0: mesh.stage. The bubble is (stages - 1) / (microbatches * repeats +
+  stages - 1) of the layer work."""
+  pipeline_repeats: int = 1
+  """With mesh.stage > 1: circular repeats (virtual stages): each stage holds this many
+  non-adjacent chunks of layers and each microbatch goes round the stages this many
+  times, shrinking the bubble; needs microbatches >= mesh.stage when > 1."""
 
 
 @dataclasses.dataclass
@@ -168,6 +176,39 @@ def init_distributed(cfg: DistributedConfig) -> None:
                                num_processes=cfg.num_processes, process_id=cfg.process_id)
 
 
+def pipeline_microbatches(cfg: Config, stages: int) -> int:
+  return cfg.parallel.microbatches or stages
+
+
+def _validate_pipeline(cfg: Config, sizes) -> None:
+  stages, repeats = sizes['stage'], cfg.parallel.pipeline_repeats
+  if cfg.parallel.microbatches < 0 or repeats < 1:
+    raise ValueError(f'parallel.microbatches={cfg.parallel.microbatches} and '
+                     f'parallel.pipeline_repeats={repeats}: need >= 0 and >= 1.')
+  if stages == 1:
+    return
+  micro = pipeline_microbatches(cfg, stages)
+  if cfg.model.num_layers % (stages * repeats):
+    raise ValueError(f'model.num_layers={cfg.model.num_layers} does not split into mesh.stage '
+                     f'x parallel.pipeline_repeats = {stages * repeats} equal chunks: choose '
+                     'sizes whose product divides it.')
+  if repeats > 1 and micro < stages:
+    raise ValueError(f'parallel.microbatches={micro} is below mesh.stage={stages}: circular '
+                     'repeats need at least one microbatch per stage; raise it.')
+  if cfg.model.num_experts or sizes['context'] > 1 or cfg.model.attention_impl != 'xla':
+    raise ValueError(
+        f'mesh.stage={stages} runs dense models with model.attention_impl=xla and '
+        'mesh.context=1 (MoE, context parallelism and the attention kernels inside the '
+        'pipeline are not built yet): change those, or set --config.mesh.stage=1.')
+  shards = sizes['data'] * sizes['fsdp'] * sizes['expert']
+  rows = cfg.data.batch_size // max(cfg.optim.grad_accum, 1)
+  if rows % (micro * shards):
+    raise ValueError(
+        f'each grad_accum microbatch has {rows} sequences, not divisible by '
+        f'parallel.microbatches ({micro}) x the batch shards ({shards}): change '
+        'data.batch_size or parallel.microbatches.')
+
+
 def _validate_context(cfg: Config, sizes) -> None:
   n = sizes['context']
   if cfg.parallel.context_strategy not in ('all_gather', 'ring'):
@@ -226,11 +267,8 @@ def validate(cfg: Config, num_devices: int, process_count: int = 1,
     if getattr(cfg.model, name) % sizes['tensor']:
       raise ValueError(f'model.{name}={getattr(cfg.model, name)} is not divisible by '
                        f'mesh.tensor={sizes["tensor"]}: pick a tensor size that divides it.')
-  for name in ('stage',):
-    if sizes[name] != 1:
-      raise ValueError(f'mesh.{name}={sizes[name]}: {name} parallelism is not available yet; '
-                       f'set --config.mesh.{name}=1.')
   _validate_context(cfg, sizes)
+  _validate_pipeline(cfg, sizes)
   _validate_experts(cfg, sizes)
   batch_shards = sizes['data'] * sizes['fsdp'] * sizes['expert']
   micro = cfg.data.batch_size // max(cfg.optim.grad_accum, 1)

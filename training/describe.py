@@ -68,7 +68,9 @@ def run_size(cfg: config_lib.Config, available_devices: int) -> dict:
   mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
                       axis_types=(AxisType.Auto,) * len(MESH_AXES))
   plan = make_plan(mesh, cfg.parallel.zero_stage, cfg.parallel.sequence_parallel,
-                     cfg.parallel.context_strategy, cfg.parallel.context_load_balance)
+                     cfg.parallel.context_strategy, cfg.parallel.context_load_balance,
+                     config_lib.pipeline_microbatches(cfg, sizes['stage']),
+                     cfg.parallel.pipeline_repeats)
   shapes, axes = model.abstract_params(cfg.model), model.logical_axes(cfg.model)
   for rules in (plan.params, plan.grads, plan.opt_state):
     check_divisible(plan, rules, shapes, axes)

@@ -53,9 +53,11 @@ def setup(cfg: config_lib.Config) -> Trainer:
     if info.vocab_size > cfg.model.vocab_size:
       raise ValueError(f'model.vocab_size={cfg.model.vocab_size} is smaller than the '
                        f'tokenizer vocabulary ({info.vocab_size}): raise it.')
-    plan = make_plan(make_mesh(cfg.mesh), cfg.parallel.zero_stage,
-                     cfg.parallel.sequence_parallel,
-                     cfg.parallel.context_strategy, cfg.parallel.context_load_balance)
+    mesh = make_mesh(cfg.mesh)
+    plan = make_plan(mesh, cfg.parallel.zero_stage, cfg.parallel.sequence_parallel,
+                     cfg.parallel.context_strategy, cfg.parallel.context_load_balance,
+                     config_lib.pipeline_microbatches(cfg, mesh.shape['stage']),
+                     cfg.parallel.pipeline_repeats)
     shapes, axes = model.abstract_params(cfg.model), model.logical_axes(cfg.model)
     for rules in (plan.params, plan.grads, plan.opt_state):
       check_divisible(plan, rules, shapes, axes, _FIELD_OF_AXIS)
