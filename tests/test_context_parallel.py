@@ -160,3 +160,14 @@ def test_ring_with_the_flash_kernel_equals_one_device(lb):
   got = loss_and_grads(cfg, MeshConfig(data=1, context=2), batch, strategy='ring', lb=lb,
                        devices=jax.devices()[:2])
   assert_equal_to(got, want)
+
+
+def test_ring_under_gradient_accumulation_equals_one_device():
+  """ZeRO-0 accumulation (per batch shard, vmapped) around the ring's shard_map."""
+  cfg = tiny_config()
+  cfg.data.batch_size = 16
+  batch = random_batch(cfg)
+  want = loss_and_grads(cfg, MeshConfig(data=1), batch, devices=jax.devices()[:1])
+  cfg.optim.grad_accum = 2
+  got = loss_and_grads(cfg, MeshConfig(data=2, context=4), batch, strategy='ring', lb=True)
+  assert_equal_to(got, want)

@@ -127,3 +127,14 @@ def test_validate_stage_axis():
   cfg.model = dataclasses.replace(cfg.model, attention_impl='pallas')
   with pytest.raises(ValueError, match='mesh.stage=4 runs dense models'):
     config_lib.validate(cfg, 8)
+
+
+def test_pipeline_under_gradient_accumulation_equals_one_device():
+  """ZeRO-0 accumulation (per batch shard, vmapped) around the pipeline's own vmap."""
+  cfg = pp_config()
+  cfg.data.batch_size = 16
+  want = loss_and_grads(cfg, plan_for(MeshConfig(data=1), devices=jax.devices()[:1]))
+  cfg.optim.grad_accum = 2
+  loss, grads = loss_and_grads(cfg, plan_for(MeshConfig(data=2, stage=4), micro=4))
+  assert rel_err(loss, want[0]) < 1e-5
+  assert max(jax.tree.leaves(jax.tree.map(rel_err, grads, want[1]))) < 1e-5
