@@ -42,6 +42,9 @@ class HloStats:
   collectives: dict[str, CollectiveStats]
   unknown_trip_count_loops: list[str]  # `while` ops counted once for lack of a trip count
   convolutions: float  # executions of `convolution`, whose FLOPs are not in dot_flops
+  # With a mesh: (kind, the mesh axes its device groups span) -> stats.
+  by_axes: dict[tuple[str, tuple[str, ...]], CollectiveStats] = dataclasses.field(
+      default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -55,6 +58,8 @@ class StepReport:
   collectives: dict[str, CollectiveStats]
   unknown_trip_count_loops: list[str] = dataclasses.field(default_factory=list)
   convolutions: float = 0.0
+  by_axes: dict[tuple[str, tuple[str, ...]], CollectiveStats] = dataclasses.field(
+      default_factory=dict)   # with a mesh: (kind, mesh axes spanned) -> stats
 
   def bytes_of(self, *kinds: str) -> float:
     """Collective bytes summed over `kinds` (all kinds if none given).
@@ -93,10 +98,12 @@ def _human(n: float) -> str:
   raise AssertionError('unreachable')
 
 
-def inspect_compiled(compiled) -> StepReport:
-  """Report for `jax.jit(f).lower(...).compile()`; all numbers are per device."""
+def inspect_compiled(compiled, mesh_shape=None) -> StepReport:
+  """Report for `jax.jit(f).lower(...).compile()`; all numbers are per device.
+  mesh_shape ({axis: size}, in the mesh's order, e.g. dict(mesh.shape)): also file each
+  collective under the mesh axes its device groups span (`by_axes`)."""
   mem = compiled.memory_analysis()
-  stats = hlo_stats(compiled.as_text())
+  stats = hlo_stats(compiled.as_text(), mesh_shape)
   return StepReport(
       argument_bytes=int(getattr(mem, 'argument_size_in_bytes', 0)),
       output_bytes=int(getattr(mem, 'output_size_in_bytes', 0)),
@@ -106,6 +113,7 @@ def inspect_compiled(compiled) -> StepReport:
       collectives=stats.collectives,
       unknown_trip_count_loops=stats.unknown_trip_count_loops,
       convolutions=stats.convolutions,
+      by_axes=stats.by_axes,
   )
 
 
@@ -115,17 +123,17 @@ def analyze_hlo(hlo_text: str) -> tuple[float, dict[str, CollectiveStats]]:
   return stats.dot_flops, stats.collectives
 
 
-def hlo_stats(hlo_text: str) -> HloStats:
+def hlo_stats(hlo_text: str, mesh_shape=None) -> HloStats:
   comps, entry = _parse_module(hlo_text)
   mult, unknown = _multiplicities(comps, entry)
   stats = HloStats(0.0, {}, unknown, 0.0)
   for name, m in mult.items():
     for ins in comps[name].instrs:
-      _account(ins, comps[name], m, stats)
+      _account(ins, comps[name], m, stats, mesh_shape)
   return stats
 
 
-def _account(ins, comp, m: float, stats: HloStats):
+def _account(ins, comp, m: float, stats: HloStats, mesh_shape=None):
   """Adds one instruction, run `m` times per step, to `stats`."""
   if ins.opcode == 'convolution':
     stats.convolutions += m
@@ -133,9 +141,69 @@ def _account(ins, comp, m: float, stats: HloStats):
   found = _collective(ins, comp)
   if found:
     kind, nbytes = found
-    s = stats.collectives.setdefault(kind, CollectiveStats(0.0, 0.0))
-    s.count += m
-    s.bytes += m * nbytes
+    keys = [stats.collectives.setdefault(kind, CollectiveStats(0.0, 0.0))]
+    if mesh_shape:
+      axes = group_axes(device_groups(ins.attrs), mesh_shape)
+      keys.append(stats.by_axes.setdefault((kind, axes), CollectiveStats(0.0, 0.0)))
+    for s in keys:
+      s.count += m
+      s.bytes += m * nbytes
+
+
+# ---------------------------------------------------------------- device groups
+
+_GROUPS = re.compile(r'(?:replica_groups|source_target_pairs)=(\{[{}\d,\s]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)')
+
+
+def device_groups(attrs: str) -> list[list[int]]:
+  """The device (partition) ids grouped by a collective's replica_groups (listed or in
+  iota form, [G,n]<=[dims]T(perm)) or a permute's source_target_pairs; [] if absent
+  (all devices)."""
+  m = _GROUPS.search(attrs)
+  if not m:
+    return []
+  text = m.group(1)
+  if text.startswith('{'):
+    return [[int(v) for v in g.split(',') if v.strip()]
+            for g in re.findall(r'\{([\d,\s]*)\}', text[1:-1])]
+  shape, dims, perm = re.fullmatch(r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?',
+                                   text).groups()
+  ints = lambda t: [int(v) for v in t.split(',')]
+  ids = list(range(math.prod(ints(dims))))
+  if perm:   # arange(dims).transpose(perm), flattened
+    d, p = ints(dims), ints(perm)
+    strides = [math.prod(d[i + 1:]) for i in range(len(d))]
+    out_dims = [d[i] for i in p]
+    ids = []
+    for flat in range(math.prod(out_dims)):
+      idx, rest = [], flat
+      for size in reversed(out_dims):
+        idx.append(rest % size)
+        rest //= size
+      idx.reverse()
+      ids.append(sum(idx[k] * strides[p[k]] for k in range(len(p))))
+  width = ints(shape)[-1]
+  return [ids[i:i + width] for i in range(0, len(ids), width)]
+
+
+def group_axes(groups: list[list[int]], mesh_shape) -> tuple[str, ...]:
+  """The mesh axes (in mesh order) along which members of some group differ: the axes
+  the collective communicates over. Device id i sits at the mesh coordinates of the
+  i-th device in the mesh's order."""
+  names, sizes = list(mesh_shape), list(mesh_shape.values())
+  if not groups:
+    return tuple(n for n, s in zip(names, sizes) if s > 1)
+  def coords(i):
+    out = []
+    for size in reversed(sizes):
+      out.append(i % size)
+      i //= size
+    return out[::-1]
+  spans = set()
+  for g in groups:
+    cs = [coords(i) for i in g]
+    spans |= {k for k in range(len(sizes)) if len({c[k] for c in cs}) > 1}
+  return tuple(names[k] for k in sorted(spans))
 
 
 # ---------------------------------------------------------------- parsing

@@ -1,0 +1,218 @@
+"""The mesh planner's cost model: which layout to run, from what the compiler produced.
+
+For each candidate layout (mesh sizes, ZeRO stage, remat policy, gradient-accumulation
+microbatches), training/plan.py compiles the train step from abstract shapes and hands
+this module what the compiled program says per device: memory (memory_analysis), dot
+FLOPs and collective bytes by kind and by the mesh axes they cross (sharding/hlo.py,
+loops weighted by trip count). This module turns that into a predicted step time on a
+named GPU and ranks the layouts. It imports nothing else of ours.
+
+Step time model (per device; every device runs the same partitioned program):
+- compute: dot FLOPs / (peak bf16 FLOP/s x MATMUL_EFFICIENCY): a roofline on the
+  matmuls, which dominate a transformer step;
+- communication: per collective, alpha-beta: count x latency + bytes x volume factor /
+  link bandwidth, the link being NVLink when the devices it spans fit in one host (the
+  mesh's inner axes get the closest devices) and the inter-host network otherwise. The
+  volume factor is what a ring algorithm moves per device relative to the result bytes
+  hlo.py reports: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n (result is
+  the gathered array, or the operand for reduce-scatter: XLA:CPU reports it as an
+  all-reduce), all-to-all (n-1)/n, collective-permute 1;
+- overlap: XLA's latency-hiding scheduler overlaps the parameter all-gathers and
+  gradient reductions over data/fsdp/stage axes with the layer compute (they do not
+  depend on the layer's own results), so those count as max(compute, comm); collectives
+  over tensor, context and expert sit on the critical path (the next matmul needs their
+  result) and add.
+Memory: the compiled peak per device (arguments + outputs - aliased + temporaries)
+against the device's memory, MEMORY_HEADROOM of it kept free for the runtime.
+"""
+
+import dataclasses
+import math
+
+# Per GPU. Sources: NVIDIA H100 SXM5 datasheet (989 TFLOP/s dense bf16, 3.35 TB/s HBM3,
+# 80 GB, NVLink 4 900 GB/s bidirectional = 450 GB/s per direction); H200 SXM datasheet
+# (same compute, 4.8 TB/s HBM3e, 141 GB); A100 SXM4 80GB datasheet (312 TFLOP/s bf16,
+# 2.04 TB/s, NVLink 3 600 GB/s bidirectional). Inter-host: one 400 Gb/s NDR InfiniBand
+# NIC per GPU (50 GB/s), as in DGX H100/A100 systems. Latencies: ~5 us per NVLink
+# collective step and ~10 us across InfiniBand (NCCL small-message measurements are of
+# this order; not measured here).
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  name: str
+  peak_flops: float          # dense bf16 FLOP/s
+  hbm_bytes: float           # device memory
+  hbm_bandwidth: float       # bytes/s
+  intra_bandwidth: float     # bytes/s per direction within a host (NVLink)
+  inter_bandwidth: float     # bytes/s per GPU across hosts
+  intra_latency: float       # seconds per collective step
+  inter_latency: float
+  gpus_per_host: int = 8
+
+
+HARDWARE = {
+    'h100': Hardware('h100', 989e12, 80e9, 3.35e12, 450e9, 50e9, 5e-6, 10e-6),
+    'h200': Hardware('h200', 989e12, 141e9, 4.8e12, 450e9, 50e9, 5e-6, 10e-6),
+    'a100': Hardware('a100', 312e12, 80e9, 2.04e12, 300e9, 25e9, 5e-6, 10e-6),
+}
+MATMUL_EFFICIENCY = 0.6     # achieved / peak on large bf16 matmuls (assumed; not fitted)
+MEMORY_HEADROOM = 0.1
+OVERLAPPED_AXES = ('data', 'fsdp', 'stage')
+_VOLUME = {'all-reduce': lambda n: 2 * (n - 1) / n, 'all-gather': lambda n: (n - 1) / n,
+           'reduce-scatter': lambda n: (n - 1) / n, 'all-to-all': lambda n: (n - 1) / n,
+           'collective-permute': lambda n: 1.0}
+
+
+def hardware(name: str) -> Hardware:
+  if name not in HARDWARE:
+    raise ValueError(f'unknown device {name!r}: choose one of {sorted(HARDWARE)}.')
+  return HARDWARE[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  mesh: dict                 # mesh axis -> size, in mesh order
+  zero_stage: int = 0
+  remat: str = 'full'
+  grad_accum: int = 1
+  microbatches: int = 0      # pipeline microbatches (mesh.stage > 1)
+
+  def name(self) -> str:
+    axes = 'x'.join(f'{a}{n}' for a, n in self.mesh.items() if n > 1) or 'single'
+    return f'{axes} zero{self.zero_stage} remat={self.remat} accum{self.grad_accum}'
+
+  def overrides(self) -> list[str]:
+    """The train.py flags that run this layout."""
+    out = [f'--config.mesh.{a}={n}' for a, n in self.mesh.items()]
+    out += [f'--config.parallel.zero_stage={self.zero_stage}',
+            f'--config.model.remat={self.remat}', f'--config.optim.grad_accum={self.grad_accum}']
+    if self.microbatches:
+      out.append(f'--config.parallel.microbatches={self.microbatches}')
+    return out
+
+
+@dataclasses.dataclass
+class Measured:
+  """What one layout's compiled step says, per device."""
+  argument_bytes: float
+  output_bytes: float
+  alias_bytes: float
+  temp_bytes: float
+  dot_flops: float
+  collectives: dict          # kind -> (count, bytes)
+  by_axes: dict              # (kind, axes tuple) -> (count, bytes)
+
+  @property
+  def peak_bytes(self) -> float:
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+@dataclasses.dataclass
+class Prediction:
+  step_s: float
+  compute_s: float
+  comm_s: dict               # mesh axes label -> seconds
+  exposed_comm_s: float
+  fits: bool
+  memory_bytes: float
+  headroom_bytes: float
+  tokens_per_s: float
+  mfu: float
+  dominant: str
+  why_not: str = ''
+
+
+def factorizations(n: int, axes) -> list[dict]:
+  """Every way to write n as a product of sizes over `axes` (in order)."""
+  if not axes:
+    return [{}] if n == 1 else []
+  out = []
+  for size in (d for d in range(1, n + 1) if n % d == 0):
+    out += [{axes[0]: size, **rest} for rest in factorizations(n // size, axes[1:])]
+  return out
+
+
+def _span_devices(layout: Layout, axes) -> tuple[int, int]:
+  """(devices in one group of the axes, how many consecutive devices a group reaches
+  over): the mesh's inner axes are the closest devices, so a group over axes A reaches
+  over the outermost axis of A and every axis inside it."""
+  names = list(layout.mesh)
+  group = math.prod(layout.mesh[a] for a in axes)
+  outer = min(names.index(a) for a in axes)
+  return group, math.prod(layout.mesh[a] for a in names[outer:])
+
+
+def collective_seconds(kind: str, axes, count: float, nbytes: float, layout: Layout,
+                       hw: Hardware) -> float:
+  if not axes:
+    return 0.0
+  group, span = _span_devices(layout, axes)
+  if group <= 1:
+    return 0.0
+  within = span <= hw.gpus_per_host
+  bandwidth = hw.intra_bandwidth if within else hw.inter_bandwidth
+  latency = hw.intra_latency if within else hw.inter_latency
+  return count * latency * (group - 1) + nbytes * _VOLUME[kind](group) / bandwidth
+
+
+def predict(measured: Measured, layout: Layout, hw: Hardware, model_flops: float,
+            tokens: int) -> Prediction:
+  """model_flops: the step's useful FLOPs summed over devices (6 N T plus attention);
+  tokens: per step."""
+  devices = math.prod(layout.mesh.values())
+  compute = measured.dot_flops / (hw.peak_flops * MATMUL_EFFICIENCY)
+  comm, overlapped, exposed = {}, 0.0, 0.0
+  for (kind, axes), (count, nbytes) in measured.by_axes.items():
+    t = collective_seconds(kind, axes, count, nbytes, layout, hw)
+    label = '+'.join(axes) or 'none'
+    comm[label] = comm.get(label, 0.0) + t
+    if set(axes) <= set(OVERLAPPED_AXES):
+      overlapped += t
+    else:
+      exposed += t
+  step = max(compute, overlapped) + exposed
+  memory = measured.peak_bytes
+  budget = hw.hbm_bytes * (1 - MEMORY_HEADROOM)
+  fits = memory <= budget
+  costs = {'compute': compute, **{f'comm {k}': v for k, v in comm.items()}}
+  dominant = max(costs, key=costs.get)
+  return Prediction(
+      step_s=step, compute_s=compute, comm_s=comm, exposed_comm_s=exposed, fits=fits,
+      memory_bytes=memory, headroom_bytes=budget - memory, tokens_per_s=tokens / step,
+      mfu=model_flops / (step * hw.peak_flops * devices), dominant=dominant,
+      why_not='' if fits else
+      f'needs {memory / 2**30:.1f} GiB per device, {budget / 2**30:.1f} GiB usable')
+
+
+def rank(rows: list[dict]) -> list[dict]:
+  """Layouts that fit first, fastest first; then those that do not, by memory."""
+  return sorted(rows, key=lambda r: (not r['prediction'].fits,
+                                     r['prediction'].step_s if r['prediction'].fits
+                                     else r['prediction'].memory_bytes))
+
+
+def table(rows: list[dict], top: int | None = None) -> str:
+  head = (f'{"#":>3}  {"layout":<44}{"GiB/dev":>9}{"headroom":>10}{"step s":>10}'
+          f'{"tok/s":>12}{"MFU":>7}  dominant / why not')
+  lines = [head]
+  for i, r in enumerate(rows[:top] if top else rows, 1):
+    p = r['prediction']
+    lines.append(
+        f'{i:>3}  {r["layout"].name():<44}{p.memory_bytes / 2**30:>9.2f}'
+        f'{p.headroom_bytes / 2**30:>10.2f}{p.step_s:>10.4g}{p.tokens_per_s:>12.4g}'
+        f'{p.mfu:>7.1%}  {p.dominant if p.fits else "DOES NOT FIT: " + p.why_not}')
+  return '\n'.join(lines)
+
+
+def as_record(row: dict) -> dict:
+  """One ranked row as plain JSON/CSV values."""
+  p, layout = row['prediction'], row['layout']
+  return {'layout': layout.name(), 'mesh': layout.mesh, 'zero_stage': layout.zero_stage,
+          'remat': layout.remat, 'grad_accum': layout.grad_accum,
+          'fits': p.fits, 'memory_gib': p.memory_bytes / 2**30,
+          'headroom_gib': p.headroom_bytes / 2**30, 'step_s': p.step_s,
+          'tokens_per_s': p.tokens_per_s, 'mfu': p.mfu, 'dominant': p.dominant,
+          'why_not': p.why_not, 'compute_s': p.compute_s,
+          'comm_s': p.comm_s, 'dot_flops_per_device': row['measured'].dot_flops,
+          'collectives': {k: {'count': c, 'bytes': b}
+                          for k, (c, b) in row['measured'].collectives.items()},
+          'overrides': ' '.join(layout.overrides())}

@@ -1,0 +1,153 @@
+"""The mesh planner's training side: candidate layouts of a config, each validated with
+the checks training uses and compiled from abstract shapes (nothing allocated), then
+costed and ranked by sharding/planner.py.
+
+Compiling needs as many devices as the layout has: on a CPU, simulated ones
+(`jax_num_cpu_devices`, which `python -m sharding.plan` sets for its own process).
+`layers=(a, b)` compiles a- and b-layer versions of the model and extrapolates memory,
+FLOPs and collectives linearly to the config's layer count (every per-layer cost is
+linear in the layers of a scanned stack); `check_extrapolation` compares that with a
+full compile.
+"""
+
+import copy
+import dataclasses
+import math
+
+import jax
+
+import model
+from sharding import hlo, planner
+from sharding.mesh import MESH_AXES, MeshConfig, make_mesh
+from sharding.rules import make_plan
+from training import config as config_lib, describe, optimizer, state
+
+REMAT = ('none', 'full')
+
+
+def candidates(cfg: config_lib.Config, devices: int, *, axes=None, zero_stages=(0, 1, 3),
+               remats=REMAT, grad_accums=(1,)) -> tuple[list, list]:
+  """(valid layouts, [(layout, why invalid)]) for `devices`: every factorization over
+  `axes` (default: the axes this config can use: expert only with experts, stage only
+  if its layers split) x ZeRO stage x remat x grad_accum, pruned by config.validate."""
+  if axes is None:
+    axes = [a for a in MESH_AXES if a != 'expert' or cfg.model.num_experts]
+  valid, rejected = [], []
+  for sizes in planner.factorizations(devices, list(axes)):
+    mesh = {a: sizes.get(a, 1) for a in MESH_AXES}
+    for zero in zero_stages:
+      if zero and mesh['fsdp'] == 1:
+        continue   # ZeRO over a 1-device fsdp axis is ZeRO-0
+      for remat in remats:
+        for accum in grad_accums:
+          layout = planner.Layout(mesh, zero, remat, accum)
+          try:
+            config_lib.validate(configure(cfg, layout), devices)
+          except ValueError as e:
+            rejected.append((layout, str(e)))
+            continue
+          valid.append(layout)
+  return valid, rejected
+
+
+def configure(cfg: config_lib.Config, layout: planner.Layout,
+              layers: int | None = None) -> config_lib.Config:
+  out = copy.deepcopy(cfg)
+  out.mesh = MeshConfig(**layout.mesh)
+  out.parallel.zero_stage = layout.zero_stage
+  out.optim.grad_accum = layout.grad_accum
+  if layout.microbatches:
+    out.parallel.microbatches = layout.microbatches
+  out.model = dataclasses.replace(out.model, remat=layout.remat,
+                                  num_layers=layers or out.model.num_layers)
+  return out
+
+
+def compile_layout(cfg: config_lib.Config, layout: planner.Layout,
+                   layers: int | None = None) -> planner.Measured:
+  """The layout's train step compiled from abstract shapes on the first N devices."""
+  cfg = configure(cfg, layout, layers)
+  devices = jax.devices()[:math.prod(layout.mesh.values())]
+  mesh = make_mesh(cfg.mesh, devices)
+  plan = make_plan(mesh, cfg.parallel.zero_stage, cfg.parallel.sequence_parallel,
+                   cfg.parallel.context_strategy, cfg.parallel.context_load_balance,
+                   config_lib.pipeline_microbatches(cfg, mesh.shape['stage']),
+                   cfg.parallel.pipeline_repeats)
+  tx = optimizer.make_optimizer(cfg.optim, max(cfg.steps, 1))
+  step = state.make_train_step(cfg, plan, tx, optimizer.lr_schedule(cfg.optim, cfg.steps))
+  shape = (cfg.data.batch_size, cfg.data.seq_len)
+  batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=plan.batch_sharding())
+           for k, dtype in (('inputs', 'int32'), ('targets', 'int32'),
+                            ('positions', 'int32'), ('weights', 'float32'))}
+  if cfg.data.pack_documents:
+    batch['segment_ids'] = jax.ShapeDtypeStruct(shape, 'int32', sharding=plan.batch_sharding())
+  report = hlo.inspect_compiled(step.lower(state.abstract_state(cfg, plan, tx), batch)
+                                .compile(), dict(mesh.shape))
+  pair = lambda s: (s.count, s.bytes)
+  return planner.Measured(report.argument_bytes, report.output_bytes, report.alias_bytes,
+                          report.temp_bytes, report.dot_flops,
+                          {k: pair(v) for k, v in report.collectives.items()},
+                          {k: pair(v) for k, v in report.by_axes.items()})
+
+
+def extrapolate(a: planner.Measured, b: planner.Measured, la: int, lb: int,
+                target: int) -> planner.Measured:
+  """Linear in the layer count through the (la, a) and (lb, b) compiles."""
+  t = (target - la) / (lb - la)
+  line = lambda x, y: x + (y - x) * t
+  pairs = lambda p, q: {k: tuple(line(u, v) for u, v in zip(p.get(k, (0, 0)), q.get(k, (0, 0))))
+                        for k in set(p) | set(q)}
+  return planner.Measured(
+      line(a.argument_bytes, b.argument_bytes), line(a.output_bytes, b.output_bytes),
+      line(a.alias_bytes, b.alias_bytes), line(a.temp_bytes, b.temp_bytes),
+      line(a.dot_flops, b.dot_flops), pairs(a.collectives, b.collectives),
+      pairs(a.by_axes, b.by_axes))
+
+
+def measure(cfg, layout, layers=None) -> planner.Measured:
+  """Full compile, or with layers=(a, b) the extrapolation from a and b layers."""
+  if layers is None:
+    return compile_layout(cfg, layout)
+  la, lb = layers
+  return extrapolate(compile_layout(cfg, layout, la), compile_layout(cfg, layout, lb), la, lb,
+                     cfg.model.num_layers)
+
+
+def plan_layouts(cfg: config_lib.Config, devices: int, device: str = 'h100', *,
+                 layers=None, progress=None, layouts=None, **candidate_args) -> tuple[list, list]:
+  """(ranked rows, rejected layouts with why) for `devices` GPUs of kind `device`: the
+  given `layouts` (validated), or the candidates `candidates` enumerates. Each row:
+  layout, measured (planner.Measured), prediction (planner.Prediction) and state (per
+  device bytes of parameters, gradients and optimizer state, from abstract shapes)."""
+  hw = planner.hardware(device)
+  if layouts is None:
+    layouts, rejected = candidates(cfg, devices, **candidate_args)
+  else:
+    layouts, rejected = _validated(cfg, layouts, devices)
+  if not layouts:
+    reasons = sorted({why for _, why in rejected})[:3]
+    raise ValueError(f'no layout of this config runs on {devices} devices; e.g. '
+                     + ' | '.join(reasons))
+  tokens = cfg.data.batch_size * cfg.data.seq_len
+  model_flops = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+  rows = []
+  for i, layout in enumerate(layouts):
+    if progress:
+      progress(i, len(layouts), layout)
+    measured = measure(cfg, layout, layers)
+    size = describe.run_size(configure(cfg, layout), devices)
+    rows.append({'layout': layout, 'measured': measured,
+                 'prediction': planner.predict(measured, layout, hw, model_flops, tokens),
+                 'state': {k: size[f'{k}_bytes'] for k in ('param', 'grad', 'opt_state')}})
+  return planner.rank(rows), rejected
+
+
+def _validated(cfg, layouts, devices):
+  valid, rejected = [], []
+  for layout in layouts:
+    try:
+      config_lib.validate(configure(cfg, layout), devices)
+      valid.append(layout)
+    except ValueError as e:
+      rejected.append((layout, str(e)))
+  return valid, rejected
