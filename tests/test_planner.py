@@ -64,6 +64,20 @@ def planned():
   return cfg, {r['layout'].name(): r for r in rows}
 
 
+def test_expert_parallel_layout_matches_an_independent_compile():
+  """EP (a MoE config): the planner's numbers and its all-to-all over the expert axis."""
+  from tests.test_moe import ep_config  # pylint: disable=import-outside-toplevel
+  cfg = ep_config()
+  cfg.data.pack_documents = True
+  lay = layout(data=2, expert=4)
+  rows, rejected = plan.plan_layouts(cfg, 8, 'h100', layouts=[lay])
+  assert not rejected, rejected
+  got, want = rows[0]['measured'], independent_report(cfg, lay)
+  assert got.dot_flops == want.dot_flops
+  assert got.collectives == {k: (v.count, v.bytes) for k, v in want.collectives.items()}
+  assert ('all-to-all', ('expert',)) in got.by_axes, got.by_axes
+
+
 def analytic_flops_per_device(cfg, lay) -> float:
   """Forward + backward dot FLOPs of the whole step / devices: 6 x matmul parameters x
   tokens, plus attention's QK^T and PV over the full (masked, not skipped) t x t."""
