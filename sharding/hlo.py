@@ -155,10 +155,18 @@ def _account(ins, comp, m: float, stats: HloStats, mesh_shape=None):
 _GROUPS = re.compile(r'(?:replica_groups|source_target_pairs)=(\{[{}\d,\s]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)')
 
 
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_DEVICE_IDS = re.compile(r'device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)')
+
+
 def device_groups(attrs: str) -> list[list[int]]:
-  """The device (partition) ids grouped by a collective's replica_groups (listed or in
-  iota form, [G,n]<=[dims]T(perm)) or a permute's source_target_pairs; [] if absent
-  (all devices)."""
+  """The device (partition) ids grouped by a collective's replica_groups (listed, in
+  iota form [G,n]<=[dims]T(perm), or in mesh form mesh['a'=2,'b'=4] {'b'} with optional
+  device_ids=([dims]T(perm))) or a permute's source_target_pairs; [] if absent (all
+  devices)."""
+  mesh = _MESH_GROUPS.search(attrs)
+  if mesh:
+    return _mesh_groups(mesh.group(1), mesh.group(2), _DEVICE_IDS.search(attrs))
   m = _GROUPS.search(attrs)
   if not m:
     return []
@@ -168,22 +176,46 @@ def device_groups(attrs: str) -> list[list[int]]:
             for g in re.findall(r'\{([\d,\s]*)\}', text[1:-1])]
   shape, dims, perm = re.fullmatch(r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?',
                                    text).groups()
-  ints = lambda t: [int(v) for v in t.split(',')]
-  ids = list(range(math.prod(ints(dims))))
-  if perm:   # arange(dims).transpose(perm), flattened
-    d, p = ints(dims), ints(perm)
-    strides = [math.prod(d[i + 1:]) for i in range(len(d))]
-    out_dims = [d[i] for i in p]
-    ids = []
-    for flat in range(math.prod(out_dims)):
-      idx, rest = [], flat
-      for size in reversed(out_dims):
-        idx.append(rest % size)
-        rest //= size
-      idx.reverse()
-      ids.append(sum(idx[k] * strides[p[k]] for k in range(len(p))))
-  width = ints(shape)[-1]
+  ids = _iota(_ints(dims), perm and _ints(perm))
+  width = _ints(shape)[-1]
   return [ids[i:i + width] for i in range(0, len(ids), width)]
+
+
+def _ints(text: str) -> list[int]:
+  return [int(v) for v in text.split(',')]
+
+
+def _coords(flat: int, dims) -> list[int]:
+  out = []
+  for size in reversed(dims):
+    out.append(flat % size)
+    flat //= size
+  return out[::-1]
+
+
+def _iota(dims, perm=None) -> list[int]:
+  """arange(prod(dims)).reshape(dims).transpose(perm), flattened."""
+  if not perm:
+    return list(range(math.prod(dims)))
+  strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
+  out_dims = [dims[i] for i in perm]
+  return [sum(c * strides[perm[k]] for k, c in enumerate(_coords(flat, out_dims)))
+          for flat in range(math.prod(out_dims))]
+
+
+def _mesh_groups(dims_text: str, axes_text: str, device_ids) -> list[list[int]]:
+  """One group per point of the mesh axes not named in braces, over the named ones."""
+  names = re.findall(r"'([^']+)'=(\d+)", dims_text)
+  dims = [int(n) for _, n in names]
+  named = {a for a in re.findall(r"'([^']+)'", axes_text)}
+  ids = (_iota(_ints(device_ids.group(1)), device_ids.group(2) and _ints(device_ids.group(2)))
+         if device_ids else list(range(math.prod(dims))))
+  groups = {}
+  for flat, device in enumerate(ids):
+    c = _coords(flat, dims)
+    key = tuple(x for (a, _), x in zip(names, c) if a not in named)
+    groups.setdefault(key, []).append(device)
+  return list(groups.values())
 
 
 def group_axes(groups: list[list[int]], mesh_shape) -> tuple[str, ...]:

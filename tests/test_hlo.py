@@ -246,3 +246,25 @@ ENTRY %main (a: f32[64,64], b: f32[64,32]) -> (f32[64,64], f32[64,32]) {
 """
   flops, _ = hlo.analyze_hlo(text)
   assert flops == 2 * 64 * 32 * 64   # the GEMM only; the Triton kernel is opaque
+
+
+@pytest.mark.parametrize('attrs, groups', [
+    ('replica_groups={{0,1},{2,3}}', [[0, 1], [2, 3]]),
+    ('replica_groups=[2,4]<=[8]', [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ('replica_groups=[4,2]<=[2,4]T(1,0)', [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['a'=2,'b'=4] {'b'}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=mesh['a'=2,'b'=4] {'a'}, device_ids=([4,2]T(1,0))",
+     [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    ('source_target_pairs={{0,1},{1,0}}', [[0, 1], [1, 0]]),
+    ('channel_id=1', []),
+])
+def test_device_groups_in_every_printed_form(attrs, groups):
+  assert hlo.device_groups(attrs) == groups
+
+
+def test_group_axes_names_the_mesh_axes_a_group_spans():
+  mesh = {'data': 2, 'fsdp': 2, 'tensor': 2}
+  assert hlo.group_axes([[0, 1], [2, 3]], mesh) == ('tensor',)
+  assert hlo.group_axes([[0, 2], [1, 3]], mesh) == ('fsdp',)
+  assert hlo.group_axes([[0, 5]], mesh) == ('data', 'tensor')
+  assert hlo.group_axes([], mesh) == ('data', 'fsdp', 'tensor')
