@@ -25,47 +25,35 @@ LAUNCHES = {
 
 def compile_launch(name: str, launch: dict) -> dict:
   # pylint: disable=import-outside-toplevel
-  from sharding import hlo
-  from sharding.mesh import make_mesh
-  from sharding.rules import make_plan
-  from training import config as config_lib, describe, optimizer, state
+  from sharding import planner
+  from sharding.mesh import MESH_AXES
+  from training import describe, plan
   from training.cli import load_config_file
   cfg = load_config_file('gpt_64k.py')
-  for axis, size in launch['mesh'].items():
-    setattr(cfg.mesh, axis, size)
-  cfg.optim.grad_accum = launch['grad_accum']
-  devices = jax.devices()[:cfg.mesh.fsdp * cfg.mesh.context]
-  config_lib.validate(cfg, len(devices))
-  plan = make_plan(make_mesh(cfg.mesh, devices), cfg.parallel.zero_stage,
-                   cfg.parallel.sequence_parallel, cfg.parallel.context_strategy,
-                   cfg.parallel.context_load_balance)
-  tx = optimizer.make_optimizer(cfg.optim, cfg.steps)
-  step = state.make_train_step(cfg, plan, tx, optimizer.lr_schedule(cfg.optim, cfg.steps))
-  b, t = cfg.data.batch_size, cfg.data.seq_len
-  batch = {k: jax.ShapeDtypeStruct((b, t), dtype, sharding=plan.batch_sharding())
-           for k, dtype in (('inputs', 'int32'), ('targets', 'int32'),
-                            ('positions', 'int32'), ('weights', 'float32'))}
+  layout = planner.Layout({a: launch['mesh'].get(a, 1) for a in MESH_AXES},
+                          cfg.parallel.zero_stage, cfg.model.remat, launch['grad_accum'])
+  devices = launch['mesh']['fsdp'] * launch['mesh']['context']
+  size = describe.run_size(plan.configure(cfg, layout), devices)   # validates it too
   start = time.perf_counter()
-  report = hlo.inspect_compiled(step.lower(state.abstract_state(cfg, plan, tx), batch).compile())
-  size = describe.run_size(cfg, len(devices))
+  measured = plan.measure(cfg, layout)   # compiled from abstract shapes
   gib = lambda n: round(n / 2**30, 3)
+  b, t = cfg.data.batch_size, cfg.data.seq_len
   return {
-      'launch': name, 'mesh': size['mesh'], 'devices': len(devices),
-      'grad_accum': cfg.optim.grad_accum,
-      'microbatch_tokens_per_device': b // cfg.optim.grad_accum * t // len(devices),
+      'launch': name, 'mesh': size['mesh'], 'devices': devices,
+      'grad_accum': layout.grad_accum,
+      'microbatch_tokens_per_device': b // layout.grad_accum * t // devices,
       'attention': f'{cfg.model.attention_impl} ({cfg.parallel.context_strategy} when '
                    'context > 1)', 'remat': cfg.model.remat,
       'compiled_gib_per_device': {
-          'arguments': gib(report.argument_bytes), 'outputs': gib(report.output_bytes),
-          'aliased': gib(report.alias_bytes), 'temps': gib(report.temp_bytes),
-          'peak_estimate': gib(report.argument_bytes + report.output_bytes
-                               - report.alias_bytes + report.temp_bytes)},
+          'arguments': gib(measured.argument_bytes), 'outputs': gib(measured.output_bytes),
+          'aliased': gib(measured.alias_bytes), 'temps': gib(measured.temp_bytes),
+          'peak_estimate': gib(measured.peak_bytes)},
       'state_gib_per_device': {'parameters': gib(size['param_bytes']),
                                'gradients': gib(size['grad_bytes']),
                                'optimizer_state': gib(size['opt_state_bytes'])},
       'compile_seconds': round(time.perf_counter() - start, 1),
-      'collectives': {k: {'count': v.count, 'gib': gib(v.bytes)}
-                      for k, v in report.collectives.items()},
+      'collectives': {k: {'count': c, 'gib': gib(nbytes)}
+                      for k, (c, nbytes) in measured.collectives.items()},
   }
 
 

@@ -88,13 +88,14 @@ def attention(q, k, v, segment_ids, plan, constrain, flash=None):
                      'strategy only: set --config.parallel.context_strategy=ring.')
   kv_axes = ('batch', None, 'act_kv_heads', None)   # whole on the sequence: all-gathered
   k, v = constrain(k, kv_axes, plan), constrain(v, kv_axes, plan)
-  o, _ = _block(q, k, v, jnp.asarray(order), jnp.asarray(order),
-                *_segments(segment_ids, q.shape[:2]) * 2)
+  segs = _segments(segment_ids, q.shape[:2])
+  o, _ = _block(q, k, v, jnp.asarray(order), jnp.asarray(order), segs, segs)
   return constrain(o.astype(q.dtype), ('batch', 'act_seq', 'act_heads', None), plan)
 
 
 def _segments(segment_ids, shape):
-  return (jnp.zeros(shape, jnp.int32) if segment_ids is None else segment_ids,)
+  """Segment ids, or one segment for all when there are none."""
+  return jnp.zeros(shape, jnp.int32) if segment_ids is None else segment_ids
 
 
 def _block(q, k, v, q_idx, kv_idx, q_seg, kv_seg):
@@ -127,7 +128,7 @@ def _ring(q, k, v, segment_ids, plan, order, flash):
   q_spec = spec(('batch', 'act_seq', 'act_heads', None))
   kv_spec = spec(('batch', 'act_seq', 'act_kv_heads', None))
   seg_spec = spec(('batch', 'act_seq'))
-  segs = _segments(segment_ids, q.shape[:2])[0]
+  segs = _segments(segment_ids, q.shape[:2])
   n = context_size(plan)
   block = _block_or_nothing
   if flash is not None:   # sub-chunks of the load-balance layout (2 per device) or 1
