@@ -202,8 +202,8 @@ def test_a_step_that_loses_the_cache_rebuilds_it_and_forgets_cached_prefixes(
   assert ids(engine.generate(prompts[:2], GREEDY)) == reference[:2]   # prefixes cached
   real = engine.runner._step
 
-  def lose_cache(params, cache, batch):
-    del params, batch
+  def lose_cache(params, cache, *batch_and_rope):
+    del params, batch_and_rope
     for x in cache:
       x.delete()
     raise RuntimeError('injected device failure')

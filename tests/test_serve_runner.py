@@ -161,7 +161,8 @@ def test_xla_step_updates_cache_in_place(setup):
   cfg, params, _ = setup
   runner = tiny_runner(params, cfg, num_blocks=4096, block_size=16, max_model_len=256)
   batch, _ = runner.build_batch([Chunk([1] * 10, 0, [3])])
-  mem = runner._step.lower(runner.params, runner.cache, batch).compile().memory_analysis()
+  mem = runner._step.lower(runner.params, runner.cache, batch,
+                           runner.rope).compile().memory_analysis()
   cache_bytes = sum(c.nbytes for c in runner.cache)
   assert mem.alias_size_in_bytes == cache_bytes
   assert mem.temp_size_in_bytes < cache_bytes / (2 * cfg.num_layers) / 10
@@ -169,8 +170,10 @@ def test_xla_step_updates_cache_in_place(setup):
 
 def test_buckets():
   rc = RunnerConfig(max_num_seqs=24, max_num_batched_tokens=100)
-  assert token_buckets(rc) == [8, 16, 32, 64, 100]
-  assert [seq_bucket(rc, t) for t in token_buckets(rc)] == [8, 16, 24, 24, 24]
+  assert token_buckets(rc) == [8, 16, 32, 48, 64, 96, 100]
+  assert [seq_bucket(rc, t) for t in token_buckets(rc)] == [8, 16, 24, 24, 24, 24, 24]
+  rc = RunnerConfig(max_num_seqs=16, max_num_batched_tokens=512)
+  assert token_buckets(rc) == [8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
 
 
 @pytest.mark.parametrize('chunks,match', [
