@@ -10,12 +10,18 @@ identical weights. Prompts are random token ids with random input and output len
 (fixed seed); ignore_eos holds every output to its asked length. Output tokens/s counts
 the asked tokens only: a static batch also computes tokens past a row's own length until
 its longest row is done, which is the cost continuous batching removes.
+
+Both sides are warmed up on the first static batch, then timed `--repeats` times (3),
+interleaved, the side that goes first alternating; the reported rates are the medians and every pass is in the JSON's
+`passes`: on the shared 2-core machine a neighbour's load moves single runs by 10-20%.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -82,8 +88,9 @@ def _params(out_lens):
   return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
 
 
-def run_meshlm(path: str, shapes: Shapes, prompts, out_lens) -> dict:
-  """Continuous batching (all requests at once) and one request at a time."""
+@contextlib.contextmanager
+def meshlm_engine(path: str, shapes: Shapes):
+  """The engine on the HF directory's weights, compiled and warmed up."""
   # pylint: disable=import-outside-toplevel
   from serve.config import ServeConfig
   from serve.engine import Engine
@@ -95,20 +102,22 @@ def run_meshlm(path: str, shapes: Shapes, prompts, out_lens) -> dict:
                     max_model_len=shapes.max_model_len,
                     enable_prefix_caching=False, warmup=True)
   with Engine(served, cfg) as engine:
-    warm = engine.runner.num_compiles
-    start = time.perf_counter()
-    batched = engine.generate(prompts, _params(out_lens))
-    cb_s = time.perf_counter() - start
-    start = time.perf_counter()
-    single = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, _params(out_lens))]
-    one_s = time.perf_counter() - start
-    compiles = engine.runner.num_compiles
-    assert compiles == warm, f'{compiles - warm} programs compiled after the warm-up'
-    profile = profile_steps(engine, prompts, out_lens)
-  assert [len(r.token_ids) for r in batched] == out_lens
-  return {'continuous_s': cb_s, 'one_at_a_time_s': one_s, 'compiles': compiles,
-          'same_tokens': [r.token_ids for r in batched] == [r.token_ids for r in single],
-          'tokens': [r.token_ids for r in batched], 'profile': profile}
+    yield engine
+
+
+def time_meshlm(engine, prompts, out_lens) -> tuple[float, list]:
+  """Continuous batching: every request submitted at once."""
+  start = time.perf_counter()
+  results = engine.generate(prompts, _params(out_lens))
+  seconds = time.perf_counter() - start
+  assert [len(r.token_ids) for r in results] == out_lens
+  return seconds, [r.token_ids for r in results]
+
+
+def time_one_at_a_time(engine, prompts, out_lens) -> tuple[float, list]:
+  start = time.perf_counter()
+  results = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, _params(out_lens))]
+  return time.perf_counter() - start, [r.token_ids for r in results]
 
 
 def profile_steps(engine, prompts, out_lens) -> dict:
@@ -148,26 +157,32 @@ def profile_steps(engine, prompts, out_lens) -> dict:
           'by_bucket': dict(sorted(steps.items(), key=lambda kv: -kv[1]['seconds']))}
 
 
-def run_transformers(path: str, shapes: Shapes, prompts, out_lens) -> dict:
-  """Static batches of batch_size in arrival order, left-padded, run to their longest."""
+def load_transformers(path: str, prompts, shapes: Shapes):
+  """LlamaForCausalLM on the same weights, torch's thread count chosen, warmed up."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
   # ignore_eos as vLLM means it: eos may be drawn and does not stop (min_new_tokens would
   # forbid drawing it).
   hf.generation_config.eos_token_id = None
-  batches = [range(i, min(i + shapes.batch_size, len(prompts)))
-             for i in range(0, len(prompts), shapes.batch_size)]
-  generate = lambda b: _hf_batch(hf, [prompts[i] for i in b], max(out_lens[i] for i in b))  # noqa
-  threads = _fastest_threads(hf, [prompts[i] for i in batches[0]])
-  generate(batches[0])   # warm-up
+  threads = _fastest_threads(hf, prompts[:shapes.batch_size])
+  _hf_batch(hf, prompts[:shapes.batch_size], 8)   # warm-up
+  return hf, threads
+
+
+def static_batches(shapes: Shapes, num: int) -> list[range]:
+  """Batches of batch_size requests in arrival order."""
+  return [range(i, min(i + shapes.batch_size, num)) for i in range(0, num, shapes.batch_size)]
+
+
+def time_transformers(hf, shapes: Shapes, prompts, out_lens) -> tuple[float, list]:
+  """Static batches, left-padded, each run to its longest output."""
   start = time.perf_counter()
-  outputs = [generate(b) for b in batches]
+  outputs = [_hf_batch(hf, [prompts[i] for i in b], max(out_lens[i] for i in b))
+             for b in static_batches(shapes, len(prompts))]
   seconds = time.perf_counter() - start
-  computed = sum(len(b) * max(out_lens[i] for i in b) for b in batches)
   rows = [row for out in outputs for row in out]
-  return {'static_s': seconds, 'computed_tokens': computed, 'torch_threads': threads,
-          'tokens': [row[:n] for row, n in zip(rows, out_lens)]}
+  return seconds, [row[:n] for row, n in zip(rows, out_lens)]
 
 
 def _fastest_threads(hf, prompts) -> int:
@@ -200,18 +215,41 @@ def _hf_batch(hf, prompts, num_tokens: int) -> list[list[int]]:
   return out[:, width:].tolist()
 
 
-def benchmark(shapes: Shapes) -> dict:
+def benchmark(shapes: Shapes, repeats: int = 3) -> dict:
+  """`repeats` timed passes of continuous batching and of transformers' static batches,
+  interleaved (a neighbour's load on the shared machine hits both alike); the rates
+  are the medians, every pass is kept. One request at a time runs once."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   prompts, out_lens = workload(shapes)
+  passes = []
   with tempfile.TemporaryDirectory() as path:
     build_hf_model(shapes, path)
-    meshlm = run_meshlm(path, shapes, prompts, out_lens)
-    peer = run_transformers(path, shapes, prompts, out_lens)
+    hf, threads = load_transformers(path, prompts, shapes)
+    with meshlm_engine(path, shapes) as engine:
+      warm = engine.runner.num_compiles
+      # One static batch's worth, untimed, as transformers warms up: the first pass over
+      # real data runs slower than later ones (measured ~15%).
+      n = shapes.batch_size
+      engine.generate(prompts[:n], _params(out_lens[:n]))
+      for i in range(repeats):   # which side goes first alternates
+        sides = [lambda: time_meshlm(engine, prompts, out_lens),
+                 lambda: time_transformers(hf, shapes, prompts, out_lens)]
+        (cb_s, batched), (static_s, peer) = (sides[0](), sides[1]()) if i % 2 == 0 else (
+            sides[1](), sides[0]())[::-1]
+        passes.append({'continuous_s': cb_s, 'static_s': static_s})
+      one_s, single = time_one_at_a_time(engine, prompts, out_lens)
+      compiles = engine.runner.num_compiles
+      assert compiles == warm, f'{compiles - warm} programs compiled after the warm-up'
+      profile = profile_steps(engine, prompts, out_lens)
   tokens = sum(out_lens)
-  rates = {'continuous_batching': tokens / meshlm['continuous_s'],
-           'one_at_a_time': tokens / meshlm['one_at_a_time_s'],
-           'transformers_static': tokens / peer['static_s']}
+  median = lambda key: statistics.median(p[key] for p in passes)  # noqa: E731
+  seconds = {'continuous_s': median('continuous_s'), 'static_s': median('static_s'),
+             'one_at_a_time_s': one_s}
+  rates = {'continuous_batching': tokens / seconds['continuous_s'],
+           'one_at_a_time': tokens / one_s,
+           'transformers_static': tokens / seconds['static_s']}
+  batches = static_batches(shapes, len(prompts))
   return {
       'shapes': dataclasses.asdict(shapes), 'output_tokens': tokens,
       'prompt_tokens': sum(map(len, prompts)), 'output_tokens_per_s': rates,
@@ -219,16 +257,18 @@ def benchmark(shapes: Shapes) -> dict:
                  rates['transformers_static'],
                  'continuous_vs_one_at_a_time': rates['continuous_batching'] /
                  rates['one_at_a_time']},
-      'seconds': {k: v for k, v in {**meshlm, **peer}.items() if k.endswith('_s')},
-      'transformers_computed_tokens': peer['computed_tokens'],
-      'meshlm_compiles': meshlm['compiles'],
-      'greedy_agrees': {'batched_vs_one_at_a_time': meshlm['same_tokens'],
+      'seconds': seconds,
+      'passes': [{**p, 'ratio': p['static_s'] / p['continuous_s']} for p in passes],
+      'transformers_computed_tokens': sum(len(b) * max(out_lens[i] for i in b)
+                                          for b in batches),
+      'meshlm_compiles': compiles,
+      'greedy_agrees': {'batched_vs_one_at_a_time': batched == single,
                         'requests_equal_to_transformers': sum(
-                            a == b for a, b in zip(meshlm['tokens'], peer['tokens']))},
+                            a == b for a, b in zip(batched, peer))},
       'load_average_1min': os.getloadavg()[0],   # the 2 cores are shared: context
       'versions': {'transformers': transformers.__version__, 'torch': torch.__version__},
-      'torch_threads': peer['torch_threads'],
-      'meshlm_step_profile': meshlm['profile'],
+      'torch_threads': threads,
+      'meshlm_step_profile': profile,
   }
 
 
@@ -237,8 +277,14 @@ def main(argv=None) -> dict:
   parser.add_argument('--smoke', action='store_true',
                       help='tiny sizes; print the JSON, write results/ nothing')
   parser.add_argument('--output', metavar='PATH', help='also write the JSON here')
+  parser.add_argument('--repeats', type=int, default=None,
+                      help='timed passes of each side, interleaved (default 3; smoke 1)')
   args = parser.parse_args(argv)
-  result = {'environment': environment(), **benchmark(SMOKE if args.smoke else Shapes())}
+  repeats = args.repeats or (1 if args.smoke else 3)
+  if repeats < 1:
+    parser.error(f'--repeats={repeats}: give at least 1.')
+  result = {'environment': environment(),
+            **benchmark(SMOKE if args.smoke else Shapes(), repeats)}
   if args.output:
     with open(args.output, 'w') as f:
       json.dump(result, f, indent=2)

@@ -278,6 +278,7 @@ class Engine:
     self._observers = []
     self._totals = {'prompt_tokens': 0, 'generation_tokens': 0}
     self._finished_by_reason = {r: 0 for r in ('stop', 'length', 'abort', 'error')}
+    self._pending_outputs = None   # (tokens, logprobs, finished) of the last step
     self._lock = threading.RLock()
     self._wake = threading.Event()
     self._admitting, self._stopping = True, False
@@ -477,20 +478,29 @@ class Engine:
         busy = False
       if not busy:
         self._wake.wait(0.05)
+    self._flush_outputs()
 
   def _step(self) -> bool:
-    """One scheduler step; False when there was nothing to run."""
+    """One scheduler step; False when there was nothing to run.
+
+    A step's outputs (detokenizing, streaming: ~0.3 ms for 16 tokens) go out while the
+    device runs the next step, unless a request in it has stop strings: those are found
+    while detokenizing and must end the request before the next schedule."""
     with self._lock:
       self._apply_aborts()
       out = self.scheduler.schedule()
     if not out.chunks:
+      self._flush_outputs()
       return False
     try:
       tokens, logprobs = self._execute(out)
       with self._lock:
         finished = self.scheduler.update_from_output(out, tokens)
-        self._emit(tokens, logprobs, finished)
+        self._pending_outputs = (tokens, logprobs, finished)
+        if self._has_stop_strings(out):
+          self._flush_outputs()
     except Exception as e:  # pylint: disable=broad-except
+      self._flush_outputs()
       traceback.print_exc(file=sys.stderr)
       failed = [c.request_id for c in out.chunks]
       if self.runner.recover_cache():
@@ -504,9 +514,21 @@ class Engine:
         self._fail(failed, e)
     return True
 
+  def _has_stop_strings(self, out) -> bool:
+    return any(self._tracked[c.request_id].request.sampling_params.stop
+               for c in out.chunks if c.sample and c.request_id in self._tracked)
+
+  def _flush_outputs(self) -> None:
+    """Emits the previous step's outputs (see _step)."""
+    pending, self._pending_outputs = self._pending_outputs, None
+    if pending is not None:
+      with self._lock:
+        self._emit(*pending)
+
   def _execute(self, out):
     """Runs the model and samples: ({id: token}, {id: TokenLogprob}) of sampling chunks."""
-    step = self.runner.step(out)
+    step = self.runner.step(out)   # dispatched; the device runs it while
+    self._flush_outputs()          # the previous step's outputs go out
     rows = [self._tracked[c.request_id] for c in out.chunks if c.sample]
     if not rows:
       return {}, {}
@@ -580,6 +602,8 @@ class Engine:
         traceback.print_exc(file=sys.stderr)
 
   def _apply_aborts(self) -> None:
+    if self._aborts:   # a request that finished last step reports that, not the abort
+      self._flush_outputs()
     while self._aborts:   # taken one by one: a failing abort is not retried forever
       rid, why = self._aborts.popitem()
       t = self._tracked.get(rid)

@@ -145,6 +145,30 @@ def test_stop_string_ends_text_before_it(engine, prompts, reference):
   assert out.text == bytes(reference[row][:first]).decode()
 
 
+def test_outputs_go_out_while_the_next_step_runs_unless_stop_strings(
+    engine, prompts, reference, monkeypatch):
+  wait_idle(engine)
+  events = []
+  step, emit = engine.runner.step, engine._emit
+  monkeypatch.setattr(engine.runner, 'step', lambda out: (events.append('step'), step(out))[1])
+  monkeypatch.setattr(engine, '_emit', lambda *a: (events.append('emit'), emit(*a))[1])
+  assert ids(engine.generate(prompts[:2], GREEDY)) == reference[:2]
+  wait_idle(engine)
+  # Each step's outputs are emitted once the next step is dispatched; the last when idle.
+  n = events.count('step')
+  assert n >= MAX_TOKENS and events == ['step'] + ['step', 'emit'] * (n - 1) + ['emit']
+  # A stop string is found while detokenizing, which must precede the next schedule.
+  row, token = next((i, t) for i, r in enumerate(reference) for j, t in enumerate(r)
+                    if j >= 2 and 33 <= t < 127 and max(r[:j]) < 128)
+  events.clear()
+  params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                          stop=[chr(token)])
+  [out] = engine.generate([prompts[row]], params)
+  wait_idle(engine)
+  assert out.finish_reason == 'stop' and out.token_ids[-1] == token
+  assert events == ['step', 'emit'] * len(out.token_ids)   # no step past the stop
+
+
 def test_async_stream_gives_the_same_tokens(engine, prompts, reference):
   async def run():
     pieces = []
