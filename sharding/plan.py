@@ -29,7 +29,10 @@ def parse_args(argv=None):
                  help='compile A- and B-layer versions and extrapolate (big models)')
   p.add_argument('--zero', default='0,1,3', help='ZeRO stages to try')
   p.add_argument('--remat', default='none,full', help='remat policies to try')
-  p.add_argument('--grad-accum', default='1', help='microbatch counts to try')
+  p.add_argument('--grad-accum', default='1', help='gradient accumulation counts to try')
+  p.add_argument('--microbatches', default='0',
+                 help='pipeline microbatch counts to try, for layouts with stage > 1 '
+                      '(0: one per stage)')
   p.add_argument('--output', metavar='DIR', help='write plan.json and plan.csv here')
   return p.parse_args(argv)
 
@@ -62,7 +65,7 @@ def main(argv=None) -> int:
     rows, rejected = plan_lib.plan_layouts(
         cfg, args.devices, hw.name, layers=layers, progress=progress,
         zero_stages=ints(args.zero), remats=tuple(args.remat.split(',')),
-        grad_accums=ints(args.grad_accum))
+        grad_accums=ints(args.grad_accum), microbatches=ints(args.microbatches))
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2

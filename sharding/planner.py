@@ -78,7 +78,8 @@ class Layout:
 
   def name(self) -> str:
     axes = 'x'.join(f'{a}{n}' for a, n in self.mesh.items() if n > 1) or 'single'
-    return f'{axes} zero{self.zero_stage} remat={self.remat} accum{self.grad_accum}'
+    micro = f' micro{self.microbatches}' if self.microbatches else ''
+    return f'{axes} zero{self.zero_stage} remat={self.remat} accum{self.grad_accum}{micro}'
 
   def overrides(self) -> list[str]:
     """The train.py flags that run this layout."""

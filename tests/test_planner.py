@@ -5,6 +5,7 @@ against a full compile, and the CLI's refusals."""
 import dataclasses
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -43,7 +44,8 @@ LAYOUTS = {
 
 
 def independent_report(cfg, lay):
-  """The same step compiled without the planner: the test's own plan and batch."""
+  """The same step compiled without the planner: the test's own plan and batch; its
+  collectives also counted by count_collectives (a second reading of the HLO)."""
   cfg = plan.configure(cfg, lay)
   mesh = make_mesh(cfg.mesh, jax.devices()[:8])
   p = make_plan(mesh, lay.zero_stage, cfg.parallel.sequence_parallel,
@@ -53,7 +55,72 @@ def independent_report(cfg, lay):
   step = state.make_train_step(cfg, p, tx, optimizer.lr_schedule(cfg.optim, cfg.steps))
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=p.batch_sharding())
            for k, v in random_batch(cfg).items()}
-  return hlo.inspect_compiled(step.lower(state.abstract_state(cfg, p, tx), batch).compile())
+  compiled = step.lower(state.abstract_state(cfg, p, tx), batch).compile()
+  report = hlo.inspect_compiled(compiled)
+  counted = count_collectives(compiled.as_text())
+  assert counted.keys() == report.collectives.keys()
+  for kind, stats in report.collectives.items():
+    assert counted[kind] == pytest.approx((stats.count, stats.bytes)), kind
+  return report
+
+
+_KINDS = 'all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all'
+_BYTES = {'f32': 4, 'bf16': 2, 'f16': 2, 's32': 4, 'u32': 4, 'pred': 1, 's8': 1, 'u8': 1,
+          'f64': 8, 's64': 8, 'u64': 8}
+
+
+def count_collectives(text: str) -> dict[str, tuple[float, float]]:
+  """{kind: (executions, result bytes)} per step from compiled HLO text: a second,
+  line-regex reading, independent of sharding/hlo.py's parser. Loop bodies count
+  known_trip_count times; conditional branches, called and async-wrapped computations
+  once; an async collective's bytes are its -done's result."""
+  comps, name, entry = {}, None, None
+  for line in text.splitlines():
+    header = re.match(r'(ENTRY )?%?([\w.\-]+) \(.*\{$', line)
+    if header:
+      name, comps[header.group(2)] = header.group(2), []
+      entry = name if header.group(1) else entry
+    elif line.startswith('}'):
+      name = None
+    elif name is not None:
+      # Metadata (source text in quotes) may hold anything; backend_config follows it.
+      comps[name].append(re.sub(r'metadata=\{("[^"]*"|[^{}"])*\}', '', line))
+
+  def nbytes(shape):
+    return sum(_BYTES[dt] * math.prod(int(d) for d in dims.split(',') if d)
+               for dt, dims in re.findall(r'([a-z]+\d*)\[([\d,]*)\]', shape))
+
+  def callees(line):   # (computation, runs per execution of the line's op)
+    if ' while(' in line:
+      trip = int(re.search(r'"known_trip_count":\{"n":"(\d+)"', line).group(1))
+      return [(re.search(r'body=%?([\w.\-]+)', line).group(1), trip)]
+    refs = re.findall(r'(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+)'
+                      r'|false_computation=%?([\w.\-]+)|to_apply=%?([\w.\-]+)'
+                      r'|calls=%?([\w.\-]+))', line)
+    if not re.search(r' (conditional|call|async-start)\(', line):
+      return []
+    names = [n for groups in refs for g in groups for n in re.findall(r'[\w.\-]+', g)]
+    return [(n.lstrip('%'), 1) for n in names]
+
+  totals = {}
+
+  def visit(comp, times):
+    done = {}
+    for line in comps[comp]:
+      m = re.search(rf'= (.*?) (?:{_KINDS})-done\(.*?%?([\w.\-]+)\)$', line)
+      if m:
+        done[m.group(2)] = m.group(1)
+    for line in comps[comp]:
+      m = re.search(rf'%?([\w.\-]+) = (.*?) ({_KINDS})(-start)?\(', line)
+      if m:
+        shape = done[m.group(1)] if m.group(4) else m.group(2)
+        count, total = totals.get(m.group(3), (0.0, 0.0))
+        totals[m.group(3)] = (count + times, total + times * nbytes(shape))
+      for callee, k in callees(line):
+        visit(callee, times * k)
+
+  visit(entry, 1.0)
+  return totals
 
 
 @pytest.fixture(scope='module')
@@ -108,6 +175,25 @@ def test_planner_numbers_match_an_independent_compile(name, planned):
   if name not in ('pp2_dp4', 'cp2_dp4'):   # the bubble / gathered K,V add work
     want_flops = analytic_flops_per_device(cfg, lay)
     assert abs(got.dot_flops / want_flops - 1) < 0.02, (got.dot_flops, want_flops)
+
+
+def test_pipeline_microbatches_are_a_knob_and_more_of_them_shrink_the_bubble():
+  cfg = planner_config()
+  valid, _ = plan.candidates(cfg, 8, axes=['data', 'tensor', 'stage'], zero_stages=(0,),
+                             remats=('none',), microbatches=(0, 4))
+  pp = [lay for lay in valid if lay.mesh['stage'] == 2]
+  assert {lay.microbatches for lay in pp} == {2, 4}   # 0 is one per stage
+  assert all(lay.microbatches == 0 for lay in valid if lay.mesh['stage'] == 1)
+  assert len({lay.name() for lay in valid}) == len(valid)
+  lays = [layout(data=2, tensor=2, stage=2, micro=m) for m in (2, 4)]
+  rows, rejected = plan.plan_layouts(cfg, 8, 'h100', layouts=lays)
+  assert not rejected, rejected
+  by_micro = {r['layout'].microbatches: r for r in rows}
+  assert '--config.parallel.microbatches=4' in by_micro[4]['layout'].overrides()
+  # The bubble's idle iterations are compiled work: (M+S-1)/M times the useful FLOPs.
+  flops = {m: by_micro[m]['measured'].dot_flops for m in (2, 4)}
+  assert flops[4] < flops[2]
+  assert by_micro[4]['prediction'].step_s < by_micro[2]['prediction'].step_s
 
 
 def test_memory_orders_zero_stages_and_scales_one_over_n():

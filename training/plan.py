@@ -26,10 +26,11 @@ REMAT = ('none', 'full')
 
 
 def candidates(cfg: config_lib.Config, devices: int, *, axes=None, zero_stages=(0, 1, 3),
-               remats=REMAT, grad_accums=(1,)) -> tuple[list, list]:
+               remats=REMAT, grad_accums=(1,), microbatches=(0,)) -> tuple[list, list]:
   """(valid layouts, [(layout, why invalid)]) for `devices`: every factorization over
   `axes` (default: the axes this config can use: expert only with experts, stage only
-  if its layers split) x ZeRO stage x remat x grad_accum, pruned by config.validate."""
+  if its layers split) x ZeRO stage x remat x grad_accum x pipeline microbatches (for
+  layouts with stage > 1; 0: one per stage), pruned by config.validate."""
   if axes is None:
     axes = [a for a in MESH_AXES if a != 'expert' or cfg.model.num_experts]
   valid, rejected = [], []
@@ -38,15 +39,17 @@ def candidates(cfg: config_lib.Config, devices: int, *, axes=None, zero_stages=(
     for zero in zero_stages:
       if zero and mesh['fsdp'] == 1:
         continue   # ZeRO over a 1-device fsdp axis is ZeRO-0
+      micros = sorted({m or mesh['stage'] for m in microbatches}) if mesh['stage'] > 1 else [0]
       for remat in remats:
         for accum in grad_accums:
-          layout = planner.Layout(mesh, zero, remat, accum)
-          try:
-            config_lib.validate(configure(cfg, layout), devices)
-          except ValueError as e:
-            rejected.append((layout, str(e)))
-            continue
-          valid.append(layout)
+          for micro in micros:
+            layout = planner.Layout(mesh, zero, remat, accum, micro)
+            try:
+              config_lib.validate(configure(cfg, layout), devices)
+            except ValueError as e:
+              rejected.append((layout, str(e)))
+              continue
+            valid.append(layout)
   return valid, rejected
 
 
