@@ -32,7 +32,7 @@ def parse_args(argv=None):
   p.add_argument('--grad-accum', default='1', help='gradient accumulation counts to try')
   p.add_argument('--microbatches', default='0',
                  help='pipeline microbatch counts to try, for layouts with stage > 1 '
-                      '(0: one per stage)')
+                      "(0: the config's, else one per stage)")
   p.add_argument('--output', metavar='DIR', help='write plan.json and plan.csv here')
   return p.parse_args(argv)
 

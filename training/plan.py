@@ -30,7 +30,8 @@ def candidates(cfg: config_lib.Config, devices: int, *, axes=None, zero_stages=(
   """(valid layouts, [(layout, why invalid)]) for `devices`: every factorization over
   `axes` (default: the axes this config can use: expert only with experts, stage only
   if its layers split) x ZeRO stage x remat x grad_accum x pipeline microbatches (for
-  layouts with stage > 1; 0: one per stage), pruned by config.validate."""
+  layouts with stage > 1; 0: the config's parallel.microbatches, else one per stage),
+  pruned by config.validate."""
   if axes is None:
     axes = [a for a in MESH_AXES if a != 'expert' or cfg.model.num_experts]
   valid, rejected = [], []
@@ -39,7 +40,8 @@ def candidates(cfg: config_lib.Config, devices: int, *, axes=None, zero_stages=(
     for zero in zero_stages:
       if zero and mesh['fsdp'] == 1:
         continue   # ZeRO over a 1-device fsdp axis is ZeRO-0
-      micros = sorted({m or mesh['stage'] for m in microbatches}) if mesh['stage'] > 1 else [0]
+      default = config_lib.pipeline_microbatches(cfg, mesh['stage'])   # the config's
+      micros = sorted({m or default for m in microbatches}) if mesh['stage'] > 1 else [0]
       for remat in remats:
         for accum in grad_accums:
           for micro in micros:
