@@ -337,7 +337,9 @@ def forward_with_aux(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   inv_freq = rope_inv_freq(cfg)
-  rope = rope_tables(positions, inv_freq)
+  # Once for every layer; the pipeline makes its own per microbatch (below).
+  pipelined = not cfg.num_experts and pipeline.stages(plan) > 1
+  rope = None if pipelined else rope_tables(positions, inv_freq)
   table = params['embed'] if embed is None else embed
   if table.ndim == 2:
     x = table[tokens]
@@ -352,7 +354,7 @@ def forward_with_aux(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
 
   if cfg.num_experts:
     x, aux = _moe_layers(x, params, cfg, rope, segment_ids, plan)
-  elif pipeline.stages(plan) > 1:
+  elif pipelined:
     def layer(carry, layer):
       x, pos, seg = carry
       # Positions travel with their microbatch: the tables are made per stage.
