@@ -7,6 +7,22 @@ weighted by how often its computation runs: a `lax.scan` body counts trip-count 
 
 Convolutions are not costed (their FLOPs depend on window, feature grouping and dilation);
 the report counts them so a caller can tell its FLOPs are incomplete.
+
+Memory traffic (`dot_bytes`, `other_bytes`): the bytes each kernel-level instruction (a
+fusion, an unfused op, a library call; not the ops inside a fusion, not collectives, which
+are communication) reads and writes in device memory, loops weighted by trip count, split
+into kernels that do matmuls and the rest (memory-bound). Reads that only feed a slice
+count the slice: a scanned layer's `dynamic-slice` of the stacked weights reads one
+layer's weights, not the stack. Writes by `dynamic-update-slice` into a buffer (in place)
+count the update. What the compiler fuses differs between backends, so bytes read from a
+CPU compile are an estimate of a GPU's. A Pallas kernel run by the interpreter (on CPU)
+becomes a loop over its grid that copies blocks around; on a GPU it is one kernel, so its
+traffic is taken as its inputs read and outputs written once (the loop's carried buffers;
+a lower bound: flash attention re-reads K and V blocks, mostly from L2), while the dots
+in its blocks are set apart (`kernel_dot_flops`: the interpreter's inner loops have no
+known trip count, so they undercount) with the kernel's executions (`kernel_calls`), for
+a caller that knows the kernel's FLOPs analytically. The kernels are found by their
+pallas_call names (`PALLAS_KERNELS`, the name scope of the interpreter's grid loop).
 """
 
 import collections
@@ -27,6 +43,10 @@ _OPCODE = re.compile(r'\s*([a-z][\w\-]*)\(')
 # Metadata holds free-form source text (op names, file names) that could mimic attributes.
 _METADATA = re.compile(r'metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+# The pallas_call names of pallas_kernels/ (tests/test_hlo.py checks them against it).
+PALLAS_KERNELS = ('flash_attention_fwd', 'flash_attention_dq', 'flash_attention_dkv',
+                  'ragged_paged_attention')
 
 
 @dataclasses.dataclass
@@ -45,6 +65,10 @@ class HloStats:
   # With a mesh: (kind, the mesh axes its device groups span) -> stats.
   by_axes: dict[tuple[str, tuple[str, ...]], CollectiveStats] = dataclasses.field(
       default_factory=dict)
+  dot_bytes: float = 0.0    # memory traffic of kernels that do matmuls
+  other_bytes: float = 0.0  # memory traffic of every other kernel
+  kernel_calls: dict[str, float] = dataclasses.field(default_factory=dict)  # Pallas, by name
+  kernel_dot_flops: float = 0.0   # dots inside interpreted Pallas kernels (not in dot_flops)
 
 
 @dataclasses.dataclass
@@ -60,6 +84,10 @@ class StepReport:
   convolutions: float = 0.0
   by_axes: dict[tuple[str, tuple[str, ...]], CollectiveStats] = dataclasses.field(
       default_factory=dict)   # with a mesh: (kind, mesh axes spanned) -> stats
+  dot_bytes: float = 0.0      # memory traffic of matmul kernels (module docstring)
+  other_bytes: float = 0.0    # memory traffic of every other kernel
+  kernel_calls: dict[str, float] = dataclasses.field(default_factory=dict)
+  kernel_dot_flops: float = 0.0   # in interpreted Pallas kernels, not in dot_flops
 
   def bytes_of(self, *kinds: str) -> float:
     """Collective bytes summed over `kinds` (all kinds if none given).
@@ -76,6 +104,8 @@ class StepReport:
         f'{_human(self.output_bytes)}, temps {_human(self.temp_bytes)}, '
         f'aliased {_human(self.alias_bytes)}',
         f'dot FLOPs per device per step: {self.dot_flops:.4g}',
+        f'memory traffic per device per step: matmul kernels {_human(self.dot_bytes)}, '
+        f'other kernels {_human(self.other_bytes)}',
     ]
     if self.collectives:
       lines.append(f'{"collective":<20}{"count":>10}{"bytes":>14}')
@@ -87,6 +117,9 @@ class StepReport:
       lines.append('counted once (unknown trip count): ' + ', '.join(self.unknown_trip_count_loops))
     if self.convolutions:
       lines.append(f'{self.convolutions:g} convolution executions not in dot FLOPs')
+    if self.kernel_calls:
+      lines.append('Pallas kernels (their FLOPs not in dot FLOPs): ' + ', '.join(
+          f'{k} x{n:g}' for k, n in sorted(self.kernel_calls.items())))
     return '\n'.join(lines)
 
 
@@ -98,12 +131,12 @@ def _human(n: float) -> str:
   raise AssertionError('unreachable')
 
 
-def inspect_compiled(compiled, mesh_shape=None) -> StepReport:
+def inspect_compiled(compiled, mesh_shape=None, kernels=PALLAS_KERNELS) -> StepReport:
   """Report for `jax.jit(f).lower(...).compile()`; all numbers are per device.
   mesh_shape ({axis: size}, in the mesh's order, e.g. dict(mesh.shape)): also file each
   collective under the mesh axes its device groups span (`by_axes`)."""
   mem = compiled.memory_analysis()
-  stats = hlo_stats(compiled.as_text(), mesh_shape)
+  stats = hlo_stats(compiled.as_text(), mesh_shape, kernels)
   return StepReport(
       argument_bytes=int(getattr(mem, 'argument_size_in_bytes', 0)),
       output_bytes=int(getattr(mem, 'output_size_in_bytes', 0)),
@@ -114,6 +147,10 @@ def inspect_compiled(compiled, mesh_shape=None) -> StepReport:
       unknown_trip_count_loops=stats.unknown_trip_count_loops,
       convolutions=stats.convolutions,
       by_axes=stats.by_axes,
+      dot_bytes=stats.dot_bytes,
+      other_bytes=stats.other_bytes,
+      kernel_calls=stats.kernel_calls,
+      kernel_dot_flops=stats.kernel_dot_flops,
   )
 
 
@@ -123,13 +160,33 @@ def analyze_hlo(hlo_text: str) -> tuple[float, dict[str, CollectiveStats]]:
   return stats.dot_flops, stats.collectives
 
 
-def hlo_stats(hlo_text: str, mesh_shape=None) -> HloStats:
+def hlo_stats(hlo_text: str, mesh_shape=None, kernels=PALLAS_KERNELS) -> HloStats:
   comps, entry = _parse_module(hlo_text)
   mult, unknown = _multiplicities(comps, entry)
   stats = HloStats(0.0, {}, unknown, 0.0)
+  fused = {c for comp in comps.values() for ins in comp.instrs if ins.opcode == 'fusion'
+           for c in _refs(ins.attrs, 'calls')}
+  grid_loops = {ins.name: _kernel_of(ins, kernels) for comp in comps.values()
+                for ins in comp.instrs if _kernel_of(ins, kernels)}
+  in_kernels = _reachable(comps, [c for comp in comps.values() for ins in comp.instrs
+                                  if ins.name in grid_loops for c, _ in _callees(ins)[0]])
   for name, m in mult.items():
     for ins in comps[name].instrs:
-      _account(ins, comps[name], m, stats, mesh_shape)
+      if name in in_kernels:
+        stats.kernel_dot_flops += m * _dot_flops(ins, comps[name])
+      else:
+        _account(ins, comps[name], m, stats, mesh_shape)
+      if ins.name in grid_loops:
+        kernel = grid_loops[ins.name]
+        stats.kernel_calls[kernel] = stats.kernel_calls.get(kernel, 0.0) + m
+      if name not in fused and name not in in_kernels:
+        # An interpreted kernel's grid loop: the buffers it carries, read or written once.
+        nbytes = (_shape_bytes(ins.shape) if ins.name in grid_loops
+                  else _traffic(ins, comps[name], comps))
+        if ins.name in grid_loops or _does_matmul(ins, comps):
+          stats.dot_bytes += m * nbytes
+        else:
+          stats.other_bytes += m * nbytes
   return stats
 
 
@@ -248,6 +305,8 @@ class _Instr:
   opcode: str
   operands: list[str]  # as printed: '%name', or 'f32[4]{0} %name' in older dumps
   attrs: str  # everything after the operand list, metadata removed
+  root: bool = False
+  op_name: str = ''   # from the metadata: the jax name scope of the op
 
 
 @dataclasses.dataclass
@@ -255,6 +314,7 @@ class _Comp:
   instrs: list[_Instr] = dataclasses.field(default_factory=list)
   shapes: dict[str, str] = dataclasses.field(default_factory=dict)
   done_shapes: dict[str, str] = dataclasses.field(default_factory=dict)  # start name -> done shape
+  root: str = ''
 
 
 def _parse_module(text: str) -> tuple[dict[str, _Comp], str]:
@@ -279,6 +339,8 @@ def _add_instr(comp: _Comp, line: str):
     return
   comp.instrs.append(ins)
   comp.shapes[ins.name] = ins.shape
+  if ins.root:
+    comp.root = ins.name
   if ins.opcode.endswith('-done') and ins.operands:
     comp.done_shapes[_operand_name(ins.operands[0])] = ins.shape
 
@@ -294,9 +356,12 @@ def _parse_instr(line: str) -> _Instr | None:
   if not op:
     return None
   close = _group_end(rest, op.end() - 1)
-  operands = _split_top(rest[op.end():close - 1])
+  operands = _split_top(re.sub(r'/\*.*?\*/', '', rest[op.end():close - 1]))
+  meta = _METADATA.search(rest, close)
+  name = _OP_NAME.search(meta.group(0)) if meta else None
   attrs = _METADATA.sub('', rest[close:])
-  return _Instr(m.group(1), shape, op.group(1), operands, attrs)
+  return _Instr(m.group(1), shape, op.group(1), operands, attrs,
+                root=line.lstrip().startswith('ROOT '), op_name=name.group(1) if name else '')
 
 
 def _group_end(text: str, start: int) -> int:
@@ -385,6 +450,31 @@ def _callees(ins: _Instr) -> tuple[list[tuple[str, float]], bool]:
   return [(c, 1) for k in keys for c in _refs(ins.attrs, k)], False
 
 
+def _kernel_of(ins: _Instr, kernels) -> str:
+  """The Pallas kernel whose interpreted grid loop `ins` is ('' if none): a `while` named
+  <scope>/KERNEL/while, KERNEL possibly wrapped by transformations (jvp(KERNEL))."""
+  if ins.opcode != 'while':
+    return ''
+  parts = ins.op_name.split('/')
+  if len(parts) < 2 or parts[-1] != 'while':
+    return ''
+  inner = re.sub(r'^(?:[\w.-]+\()*([^()]*)\)*$', r'\1', parts[-2])
+  return inner if inner in kernels else ''
+
+
+def _reachable(comps: dict[str, _Comp], roots) -> set[str]:
+  """The computations in `roots` and every one they call (fusions included)."""
+  seen, stack = set(), [r for r in roots if r in comps]
+  while stack:
+    name = stack.pop()
+    if name in seen:
+      continue
+    seen.add(name)
+    for ins in comps[name].instrs:
+      stack += [c for c, _ in _callees(ins)[0] if c in comps]
+  return seen
+
+
 def _multiplicities(comps: dict[str, _Comp], entry: str) -> tuple[dict[str, float], list[str]]:
   """Runs per step of each computation reachable from `entry`; and loops lacking trip counts."""
   callers = collections.defaultdict(list)
@@ -451,3 +541,111 @@ def _collective(ins: _Instr, comp: _Comp) -> tuple[str, float] | None:
   if done is None:
     raise ValueError(f'{ins.opcode} {ins.name} has no matching -done in its computation')
   return kind, _shape_bytes(done)
+
+
+# ---------------------------------------------------------------- memory traffic
+
+# No kernel of their own: bookkeeping, control flow (their bodies are counted), and
+# collectives (communication, costed as such).
+_NO_TRAFFIC = {
+    'parameter', 'constant', 'tuple', 'get-tuple-element', 'bitcast', 'while',
+    'conditional', 'call', 'after-all', 'partition-id', 'replica-id', 'opt-barrier',
+    'add-dependency', 'async-start', 'async-update', 'async-done', 'copy-done',
+    'send', 'send-done', 'recv', 'recv-done', 'domain',
+}
+_SLICES = ('dynamic-slice', 'slice', 'gather')
+
+
+def _is_collective(opcode: str) -> bool:
+  return opcode.removesuffix('-start').removesuffix('-done') in COLLECTIVES
+
+
+def _traffic(ins: _Instr, comp: _Comp, comps: dict[str, _Comp]) -> float:
+  """Bytes one execution of kernel-level `ins` reads and writes (module docstring)."""
+  if ins.opcode in _NO_TRAFFIC or _is_collective(ins.opcode):
+    return 0.0
+  operand = lambda i: _shape_bytes(_operand_shape(ins.operands[i], comp))
+  if ins.opcode in _SLICES:          # reads what it writes (+ a gather's indices)
+    return 2 * _shape_bytes(ins.shape) + sum(operand(i) for i in range(1, len(ins.operands))
+                                             if ins.opcode == 'gather')
+  if ins.opcode == 'dynamic-update-slice':   # in place: the update, read and written
+    return 2 * operand(1)
+  if ins.opcode == 'scatter':                # (operand, indices, updates): in place
+    return operand(1) + 2 * operand(2)
+  if ins.opcode == 'fusion':
+    body = comps.get((_refs(ins.attrs, 'calls') or [''])[0])
+    if body is not None:
+      return _fusion_traffic(ins, comp, body)
+  return sum(operand(i) for i in range(len(ins.operands))) + _shape_bytes(ins.shape)
+
+
+# Ops a fusion's slicing sees through: the slice of a converted array is the converted
+# slice, so only the slice is read (XLA fuses them that way; the Pallas interpreter's
+# blocks read bf16 arrays through an f32 convert).
+_PASS = ('bitcast', 'convert', 'copy')
+
+
+def _elements(shape: str) -> int:
+  arrays = _arrays(shape)
+  return math.prod(arrays[0][1]) if arrays else 0
+
+
+def _fusion_traffic(ins: _Instr, comp: _Comp, body: _Comp) -> float:
+  by_name = {i.name: i for i in body.instrs}
+  users = collections.defaultdict(list)      # name -> [(user, operand position)]
+  for i in body.instrs:
+    for pos, o in enumerate(i.operands):
+      users[_operand_name(o)].append((i, pos))
+
+  def uses(name):
+    out = []
+    for user, pos in users[name]:
+      out += uses(user.name) if user.opcode in _PASS else [(user, pos)]
+    return out
+
+  def source(i):   # back through _PASS ops
+    while i is not None and i.opcode in _PASS:
+      i = by_name.get(_operand_name(i.operands[0]))
+    return i
+
+  params = {int(i.operands[0]): i.name for i in body.instrs if i.opcode == 'parameter'}
+  total = 0.0
+  for k, operand in enumerate(ins.operands):
+    shape = _operand_shape(operand, comp)
+    reached = uses(params.get(k, ''))
+    arrays = _arrays(shape)
+    if (len(arrays) == 1 and reached
+        and all(u.opcode in _SLICES and pos == 0 for u, pos in reached)):
+      # Only the slices are read, in the operand's own element type.
+      total += sum(_elements(u.shape) for u, _ in reached) * _dtype_bytes(arrays[0][0])
+    elif reached and all(u.opcode == 'dynamic-update-slice' and pos == 0 for u, pos in reached):
+      pass                                  # a buffer updated in place: not read
+    else:
+      total += _shape_bytes(shape)
+  root = by_name.get(body.root)
+  outputs = ([by_name.get(_operand_name(o)) for o in root.operands]
+             if root is not None and root.opcode == 'tuple' else [root])
+  for out in outputs:
+    if out is None:
+      continue
+    update = source(out)
+    buffer = (source(by_name.get(_operand_name(update.operands[0])))
+              if update is not None and update.opcode == 'dynamic-update-slice' else None)
+    if buffer is not None and buffer.opcode == 'parameter' and _arrays(out.shape):
+      # In place: only the update is written, in the output's element type.
+      update_shape = _operand_shape(update.operands[1], body)
+      total += _elements(update_shape) * _dtype_bytes(_arrays(out.shape)[0][0])
+    else:
+      total += _shape_bytes(out.shape)
+  return total
+
+
+def _does_matmul(ins: _Instr, comps: dict[str, _Comp]) -> bool:
+  if ins.opcode in ('dot', 'convolution'):
+    return True
+  if ins.opcode == 'custom-call':
+    return '"lhs_contracting_dimensions"' in ins.attrs    # a library GEMM
+  if ins.opcode == 'fusion':
+    return any(_does_matmul(i, comps) for c in _refs(ins.attrs, 'calls')
+               for i in comps.get(c, _Comp()).instrs)
+  return False

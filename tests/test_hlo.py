@@ -1,6 +1,7 @@
 """sharding.hlo against analytic counts: loop-weighted dot FLOPs, collectives, memory."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -268,3 +269,88 @@ def test_group_axes_names_the_mesh_axes_a_group_spans():
   assert hlo.group_axes([[0, 2], [1, 3]], mesh) == ('fsdp',)
   assert hlo.group_axes([[0, 5]], mesh) == ('data', 'tensor')
   assert hlo.group_axes([], mesh) == ('data', 'fsdp', 'tensor')
+
+
+# ------------------------------------------------------------------ memory traffic
+
+_TRIP_COUNTS = re.compile(r'"known_trip_count":\{"n":"\d+"\}')
+
+
+def xla_bytes_accessed(compiled) -> float:
+  cost = compiled.cost_analysis()
+  return (cost[0] if isinstance(cost, list) else cost)['bytes accessed']
+
+
+def traffic_with_loops_once(compiled) -> float:
+  """hlo.py's memory traffic with the trip counts removed (each loop body once), as
+  XLA's own cost analysis counts it. Collectives' operands and results added: XLA counts
+  their bytes, hlo.py costs them as communication."""
+  text = _TRIP_COUNTS.sub('', compiled.as_text())
+  stats = hlo.hlo_stats(text)
+  comps, entry = hlo._parse_module(text)
+  runs, _ = hlo._multiplicities(comps, entry)
+  collective = sum(
+      m * (hlo._shape_bytes(ins.shape) + sum(hlo._shape_bytes(hlo._operand_shape(o, comps[c]))
+                                             for o in ins.operands))
+      for c, m in runs.items() for ins in comps[c].instrs
+      if ins.opcode.removesuffix('-start') in hlo.COLLECTIVES)
+  return stats.dot_bytes + stats.other_bytes + collective
+
+
+def test_memory_traffic_of_unfused_ops_by_hand():
+  x = jnp.ones((1024,), jnp.float32)
+  report = _report(lambda a, b: a + b, x, x)
+  assert (report.dot_bytes, report.other_bytes) == (0, 3 * 1024 * F32)
+  a, b = jnp.ones((64, 128), jnp.float32), jnp.ones((128, 32), jnp.float32)
+  report = _report(lambda a, b: a @ b, a, b)
+  assert (report.dot_bytes, report.other_bytes) == ((64 * 128 + 128 * 32 + 64 * 32) * F32, 0)
+
+
+@pytest.mark.parametrize('grad', [False, True], ids=['forward', 'grad'])
+def test_memory_traffic_matches_xla_cost_analysis_with_loops_counted_once(grad):
+  """XLA's cost analysis reads a fusion's sliced operands as the slices and in-place
+  updates as the update (and counts a loop body once): an independent count of the
+  same program. Scanned layers are where slice-blind counting reads the whole stack."""
+  f = lambda x, w: _scan_layers(x, w).sum()
+  f = jax.grad(f, argnums=1) if grad else f
+  compiled = jax.jit(f).lower(*_inputs(layers=8)).compile()
+  assert traffic_with_loops_once(compiled) == pytest.approx(xla_bytes_accessed(compiled),
+                                                            rel=0.01)
+
+
+def test_memory_traffic_of_scanned_layers_is_linear_in_the_layers():
+  """Each layer's step reads its own slice of the stacked weights and updates its own
+  slice of the stacked gradients: traffic a + b * layers. Counting the stack every
+  iteration would make it quadratic."""
+  f = jax.grad(lambda x, w: _scan_layers(x, w).sum(), argnums=1)
+  t = {n: (lambda r: r.dot_bytes + r.other_bytes)(_report(f, *_inputs(layers=n)))
+       for n in (4, 8, 16)}
+  assert t[16] - t[8] == pytest.approx(2 * (t[8] - t[4]), rel=1e-9)
+
+
+def test_an_interpreted_pallas_kernel_is_costed_as_one_kernel():
+  """On CPU the flash kernel runs in the Pallas interpreter: a loop over its grid that
+  copies blocks. Its traffic is what the GPU kernel moves at least: q, k, v read and the
+  output written once; its calls are counted and its dots set apart."""
+  from pallas_kernels.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
+  q = jnp.ones((1, 256, 2, 32), jnp.float32)
+  f = lambda q, k, v: flash_attention(q, k, v, causal=True, block_q=64, block_k=64)
+  text = jax.jit(f).lower(q, q, q).compile().as_text()
+  report = hlo.hlo_stats(text)
+  assert report.kernel_calls == {'flash_attention_fwd': 1}
+  assert report.dot_bytes == pytest.approx(4 * q.nbytes, abs=64)   # + loop scalars
+  assert report.dot_flops == 0 and report.kernel_dot_flops > 0
+  blind = hlo.hlo_stats(text, kernels=())   # the interpreter's block copies
+  assert blind.dot_bytes + blind.other_bytes > 10 * (report.dot_bytes + report.other_bytes)
+  grad = jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2))
+  report = hlo.hlo_stats(jax.jit(grad).lower(q, q, q).compile().as_text())
+  assert report.kernel_calls == {'flash_attention_fwd': 1, 'flash_attention_dq': 1,
+                                 'flash_attention_dkv': 1}
+
+
+def test_pallas_kernel_names_are_the_kernels_pallas_call_names():
+  import pathlib   # pylint: disable=import-outside-toplevel
+  sources = ''.join(p.read_text() for p in
+                    (pathlib.Path(__file__).parent.parent / 'pallas_kernels').glob('*.py'))
+  for name in hlo.PALLAS_KERNELS:
+    assert f"'{name}'" in sources, name
