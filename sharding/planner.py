@@ -3,13 +3,19 @@
 For each candidate layout (mesh sizes, ZeRO stage, remat policy, gradient-accumulation
 microbatches), training/plan.py compiles the train step from abstract shapes and hands
 this module what the compiled program says per device: memory (memory_analysis), dot
-FLOPs and collective bytes by kind and by the mesh axes they cross (sharding/hlo.py,
+FLOPs (plus the flash kernels' FLOPs, counted analytically from their calls), memory
+traffic, and collective bytes by kind and by the mesh axes they cross (sharding/hlo.py,
 loops weighted by trip count). This module turns that into a predicted step time on a
 named GPU and ranks the layouts. It imports nothing else of ours.
 
 Step time model (per device; every device runs the same partitioned program):
-- compute: dot FLOPs / (peak bf16 FLOP/s x MATMUL_EFFICIENCY): a roofline on the
-  matmuls, which dominate a transformer step;
+- compute, a roofline over the kernels hlo.py reads from the compiled program: the matmul
+  kernels take max(dot FLOPs / (peak bf16 FLOP/s x MATMUL_EFFICIENCY), their memory
+  traffic / (HBM bandwidth x HBM_EFFICIENCY)); every other kernel (norms, softmax,
+  elementwise, the optimizer update, copies) is memory-bound and takes its traffic / (HBM
+  bandwidth x HBM_EFFICIENCY). The matmul side is summed before the max, so a step mixing
+  compute- and memory-bound matmuls is predicted a little fast. Traffic is read from a
+  CPU compile, whose fusion choices are not a GPU's: an estimate;
 - communication: per collective, alpha-beta: count x latency + bytes x volume factor /
   link bandwidth, the link being NVLink when the devices it spans fit in one host (the
   mesh's inner axes get the closest devices) and the inter-host network otherwise. The
@@ -28,6 +34,8 @@ against the device's memory, MEMORY_HEADROOM of it kept free for the runtime.
 
 import dataclasses
 import math
+
+import numpy as np
 
 # Per GPU. Sources: NVIDIA H100 SXM5 datasheet (989 TFLOP/s dense bf16, 3.35 TB/s HBM3,
 # 80 GB, NVLink 4 900 GB/s bidirectional = 450 GB/s per direction); H200 SXM datasheet
@@ -55,6 +63,7 @@ HARDWARE = {
     'a100': Hardware('a100', 312e12, 80e9, 2.04e12, 300e9, 25e9, 5e-6, 10e-6),
 }
 MATMUL_EFFICIENCY = 0.6     # achieved / peak on large bf16 matmuls (assumed; not fitted)
+HBM_EFFICIENCY = 0.8        # achieved / peak of streaming kernels (assumed; not fitted)
 MEMORY_HEADROOM = 0.1
 OVERLAPPED_AXES = ('data', 'fsdp', 'stage')
 _VOLUME = {'all-reduce': lambda n: 2 * (n - 1) / n, 'all-gather': lambda n: (n - 1) / n,
@@ -101,6 +110,8 @@ class Measured:
   dot_flops: float
   collectives: dict          # kind -> (count, bytes)
   by_axes: dict              # (kind, axes tuple) -> (count, bytes)
+  dot_bytes: float = 0.0     # memory traffic of matmul kernels
+  other_bytes: float = 0.0   # memory traffic of every other kernel
 
   @property
   def peak_bytes(self) -> float:
@@ -110,7 +121,7 @@ class Measured:
 @dataclasses.dataclass
 class Prediction:
   step_s: float
-  compute_s: float
+  compute_s: float           # matmul_s + memory_s
   comm_s: dict               # mesh axes label -> seconds
   exposed_comm_s: float
   fits: bool
@@ -120,6 +131,8 @@ class Prediction:
   mfu: float
   dominant: str
   why_not: str = ''
+  matmul_s: float = 0.0      # the matmul kernels: FLOPs or their traffic, the larger
+  memory_s: float = 0.0      # the memory-bound kernels
 
 
 def factorizations(n: int, axes) -> list[dict]:
@@ -160,7 +173,11 @@ def predict(measured: Measured, layout: Layout, hw: Hardware, model_flops: float
   """model_flops: the step's useful FLOPs summed over devices (6 N T plus attention);
   tokens: per step."""
   devices = math.prod(layout.mesh.values())
-  compute = measured.dot_flops / (hw.peak_flops * MATMUL_EFFICIENCY)
+  bandwidth = hw.hbm_bandwidth * HBM_EFFICIENCY
+  matmul = max(measured.dot_flops / (hw.peak_flops * MATMUL_EFFICIENCY),
+               measured.dot_bytes / bandwidth)
+  memory_bound = measured.other_bytes / bandwidth
+  compute = matmul + memory_bound
   comm, overlapped, exposed = {}, 0.0, 0.0
   for (kind, axes), (count, nbytes) in measured.by_axes.items():
     t = collective_seconds(kind, axes, count, nbytes, layout, hw)
@@ -174,14 +191,49 @@ def predict(measured: Measured, layout: Layout, hw: Hardware, model_flops: float
   memory = measured.peak_bytes
   budget = hw.hbm_bytes * (1 - MEMORY_HEADROOM)
   fits = memory <= budget
-  costs = {'compute': compute, **{f'comm {k}': v for k, v in comm.items()}}
+  costs = {'matmuls': matmul, 'memory-bound ops': memory_bound,
+           **{f'comm {k}': v for k, v in comm.items()}}
   dominant = max(costs, key=costs.get)
   return Prediction(
       step_s=step, compute_s=compute, comm_s=comm, exposed_comm_s=exposed, fits=fits,
       memory_bytes=memory, headroom_bytes=budget - memory, tokens_per_s=tokens / step,
       mfu=model_flops / (step * hw.peak_flops * devices), dominant=dominant,
       why_not='' if fits else
-      f'needs {memory / 2**30:.1f} GiB per device, {budget / 2**30:.1f} GiB usable')
+      f'needs {memory / 2**30:.1f} GiB per device, {budget / 2**30:.1f} GiB usable',
+      matmul_s=matmul, memory_s=memory_bound)
+
+
+def fit_efficiency(runs, hw: Hardware) -> dict:
+  """The efficiency factors that best predict measured one-device step times.
+
+  runs: [(Measured, measured seconds)]. On one device the model is t = dot FLOPs / (peak
+  x e_matmul) + other bytes / (HBM bandwidth x e_hbm) (the matmul kernels' own traffic
+  left out: they are compute-bound at training sizes). Least squares on the relative
+  error, linear in (1/e_matmul, 1/e_hbm). When the runs cannot tell the two apart (one
+  run, the same mix of matmul and memory-bound time in all, or a negative solution),
+  only e_matmul is fitted and e_hbm stays the table's."""
+  if not runs:
+    raise ValueError('no runs to fit: measure at least one layout.')
+  a = np.array([[m.dot_flops / hw.peak_flops / t, m.other_bytes / hw.hbm_bandwidth / t]
+                for m, t in runs])
+  error = lambda e_mm, e_hbm: float(np.sqrt(np.mean((a @ [1 / e_mm, 1 / e_hbm] - 1) ** 2)))
+  out = {'table': {'matmul_efficiency': MATMUL_EFFICIENCY, 'hbm_efficiency': HBM_EFFICIENCY,
+                   'rms_relative_error': error(MATMUL_EFFICIENCY, HBM_EFFICIENCY)}}
+  if len(runs) >= 2 and np.linalg.cond(a) < 1e3:
+    inv, *_ = np.linalg.lstsq(a, np.ones(len(runs)), rcond=None)
+    if (inv > 0).all():
+      e_mm, e_hbm = 1 / inv
+      return {**out, 'fitted': 'both', 'matmul_efficiency': e_mm, 'hbm_efficiency': e_hbm,
+              'rms_relative_error': error(e_mm, e_hbm)}
+  # One factor: minimise sum((a0 / e - (1 - a1 / e_hbm))^2) over 1/e.
+  rest = 1 - a[:, 1] / HBM_EFFICIENCY
+  inv = float(a[:, 0] @ rest / (a[:, 0] @ a[:, 0]))
+  if inv <= 0:
+    raise ValueError('the memory-bound term alone exceeds the measured step times: the '
+                     "table's HBM efficiency is too low for these runs.")
+  return {**out, 'fitted': 'matmul_efficiency', 'matmul_efficiency': 1 / inv,
+          'hbm_efficiency': HBM_EFFICIENCY, 'rms_relative_error': error(1 / inv,
+                                                                        HBM_EFFICIENCY)}
 
 
 def rank(rows: list[dict]) -> list[dict]:
@@ -212,8 +264,10 @@ def as_record(row: dict) -> dict:
           'fits': p.fits, 'memory_gib': p.memory_bytes / 2**30,
           'headroom_gib': p.headroom_bytes / 2**30, 'step_s': p.step_s,
           'tokens_per_s': p.tokens_per_s, 'mfu': p.mfu, 'dominant': p.dominant,
-          'why_not': p.why_not, 'compute_s': p.compute_s,
+          'why_not': p.why_not, 'compute_s': p.compute_s, 'matmul_s': p.matmul_s,
+          'memory_bound_s': p.memory_s,
           'comm_s': p.comm_s, 'dot_flops_per_device': row['measured'].dot_flops,
+          'hbm_bytes_per_device': row['measured'].dot_bytes + row['measured'].other_bytes,
           'collectives': {k: {'count': c, 'bytes': b}
                           for k, (c, b) in row['measured'].collectives.items()},
           'overrides': ' '.join(layout.overrides())}

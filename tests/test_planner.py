@@ -16,6 +16,7 @@ import model
 from sharding import hlo, planner
 from sharding.mesh import MESH_AXES, MeshConfig, make_mesh
 from sharding.rules import make_plan
+from tests.test_hlo import traffic_with_loops_once, xla_bytes_accessed
 from tests.test_parallel import random_batch, tiny_config
 from training import optimizer, plan, state
 
@@ -61,6 +62,9 @@ def independent_report(cfg, lay):
   assert counted.keys() == report.collectives.keys()
   for kind, stats in report.collectives.items():
     assert counted[kind] == pytest.approx((stats.count, stats.bytes)), kind
+  # Memory traffic as XLA's own cost analysis counts it (loop bodies once).
+  assert traffic_with_loops_once(compiled) == pytest.approx(
+      xla_bytes_accessed(compiled), rel=0.01)
   return report
 
 
@@ -141,6 +145,7 @@ def test_expert_parallel_layout_matches_an_independent_compile():
   assert not rejected, rejected
   got, want = rows[0]['measured'], independent_report(cfg, lay)
   assert got.dot_flops == want.dot_flops
+  assert (got.dot_bytes, got.other_bytes) == (want.dot_bytes, want.other_bytes)
   assert got.collectives == {k: (v.count, v.bytes) for k, v in want.collectives.items()}
   assert ('all-to-all', ('expert',)) in got.by_axes, got.by_axes
 
@@ -165,6 +170,7 @@ def test_planner_numbers_match_an_independent_compile(name, planned):
   assert got.peak_bytes == (want.argument_bytes + want.output_bytes - want.alias_bytes
                             + want.temp_bytes)
   assert got.dot_flops == want.dot_flops
+  assert (got.dot_bytes, got.other_bytes) == (want.dot_bytes, want.other_bytes)
   assert got.collectives == {k: (v.count, v.bytes) for k, v in want.collectives.items()}
   # Filed by mesh axes, the same bytes; no collective crosses an axis of size 1.
   for kind, (count, nbytes) in got.collectives.items():
@@ -228,14 +234,32 @@ def test_dp_grads_are_reduced_over_data_and_tp_activations_over_tensor(planned):
 
 # ------------------------------------------------------------ the cost model's orderings
 
-def synthetic(dot_flops=1e12, memory=1e9, **by_axes):
+def synthetic(dot_flops=1e12, memory=1e9, dot_bytes=0.0, other_bytes=0.0, **by_axes):
   """A Measured whose collectives are given as kind__axis=bytes (one execution each)."""
   entries = {(k.split('__')[0].replace('_', '-'), tuple(k.split('__')[1:])): (1.0, v)
              for k, v in by_axes.items()}
   kinds = {}
   for (kind, _), (c, b) in entries.items():
     kinds[kind] = (kinds.get(kind, (0, 0))[0] + c, kinds.get(kind, (0, 0))[1] + b)
-  return planner.Measured(memory, 0, 0, 0, dot_flops, kinds, entries)
+  return planner.Measured(memory, 0, 0, 0, dot_flops, kinds, entries, dot_bytes, other_bytes)
+
+
+def test_memory_bound_work_runs_at_hbm_bandwidth_and_matmuls_at_the_roofline():
+  h200 = planner.hardware('h200')   # H100's compute, 4.8 TB/s instead of 3.35
+  bandwidth = lambda hw: hw.hbm_bandwidth * planner.HBM_EFFICIENCY
+  matmul_s = 1e12 / (H100.peak_flops * planner.MATMUL_EFFICIENCY)            # 1.7 ms
+  # 10 GB through norms, softmax, the optimizer: 3.7 ms on an H100, more than the matmuls.
+  step = synthetic(dot_flops=1e12, dot_bytes=1e9, other_bytes=10e9)
+  p100, p200 = (planner.predict(step, layout(), hw, 1e12, 1000) for hw in (H100, h200))
+  assert p100.memory_s == pytest.approx(10e9 / bandwidth(H100))
+  assert p100.matmul_s == pytest.approx(matmul_s)     # 1 GB of matmul traffic: compute-bound
+  assert p100.step_s == pytest.approx(matmul_s + p100.memory_s)
+  assert p100.dominant == 'memory-bound ops'
+  assert p200.step_s < p100.step_s and p200.matmul_s == p100.matmul_s
+  # Matmuls with little reuse (10 GB for 1 TFLOP) are bound by their traffic instead.
+  thin = planner.predict(synthetic(dot_flops=1e12, dot_bytes=10e9), layout(), H100, 1e12,
+                         1000)
+  assert thin.matmul_s == pytest.approx(10e9 / bandwidth(H100)) and thin.dominant == 'matmuls'
 
 
 def test_tensor_parallel_across_hosts_is_slower_than_within_one():
@@ -290,6 +314,11 @@ def test_few_layer_extrapolation_matches_a_full_compile():
     full = plan.measure(cfg, lay)
     guess = plan.measure(cfg, lay, layers=(2, 3))
     assert abs(guess.peak_bytes / full.peak_bytes - 1) < 0.05, (guess, full)
+    # FLOPs are a per-layer cost plus the rest, and so is memory traffic, up to what
+    # XLA:CPU chooses to copy or fuse at each depth (a fraction of a percent here).
+    assert guess.dot_flops == pytest.approx(full.dot_flops, rel=1e-9)
+    for key in ('dot_bytes', 'other_bytes'):
+      assert getattr(guess, key) == pytest.approx(getattr(full, key), rel=0.01), key
     assert guess.by_axes.keys() == full.by_axes.keys()
     for key, (count, nbytes) in full.by_axes.items():
       assert guess.by_axes[key][0] == pytest.approx(count), key
@@ -324,3 +353,49 @@ def test_cli_ranks_and_writes_json_and_csv(tmp_path):
   data = json.loads((tmp_path / 'plan.json').read_text())
   assert data['rows'] and all('--config.mesh.data=' in r['overrides'] for r in data['rows'])
   assert (tmp_path / 'plan.csv').read_text().startswith('layout,fits,')
+
+
+# ------------------------------------------------------------------ efficiency fit
+
+def test_efficiency_fit_recovers_the_factors_that_made_the_times():
+  made = lambda m, e_mm, e_hbm: (m.dot_flops / (H100.peak_flops * e_mm)
+                                 + m.other_bytes / (H100.hbm_bandwidth * e_hbm))
+  steps = [synthetic(dot_flops=f, other_bytes=b)
+           for f, b in ((1e12, 1e9), (1e12, 8e9), (4e12, 2e9))]
+  fit = planner.fit_efficiency([(m, made(m, 0.45, 0.7)) for m in steps], H100)
+  assert fit['fitted'] == 'both'
+  assert fit['matmul_efficiency'] == pytest.approx(0.45)
+  assert fit['hbm_efficiency'] == pytest.approx(0.7)
+  assert fit['rms_relative_error'] == pytest.approx(0, abs=1e-9)
+  assert fit['table']['rms_relative_error'] > 0.05
+  # The same mix in every run: only the matmul factor, the table's HBM factor kept.
+  same = [synthetic(dot_flops=f, other_bytes=f / 500) for f in (1e12, 2e12)]
+  fit = planner.fit_efficiency([(m, made(m, 0.45, planner.HBM_EFFICIENCY)) for m in same],
+                               H100)
+  assert fit['fitted'] == 'matmul_efficiency'
+  assert fit['matmul_efficiency'] == pytest.approx(0.45)
+  with pytest.raises(ValueError, match='no runs'):
+    planner.fit_efficiency([], H100)
+
+
+@pytest.mark.parametrize('remat', ['none', 'full'])
+def test_flash_kernels_are_costed_analytically_and_the_rest_matches_xla_attention(remat):
+  """attention_impl=pallas runs the flash kernels, whose dots the HLO cannot count (the
+  interpreter's loops have no trip counts; on a GPU they are custom calls): the planner
+  counts them analytically from the kernel calls. Everything else is the same program as
+  with XLA's attention, whose dots hlo.py counts exactly: 2 T^2 H D per matmul of a
+  sequence's layer, 2 matmuls forward, 4 backward, 2 more when remat recomputes them."""
+  lay = layout(data=8, remat=remat)
+  flops = {}
+  for impl in ('xla', 'pallas'):
+    cfg = planner_config()
+    cfg.model = dataclasses.replace(cfg.model, attention_impl=impl)
+    flops[impl] = plan.compile_layout(cfg, lay).dot_flops
+  m, t = cfg.model, cfg.data.seq_len
+  per_matmul = (2 * t * t * m.num_heads * m.resolved_head_dim * m.num_layers
+                * cfg.data.batch_size / 8)
+  recompute = 2 if remat == 'full' else 0
+  xla_attention = (2 + 4 + recompute) * per_matmul
+  # Flash: causal halves every matmul; forward 2 (+2 recomputed), dq 3, dkv 4.
+  flash = (2 + 3 + 4 + recompute) * per_matmul / 2
+  assert flops['pallas'] == pytest.approx(flops['xla'] - xla_attention + flash, rel=1e-9)

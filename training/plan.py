@@ -68,11 +68,27 @@ def configure(cfg: config_lib.Config, layout: planner.Layout,
   return out
 
 
-def compile_layout(cfg: config_lib.Config, layout: planner.Layout,
-                   layers: int | None = None) -> planner.Measured:
-  """The layout's train step compiled from abstract shapes on the first N devices."""
+@dataclasses.dataclass
+class Built:
+  """A layout's train step, not yet compiled: what compile_layout measures and what
+  benchmarks/planner_check.py runs."""
+  cfg: config_lib.Config       # the config with the layout applied
+  mesh: jax.sharding.Mesh
+  plan: object                 # sharding.rules.ShardingPlan
+  tx: object                   # the optax optimizer
+  step: object                 # jit(state, batch) -> (state, metrics)
+  batch: dict                  # name -> ShapeDtypeStruct, sharded
+
+  def compile(self):
+    return self.step.lower(state.abstract_state(self.cfg, self.plan, self.tx),
+                           self.batch).compile()
+
+
+def build_layout(cfg: config_lib.Config, layout: planner.Layout, layers: int | None = None,
+                 devices=None) -> Built:
+  """The layout's train step on the first N of `devices` (default: jax.devices())."""
   cfg = configure(cfg, layout, layers)
-  devices = jax.devices()[:math.prod(layout.mesh.values())]
+  devices = (devices or jax.devices())[:math.prod(layout.mesh.values())]
   mesh = make_mesh(cfg.mesh, devices)
   plan = make_plan(mesh, cfg.parallel.zero_stage, cfg.parallel.sequence_parallel,
                    cfg.parallel.context_strategy, cfg.parallel.context_load_balance,
@@ -81,18 +97,52 @@ def compile_layout(cfg: config_lib.Config, layout: planner.Layout,
   tx = optimizer.make_optimizer(cfg.optim, max(cfg.steps, 1))
   step = state.make_train_step(cfg, plan, tx, optimizer.lr_schedule(cfg.optim, cfg.steps))
   shape = (cfg.data.batch_size, cfg.data.seq_len)
+  names = [('inputs', 'int32'), ('targets', 'int32'), ('positions', 'int32'),
+           ('weights', 'float32')] + ([('segment_ids', 'int32')] if cfg.data.pack_documents
+                                      else [])
   batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=plan.batch_sharding())
-           for k, dtype in (('inputs', 'int32'), ('targets', 'int32'),
-                            ('positions', 'int32'), ('weights', 'float32'))}
-  if cfg.data.pack_documents:
-    batch['segment_ids'] = jax.ShapeDtypeStruct(shape, 'int32', sharding=plan.batch_sharding())
-  report = hlo.inspect_compiled(step.lower(state.abstract_state(cfg, plan, tx), batch)
-                                .compile(), dict(mesh.shape))
+           for k, dtype in names}
+  return Built(cfg, mesh, plan, tx, step, batch)
+
+
+# Matmuls of one call of each flash kernel, in units of the forward's two (QK^T, PV): the
+# dq kernel recomputes QK^T and does dP = dO V^T and dQ = dS K; the dkv kernel recomputes
+# QK^T and does dP, dV = P^T dO and dK = dS^T Q.
+FLASH_MATMULS = {'flash_attention_fwd': 1.0, 'flash_attention_dq': 1.5,
+                 'flash_attention_dkv': 2.0}
+
+
+def flash_flops(cfg: config_lib.Config, layout: planner.Layout, calls: dict) -> float:
+  """Per-device FLOPs of the flash kernels in a step whose compiled program runs them
+  `calls` times (hlo.py's kernel_calls): their dots cannot be read from the HLO (GPU:
+  custom calls; CPU: the interpreter's loops have no trip counts). One forward pass of
+  causal attention over the step's tokens is 2 x 2 x layers x T^2/2 x heads x head_dim
+  per sequence, split evenly over the devices; the forward kernel runs once per pass
+  (twice with remat recomputing it: counted from the calls), the backward kernels once.
+  Pipeline bubbles are not counted."""
+  calls = {k: v for k, v in calls.items() if k in FLASH_MATMULS}
+  if not calls:
+    return 0.0
+  m, t = cfg.model, cfg.data.seq_len
+  one_pass = (2 * 2 * m.num_layers * t * t / 2 * m.num_heads * m.resolved_head_dim
+              * cfg.data.batch_size / math.prod(layout.mesh.values()))
+  unit = calls.get('flash_attention_dq') or calls.get('flash_attention_fwd')
+  return one_pass * sum(FLASH_MATMULS[k] * n / unit for k, n in calls.items())
+
+
+def compile_layout(cfg: config_lib.Config, layout: planner.Layout,
+                   layers: int | None = None, devices=None) -> planner.Measured:
+  """The layout's train step compiled from abstract shapes (nothing allocated), measured;
+  the flash kernels' FLOPs counted analytically (flash_flops)."""
+  built = build_layout(cfg, layout, layers, devices)
+  report = hlo.inspect_compiled(built.compile(), dict(built.mesh.shape))
   pair = lambda s: (s.count, s.bytes)
+  kernels = flash_flops(built.cfg, layout, report.kernel_calls)
   return planner.Measured(report.argument_bytes, report.output_bytes, report.alias_bytes,
-                          report.temp_bytes, report.dot_flops,
+                          report.temp_bytes, report.dot_flops + kernels,
                           {k: pair(v) for k, v in report.collectives.items()},
-                          {k: pair(v) for k, v in report.by_axes.items()})
+                          {k: pair(v) for k, v in report.by_axes.items()},
+                          report.dot_bytes, report.other_bytes)
 
 
 def extrapolate(a: planner.Measured, b: planner.Measured, la: int, lb: int,
@@ -106,24 +156,27 @@ def extrapolate(a: planner.Measured, b: planner.Measured, la: int, lb: int,
       line(a.argument_bytes, b.argument_bytes), line(a.output_bytes, b.output_bytes),
       line(a.alias_bytes, b.alias_bytes), line(a.temp_bytes, b.temp_bytes),
       line(a.dot_flops, b.dot_flops), pairs(a.collectives, b.collectives),
-      pairs(a.by_axes, b.by_axes))
+      pairs(a.by_axes, b.by_axes), line(a.dot_bytes, b.dot_bytes),
+      line(a.other_bytes, b.other_bytes))
 
 
-def measure(cfg, layout, layers=None) -> planner.Measured:
+def measure(cfg, layout, layers=None, devices=None) -> planner.Measured:
   """Full compile, or with layers=(a, b) the extrapolation from a and b layers."""
   if layers is None:
-    return compile_layout(cfg, layout)
+    return compile_layout(cfg, layout, devices=devices)
   la, lb = layers
-  return extrapolate(compile_layout(cfg, layout, la), compile_layout(cfg, layout, lb), la, lb,
-                     cfg.model.num_layers)
+  return extrapolate(compile_layout(cfg, layout, la, devices),
+                     compile_layout(cfg, layout, lb, devices), la, lb, cfg.model.num_layers)
 
 
 def plan_layouts(cfg: config_lib.Config, devices: int, device: str = 'h100', *,
-                 layers=None, progress=None, layouts=None, **candidate_args) -> tuple[list, list]:
+                 layers=None, progress=None, layouts=None, compile_on=None,
+                 **candidate_args) -> tuple[list, list]:
   """(ranked rows, rejected layouts with why) for `devices` GPUs of kind `device`: the
   given `layouts` (validated), or the candidates `candidates` enumerates. Each row:
   layout, measured (planner.Measured), prediction (planner.Prediction) and state (per
-  device bytes of parameters, gradients and optimizer state, from abstract shapes)."""
+  device bytes of parameters, gradients and optimizer state, from abstract shapes).
+  compile_on: the jax devices to compile for (default jax.devices())."""
   hw = planner.hardware(device)
   if layouts is None:
     layouts, rejected = candidates(cfg, devices, **candidate_args)
@@ -139,7 +192,7 @@ def plan_layouts(cfg: config_lib.Config, devices: int, device: str = 'h100', *,
   for i, layout in enumerate(layouts):
     if progress:
       progress(i, len(layouts), layout)
-    measured = measure(cfg, layout, layers)
+    measured = measure(cfg, layout, layers, compile_on)
     size = describe.run_size(configure(cfg, layout), devices)
     rows.append({'layout': layout, 'measured': measured,
                  'prediction': planner.predict(measured, layout, hw, model_flops, tokens),
