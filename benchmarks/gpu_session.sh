@@ -13,13 +13,19 @@
 #   paged_tiles   benchmarks.paged_decode --tiles: the kernel's tile choices    ~1 min
 #   packed        benchmarks.attention --packed: 8K rows of 8K/2K/512-token
 #                 documents, Triton and Mosaic GPU (document block skipping)    ~3 min
+#   planner       benchmarks.planner_check on default.py: the planner's top
+#                 one-GPU layouts run, predicted vs measured                    ~3 min
+#   planner_64k   the same for gpt_64k.py (grad_accum 4 and 8, 3 steps each),
+#                 then the efficiency fit over both configs' runs               ~8 min
 #
-# The device tool stops a command at 10 minutes, so split the stages over four calls, made
+# The device tool stops a command at 10 minutes, so split the stages over calls, made
 # back to back (the machine is given back after 30 s idle):
 #   bash benchmarks/gpu_session.sh machine tests
 #   bash benchmarks/gpu_session.sh attention
 #   bash benchmarks/gpu_session.sh tiles
 #   bash benchmarks/gpu_session.sh paged_decode paged_tiles packed
+#   bash benchmarks/gpu_session.sh planner
+#   bash benchmarks/gpu_session.sh planner_64k
 # A failing stage does not stop the next, so one call reports both failures and speed.
 # The times above are estimates, not measurements; each stage has its own time limit.
 set -uo pipefail
@@ -49,17 +55,23 @@ jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'" ;;
     paged_tiles) stage paged_tiles "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode \
       --tiles ;;
     packed) stage packed "${PACKED_LIMIT:-240}" "$PY" -m benchmarks.attention --packed ;;
+    planner) stage planner "${PLANNER_LIMIT:-300}" "$PY" -m benchmarks.planner_check \
+      --configs=default.py --gpu-compile ;;
+    planner_64k) stage planner_64k "${PLANNER_64K_LIMIT:-570}" bash -c "$PY -m \
+benchmarks.planner_check --configs=gpt_64k.py --top=2 --steps=3 --grad-accums=4,8 && $PY \
+-m benchmarks.planner_check --fit=\$(ls benchmarks/results/planner_check_gpu_*.json | \
+paste -sd,)" ;;
     *) echo "unknown stage '$1': use machine, tests, attention, tiles, paged_decode, \
-paged_tiles or packed"
+paged_tiles, packed, planner or planner_64k"
        return 2 ;;
   esac
   # The JSON results, where this stage wrote one (at most 8 files come back from $OUT).
-  cp benchmarks/results/attention_*.json benchmarks/results/paged_decode_*.json "$OUT/" \
-    2>/dev/null
+  cp benchmarks/results/attention_*.json benchmarks/results/paged_decode_*.json \
+    benchmarks/results/planner_*.json "$OUT/" 2>/dev/null
   return 0
 }
 
-for name in "${@:-machine tests attention tiles paged_decode paged_tiles packed}"; do
+for name in "${@:-machine tests attention tiles paged_decode paged_tiles packed planner planner_64k}"; do
   for one in $name; do run_stage "$one"; done
 done
 ls "$OUT"

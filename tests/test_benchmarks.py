@@ -79,3 +79,23 @@ def test_train_throughput_on_a_config_outside_configs(tmp_path):
   assert row['overrides'] == ['--config.optim.warmup_steps=1']
   assert row['tokens_per_sec'] == pytest.approx(8 * 32 / row['median_step_time_s'])
   assert math.isfinite(row['first_loss']) and math.isfinite(row['last_loss'])
+
+
+def test_planner_check_smoke_runs_the_planners_top_layouts_and_fits(tmp_path, monkeypatch):
+  from benchmarks import planner_check   # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv('MESHLM_RESULTS_DIR', str(tmp_path))
+  result = planner_check.main(['--smoke'])
+  runs = result['runs']
+  assert sorted(r['layout'] for r in runs) == ['single zero0 remat=full accum1',
+                                                'single zero0 remat=none accum1']
+  for r in runs:
+    assert r['measured_step_s'] > 0 and len(r['step_times_s']) == 2
+    assert r['predicted_step_s'] > 0 and math.isfinite(r['loss'])
+    assert r['measured_over_predicted'] == pytest.approx(r['measured_step_s']
+                                                         / r['predicted_step_s'])
+  # remat=full recomputes the forward: more dot FLOPs for the same step.
+  flops = {r['layout'].split()[2]: r['dot_flops'] for r in runs}
+  assert flops['remat=full'] > flops['remat=none']
+  [written] = os.listdir(tmp_path)
+  assert json.load(open(tmp_path / written))['fit'] == result['fit']   # floats round-trip
+  assert planner_check.main(['--fit', str(tmp_path / written)])['fit'] == result['fit']

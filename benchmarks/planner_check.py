@@ -1,0 +1,153 @@
+"""The planner's predicted step times against measured ones, and the efficiency fit.
+
+  python -m benchmarks.planner_check [--configs=default.py,gpt_64k.py] [--device=h100]
+      [--top=3] [--steps=10] [--grad-accums=1,2,4] [--gpu-compile]
+  python -m benchmarks.planner_check --fit=results/a.json,results/b.json [--device=h100]
+
+For each config, the planner ranks the one-device layouts (remat policy x gradient
+accumulation; ZeRO and the mesh axes do nothing on one device) from a CPU compile, as
+`python -m sharding.plan` does for a user without a GPU. The top `--top` that fit are then
+run on this machine's accelerator: a fresh train state, random tokens, `--steps` timed
+steps after two warm-up steps (median), and the device's peak memory where it reports
+one. `--gpu-compile` also records this platform's compile of each (its traffic and
+memory; the FLOPs of kernel custom-calls, such as flash attention, are not in its HLO).
+
+`sharding.planner.fit_efficiency` then fits the hardware table's matmul and HBM
+efficiency factors to the measured times, with the error of the table's factors before
+and after; all of it goes to benchmarks/results/planner_check_<platform>_<device>_<configs>.json.
+`--fit` refits over the runs of several such files (e.g. one per config, run in separate
+calls) into planner_fit_<device>.json. The table (MATMUL_EFFICIENCY, HBM_EFFICIENCY in
+sharding/planner.py) is updated by hand from that, citing the file.
+
+On a CPU (`--smoke`: the tiny config, two layouts, two steps) this only checks that the
+script runs: the times say nothing about a GPU.
+"""
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+from benchmarks.common import write_result
+from sharding import planner
+from training import cli, plan, state
+
+
+def random_batch(built: plan.Built, seed: int = 0) -> dict:
+  cfg = built.cfg
+  b, t = cfg.data.batch_size, cfg.data.seq_len
+  rng = np.random.default_rng(seed)
+  host = {'inputs': rng.integers(0, cfg.model.vocab_size, (b, t), dtype=np.int32),
+          'targets': rng.integers(0, cfg.model.vocab_size, (b, t), dtype=np.int32),
+          'positions': np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+          'weights': np.ones((b, t), np.float32), 'segment_ids': np.ones((b, t), np.int32)}
+  return {k: jax.device_put(host[k], spec.sharding) for k, spec in built.batch.items()}
+
+
+def peak_memory() -> float | None:
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get('peak_bytes_in_use')
+
+
+def run_layout(cfg, layout: planner.Layout, steps: int) -> dict:
+  """Median step seconds of `layout` (two warm-up steps left out) and peak memory."""
+  built = plan.build_layout(cfg, layout)
+  compiled = built.compile()
+  train_state = state.init_state(built.cfg, built.plan, built.tx)
+  batch = random_batch(built)
+  times = []
+  for i in range(steps + 2):
+    start = time.perf_counter()
+    train_state, metrics = compiled(train_state, batch)
+    jax.block_until_ready((train_state, metrics))
+    if i >= 2:
+      times.append(time.perf_counter() - start)
+  loss = float(metrics['loss'])
+  if not np.isfinite(loss):
+    raise RuntimeError(f'{layout.name()}: loss {loss} is not finite')
+  return {'measured_step_s': statistics.median(times), 'step_times_s': times,
+          'peak_memory_bytes': peak_memory(), 'loss': loss}
+
+
+def check(spec: str, hw: planner.Hardware, top: int, steps: int, gpu_compile: bool,
+          remats=('none', 'full'), accums=(1, 2, 4)) -> list[dict]:
+  """Plans `spec` on one device from a CPU compile and runs the top layouts here."""
+  cfg = cli.load_config_file(spec)
+  progress = lambda i, n, lay: print(f'[{spec} {i + 1}/{n}] compiling {lay.name()}',
+                                     file=sys.stderr, flush=True)
+  rows, _ = plan.plan_layouts(cfg, 1, hw.name, progress=progress, zero_stages=(0,),
+                              remats=remats, grad_accums=accums,
+                              compile_on=jax.devices('cpu'))
+  print(planner.table(rows), flush=True)
+  out = []
+  for row in [r for r in rows if r['prediction'].fits][:top]:
+    lay, p, m = row['layout'], row['prediction'], row['measured']
+    record = {'config': spec, 'layout': lay.name(), 'overrides': ' '.join(lay.overrides()),
+              'predicted_step_s': p.step_s, 'matmul_s': p.matmul_s, 'memory_bound_s': p.memory_s,
+              'dot_flops': m.dot_flops, 'dot_bytes': m.dot_bytes, 'other_bytes': m.other_bytes,
+              'predicted_memory_bytes': m.peak_bytes,
+              'tokens_per_step': cfg.data.batch_size * cfg.data.seq_len,
+              **run_layout(cfg, lay, steps)}
+    record['measured_over_predicted'] = record['measured_step_s'] / p.step_s
+    if gpu_compile:   # what this machine's compiler makes of it (kernels' FLOPs not seen)
+      here = plan.measure(cfg, lay)
+      record['this_platform_compile'] = {
+          'dot_flops': here.dot_flops, 'dot_bytes': here.dot_bytes,
+          'other_bytes': here.other_bytes, 'memory_bytes': here.peak_bytes}
+    print(f"{lay.name()}: predicted {p.step_s * 1e3:.3f} ms, measured "
+          f"{record['measured_step_s'] * 1e3:.3f} ms", flush=True)
+    out.append(record)
+  return out
+
+
+def fit(runs: list[dict], hw: planner.Hardware) -> dict:
+  """planner.fit_efficiency over run records (this run's or read from result files)."""
+  measured = [(planner.Measured(0, 0, 0, 0, r['dot_flops'], {}, {}, r['dot_bytes'],
+                                r['other_bytes']), r['measured_step_s']) for r in runs]
+  out = planner.fit_efficiency(measured, hw)
+  print(f"fit over {len(runs)} runs ({out['fitted']}): matmul efficiency "
+        f"{out['matmul_efficiency']:.3f}, HBM efficiency {out['hbm_efficiency']:.3f}; rms "
+        f"relative error {out['table']['rms_relative_error']:.1%} with the table's factors, "
+        f"{out['rms_relative_error']:.1%} fitted")
+  return out
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(prog='python -m benchmarks.planner_check',
+                              description=__doc__.split('\n\n', 1)[0])
+  p.add_argument('--configs', default='default.py,gpt_64k.py')
+  p.add_argument('--device', default='h100', help="this GPU's row of the hardware table")
+  p.add_argument('--top', type=int, default=3)
+  p.add_argument('--steps', type=int, default=10)
+  p.add_argument('--grad-accums', default='1,2,4')
+  p.add_argument('--gpu-compile', action='store_true',
+                 help="also record this platform's compile of each run layout")
+  p.add_argument('--fit', metavar='JSON,JSON',
+                 help='fit over the runs of these planner_check results instead of running')
+  p.add_argument('--smoke', action='store_true', help='CPU: the tiny config, two steps')
+  args = p.parse_args(argv)
+  hw = planner.hardware(args.device)
+  if args.fit:
+    files = args.fit.split(',')
+    runs = [r for f in files for r in json.load(open(f))['runs']]
+    result = {'hardware': dataclasses.asdict(hw), 'from': files, 'fit': fit(runs, hw)}
+    print(write_result(f'planner_fit_{hw.name}', result))
+    return result
+  accums = tuple(int(a) for a in args.grad_accums.split(','))
+  if args.smoke:
+    args.configs, args.top, args.steps, accums = 'default.py:tiny', 2, 2, (1,)
+  runs = [r for spec in args.configs.split(',')
+          for r in check(spec, hw, args.top, args.steps, args.gpu_compile, accums=accums)]
+  result = {'hardware': dataclasses.asdict(hw), 'runs': runs, 'fit': fit(runs, hw)}
+  name = '_'.join(c.replace('.py', '').replace(':', '-') for c in args.configs.split(','))
+  print(write_result(f'planner_check_{jax.devices()[0].platform}_{hw.name}_{name}', result))
+  return result
+
+
+if __name__ == '__main__':
+  main()
