@@ -8,6 +8,7 @@ import statistics
 import time
 
 import jax
+import numpy as np
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results')
 
@@ -50,3 +51,15 @@ def median_time(fn, *args, iters: int = 20, warmup: int = 3, inner: int = 1) -> 
     jax.block_until_ready(out)   # one device runs its work in order: the last is enough
     times.append((time.perf_counter() - start) / inner)
   return statistics.median(times)
+
+
+def random_train_batch(cfg, specs: dict, seed: int = 0) -> dict:
+  """A train batch of random tokens (one document per row), placed as `specs` (name ->
+  ShapeDtypeStruct with a sharding, e.g. training.plan.Built.batch) says."""
+  b, t = cfg.data.batch_size, cfg.data.seq_len
+  rng = np.random.default_rng(seed)
+  host = {'inputs': rng.integers(0, cfg.model.vocab_size, (b, t), dtype=np.int32),
+          'targets': rng.integers(0, cfg.model.vocab_size, (b, t), dtype=np.int32),
+          'positions': np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+          'weights': np.ones((b, t), np.float32), 'segment_ids': np.ones((b, t), np.int32)}
+  return {k: jax.device_put(host[k], spec.sharding) for k, spec in specs.items()}

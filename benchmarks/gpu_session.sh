@@ -17,6 +17,14 @@
 #                 one-GPU layouts run, predicted vs measured                    ~3 min
 #   planner_64k   the same for gpt_64k.py (grad_accum 4 and 8, 3 steps each),
 #                 then the efficiency fit over both configs' runs               ~8 min
+#   train_64k     benchmarks.train_throughput, gpt_64k's model on this GPU, one
+#                 65,536-token sequence a step, attention_impl pallas and cudnn:
+#                 tokens/s, MFU, peak memory, one step profiled (the three
+#                 largest costs)                                                ~8 min
+#   train_8k      the same at 8,192 tokens, 8 sequences a step                  ~6 min
+#
+# All of it is more than the 30 minutes of device time a session has: take the stages
+# the open issues need first (issue 16 lists them in order).
 #
 # The device tool stops a command at 10 minutes, so split the stages over calls, made
 # back to back (the machine is given back after 30 s idle):
@@ -26,6 +34,8 @@
 #   bash benchmarks/gpu_session.sh paged_decode paged_tiles packed
 #   bash benchmarks/gpu_session.sh planner
 #   bash benchmarks/gpu_session.sh planner_64k
+#   bash benchmarks/gpu_session.sh train_64k
+#   bash benchmarks/gpu_session.sh train_8k
 # A failing stage does not stop the next, so one call reports both failures and speed.
 # The times above are estimates, not measurements; each stage has its own time limit.
 set -uo pipefail
@@ -41,6 +51,18 @@ stage() {  # stage NAME SECONDS COMMAND...: runs it with a limit, log in $OUT/NA
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
   echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.txt"
 }
+
+train() {  # train SEQ BATCH: gpt_64k's model, pallas then cudnn attention
+  local seq=$1 batch=$2 impl
+  for impl in pallas cudnn; do
+    "$PY" -m benchmarks.train_throughput --config=gpt_64k.py --config.steps=6 --warmup=2 \
+      --config.data.seq_len="$seq" --config.data.batch_size="$batch" \
+      --config.optim.grad_accum=1 --config.model.attention_impl="$impl" --profile_steps=1 \
+      --result_name="train_gpt_64k_${seq}_${impl}_gpu"
+  done
+}
+export -f train
+export PY
 
 run_stage() {
   case $1 in
@@ -61,17 +83,20 @@ jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'" ;;
 benchmarks.planner_check --configs=gpt_64k.py --top=2 --steps=3 --grad-accums=4,8 && $PY \
 -m benchmarks.planner_check --fit=\$(ls benchmarks/results/planner_check_gpu_*.json | \
 paste -sd,)" ;;
+    train_64k) stage train_64k "${TRAIN_LIMIT:-570}" bash -c 'train 65536 1' ;;
+    train_8k) stage train_8k "${TRAIN_LIMIT:-570}" bash -c 'train 8192 8' ;;
     *) echo "unknown stage '$1': use machine, tests, attention, tiles, paged_decode, \
-paged_tiles, packed, planner or planner_64k"
+paged_tiles, packed, planner, planner_64k, train_64k or train_8k"
        return 2 ;;
   esac
   # The JSON results, where this stage wrote one (at most 8 files come back from $OUT).
   cp benchmarks/results/attention_*.json benchmarks/results/paged_decode_*.json \
-    benchmarks/results/planner_*.json "$OUT/" 2>/dev/null
+    benchmarks/results/planner_*.json benchmarks/results/train_gpt_64k_*.json "$OUT/" \
+    2>/dev/null
   return 0
 }
 
-for name in "${@:-machine tests attention tiles paged_decode paged_tiles packed planner planner_64k}"; do
+for name in "${@:-machine tests attention tiles paged_decode paged_tiles packed planner planner_64k train_64k train_8k}"; do
   for one in $name; do run_stage "$one"; done
 done
 ls "$OUT"

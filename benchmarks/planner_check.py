@@ -33,20 +33,9 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.common import write_result
+from benchmarks.common import random_train_batch, write_result
 from sharding import planner
 from training import cli, plan, state
-
-
-def random_batch(built: plan.Built, seed: int = 0) -> dict:
-  cfg = built.cfg
-  b, t = cfg.data.batch_size, cfg.data.seq_len
-  rng = np.random.default_rng(seed)
-  host = {'inputs': rng.integers(0, cfg.model.vocab_size, (b, t), dtype=np.int32),
-          'targets': rng.integers(0, cfg.model.vocab_size, (b, t), dtype=np.int32),
-          'positions': np.tile(np.arange(t, dtype=np.int32), (b, 1)),
-          'weights': np.ones((b, t), np.float32), 'segment_ids': np.ones((b, t), np.int32)}
-  return {k: jax.device_put(host[k], spec.sharding) for k, spec in built.batch.items()}
 
 
 def peak_memory() -> float | None:
@@ -59,7 +48,7 @@ def run_layout(cfg, layout: planner.Layout, steps: int) -> dict:
   built = plan.build_layout(cfg, layout)
   compiled = built.compile()
   train_state = state.init_state(built.cfg, built.plan, built.tx)
-  batch = random_batch(built)
+  batch = random_train_batch(built.cfg, built.batch)
   times = []
   for i in range(steps + 2):
     start = time.perf_counter()

@@ -1,10 +1,14 @@
 """Train-step throughput of a config: tokens/s, step time and MFU over a short run.
 
   python -m benchmarks.train_throughput --config=default.py [--config.steps=300] [--warmup=5]
+      [--profile_steps=3]
 
 Takes the same `--config` and `--config.a.b=value` as train.py, runs `steps` steps in a
 fresh temporary workdir (no sample), drops the first `warmup` steps, and writes
-benchmarks/results/train_<config>_<platform>.json with the median numbers.
+benchmarks/results/train_<config>_<platform>.json (or `--result_name`.json) with the
+median numbers and the device's peak memory (where it reports one). `--profile_steps=N` then traces N more
+steps of the same step and adds where their time goes (benchmarks/profile.py: seconds per
+model scope, the top ops, the three largest costs).
 """
 
 import statistics
@@ -16,11 +20,14 @@ import jax
 from absl import flags
 
 import model
+from benchmarks import profile
 from benchmarks.common import write_result
 from sharding.mesh import mesh_shape
 from training import cli, trainer
 
 _WARMUP = flags.DEFINE_integer('warmup', 5, 'steps left out of the medians')
+_NAME = flags.DEFINE_string('result_name', '', 'results/<this>.json (default: '
+                            'train_<config>_<platform>)')
 
 
 def benchmark(cfg) -> dict:
@@ -46,8 +53,12 @@ def benchmark(cfg) -> dict:
       'median_mfu': statistics.median(mfus) if mfus else None,
       'first_loss': history[0]['loss'], 'last_loss': history[-1]['loss'],
       'wall_time_s': wall,
+      'peak_memory_bytes': (jax.devices()[0].memory_stats() or {}).get('peak_bytes_in_use'),
   }
-  print(write_result(f'train_{name}_{jax.devices()[0].platform}', result))
+  if profile.STEPS.value:
+    result['profile'] = profile.profile_config(cfg, profile.STEPS.value)
+    print(profile.report(result['profile']))
+  print(write_result(_NAME.value or f'train_{name}_{jax.devices()[0].platform}', result))
   print(result)
   return result
 

@@ -341,13 +341,14 @@ def forward_with_aux(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
   pipelined = not cfg.num_experts and pipeline.stages(plan) > 1
   rope = None if pipelined else rope_tables(positions, inv_freq)
   table = params['embed'] if embed is None else embed
-  if table.ndim == 2:
-    x = table[tokens]
-  else:
-    shards = table.shape[0]
-    x = jax.vmap(lambda rows, tok: rows[tok])(table, tokens.reshape(shards, b // shards, t))
-    x = x.reshape(b, t, -1)
-  x = constrain(x.astype(cfg.dtype), RESIDUAL, plan)
+  with jax.named_scope('embed'):   # named scopes: what benchmarks/profile.py files time under
+    if table.ndim == 2:
+      x = table[tokens]
+    else:
+      shards = table.shape[0]
+      x = jax.vmap(lambda rows, tok: rows[tok])(table, tokens.reshape(shards, b // shards, t))
+      x = x.reshape(b, t, -1)
+    x = constrain(x.astype(cfg.dtype), RESIDUAL, plan)
 
   def body(x, layer):
     return block(x, layer, cfg, rope, segment_ids, plan), None
@@ -461,10 +462,11 @@ def summed_nll_and_aux(params: Params, batch: dict, cfg: ModelConfig, plan=None)
     raise ValueError(f'model.loss_chunk={chunk} must divide the sequence length {t}.')
 
   def chunk_nll(h, tg, wt, head):   # h [shards, b / shards, chunk, d]
-    out = jnp.einsum('sbcd,sdv->sbcv', h, head.astype(h.dtype),
-                     preferred_element_type=jnp.float32)
-    out = constrain(out, ('batch', None, 'act_seq', 'act_vocab'), plan)
-    return _weighted_nll(out, tg, wt)
+    with jax.named_scope('lm_head_loss'):
+      out = jnp.einsum('sbcd,sdv->sbcv', h, head.astype(h.dtype),
+                       preferred_element_type=jnp.float32)
+      out = constrain(out, ('batch', None, 'act_seq', 'act_vocab'), plan)
+      return _weighted_nll(out, tg, wt)
 
   if chunk < t:
     # Long sequences: never hold [b, t, vocab] logits; recompute each chunk's in backward.

@@ -69,7 +69,7 @@ def test_train_throughput_on_a_config_outside_configs(tmp_path):
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'MESHLM_RESULTS_DIR': str(tmp_path / 'out')}
   result = subprocess.run(
       [sys.executable, '-m', 'benchmarks.train_throughput', f'--config={tmp_path}/mine.py',
-       '--config.optim.warmup_steps=1', '--warmup=1'],
+       '--config.optim.warmup_steps=1', '--warmup=1', '--profile_steps=2'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   [name] = os.listdir(tmp_path / 'out')
@@ -79,6 +79,39 @@ def test_train_throughput_on_a_config_outside_configs(tmp_path):
   assert row['overrides'] == ['--config.optim.warmup_steps=1']
   assert row['tokens_per_sec'] == pytest.approx(8 * 32 / row['median_step_time_s'])
   assert math.isfinite(row['first_loss']) and math.isfinite(row['last_loss'])
+  assert row['peak_memory_bytes'] is None   # the CPU keeps no memory statistics
+  # Where the profiled steps' time went, by model scope: every layer's attention and mlp
+  # forward and backward, the optimizer; the shares add up.
+  prof = row['profile']
+  scopes = {r['scope'] for r in prof['by_scope']}
+  assert {'attention (forward)', 'attention (backward)', 'mlp (forward)', 'mlp (backward)',
+          'optimizer'} <= scopes, scopes
+  assert sum(r['fraction'] for r in prof['by_scope']) == pytest.approx(1)
+  assert prof['largest_three'] == [r['scope'] for r in prof['by_scope'][:3]]
+  assert 'largest: ' + ', '.join(prof['largest_three']) in result.stdout
+
+
+def test_profile_files_each_ops_time_under_its_scope():
+  """A 512x512 matmul and tanh under 'mlp' against an 8x8 multiply under 'attention':
+  the trace must put nearly all the time in mlp, and the matmul first among the ops."""
+  import jax   # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
+  from benchmarks import profile   # pylint: disable=import-outside-toplevel
+
+  def f(a, b):
+    with jax.named_scope('mlp'):
+      big = jnp.tanh(a @ b)
+    with jax.named_scope('attention'):
+      small = a[:8, :8] * 2
+    return big.sum() + small.sum()
+
+  a = jnp.ones((512, 512), jnp.float32)
+  compiled = jax.jit(f).lower(a, a).compile()
+  jax.block_until_ready(compiled(a, a))
+  summary = profile.profile_compiled(compiled, lambda: compiled(a, a), steps=3)
+  shares = {r['scope']: r['fraction'] for r in summary['by_scope']}
+  assert shares['mlp (forward)'] > 0.8, shares
+  assert summary['top_ops'][0]['scope'] == 'mlp (forward)'
 
 
 def test_planner_check_smoke_runs_the_planners_top_layouts_and_fits(tmp_path, monkeypatch):

@@ -194,12 +194,13 @@ def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
     if cfg.parallel.offload_optimizer:
       # Host -> device for the update only; out_shardings send the new state back.
       state = state.replace(opt_state=jax.device_put(state.opt_state, device_opt_shardings))
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    params = jax.lax.with_sharding_constraint(params, shardings.params)
-    grad_norm = optax.tree.norm(grads)
-    new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
-    new, ok = skip_if_not_finite(new, state, loss, grad_norm)
+    with jax.named_scope('optimizer'):
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      params = jax.lax.with_sharding_constraint(params, shardings.params)
+      grad_norm = optax.tree.norm(grads)
+      new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+      new, ok = skip_if_not_finite(new, state, loss, grad_norm)
     metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state.step),
                'skipped': 1 - ok.astype(jnp.int32)}
     if cfg.model.num_experts:
