@@ -14,7 +14,8 @@ memory; the FLOPs of kernel custom-calls, such as flash attention, are not in it
 
 `sharding.planner.fit_efficiency` then fits the hardware table's matmul and HBM
 efficiency factors to the measured times, with the error of the table's factors before
-and after; all of it goes to benchmarks/results/planner_check_<platform>_<device>_<configs>.json.
+and after (and of the FLOPs alone, fitted: what the memory term earns); all of it goes to
+benchmarks/results/planner_check_<platform>_<configs>.json.
 `--fit` refits over the runs of several such files (e.g. one per config, run in separate
 calls) into planner_fit_<device>.json. The table (MATMUL_EFFICIENCY, HBM_EFFICIENCY in
 sharding/planner.py) is updated by hand from that, citing the file.
@@ -102,7 +103,8 @@ def fit(runs: list[dict], hw: planner.Hardware) -> dict:
   print(f"fit over {len(runs)} runs ({out['fitted']}): matmul efficiency "
         f"{out['matmul_efficiency']:.3f}, HBM efficiency {out['hbm_efficiency']:.3f}; rms "
         f"relative error {out['table']['rms_relative_error']:.1%} with the table's factors, "
-        f"{out['rms_relative_error']:.1%} fitted")
+        f"{out['rms_relative_error']:.1%} fitted, "
+        f"{out['matmul_only']['rms_relative_error']:.1%} fitting the FLOPs alone")
   return out
 
 
@@ -134,7 +136,7 @@ def main(argv=None) -> dict:
           for r in check(spec, hw, args.top, args.steps, args.gpu_compile, accums=accums)]
   result = {'hardware': dataclasses.asdict(hw), 'runs': runs, 'fit': fit(runs, hw)}
   name = '_'.join(c.replace('.py', '').replace(':', '-') for c in args.configs.split(','))
-  print(write_result(f'planner_check_{jax.devices()[0].platform}_{hw.name}_{name}', result))
+  print(write_result(f'planner_check_{jax.devices()[0].platform}_{name}', result))
   return result
 
 

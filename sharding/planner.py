@@ -211,7 +211,8 @@ def fit_efficiency(runs, hw: Hardware) -> dict:
   left out: they are compute-bound at training sizes). Least squares on the relative
   error, linear in (1/e_matmul, 1/e_hbm). When the runs cannot tell the two apart (one
   run, the same mix of matmul and memory-bound time in all, or a negative solution),
-  only e_matmul is fitted and e_hbm stays the table's."""
+  only e_matmul is fitted and e_hbm stays the table's. `matmul_only` is the fit without
+  the memory term, to compare."""
   if not runs:
     raise ValueError('no runs to fit: measure at least one layout.')
   a = np.array([[m.dot_flops / hw.peak_flops / t, m.other_bytes / hw.hbm_bandwidth / t]
@@ -219,6 +220,10 @@ def fit_efficiency(runs, hw: Hardware) -> dict:
   error = lambda e_mm, e_hbm: float(np.sqrt(np.mean((a @ [1 / e_mm, 1 / e_hbm] - 1) ** 2)))
   out = {'table': {'matmul_efficiency': MATMUL_EFFICIENCY, 'hbm_efficiency': HBM_EFFICIENCY,
                    'rms_relative_error': error(MATMUL_EFFICIENCY, HBM_EFFICIENCY)}}
+  # The FLOPs alone (no memory term), fitted: what the HBM term earns.
+  alone = float(a[:, 0] @ a[:, 0] / a[:, 0].sum())
+  out['matmul_only'] = {'matmul_efficiency': alone,
+                        'rms_relative_error': error(alone, math.inf)}
   if len(runs) >= 2 and np.linalg.cond(a) < 1e3:
     inv, *_ = np.linalg.lstsq(a, np.ones(len(runs)), rcond=None)
     if (inv > 0).all():
