@@ -166,10 +166,14 @@ def hlo_stats(hlo_text: str, mesh_shape=None, kernels=PALLAS_KERNELS) -> HloStat
   stats = HloStats(0.0, {}, unknown, 0.0)
   fused = {c for comp in comps.values() for ins in comp.instrs if ins.opcode == 'fusion'
            for c in _refs(ins.attrs, 'calls')}
-  grid_loops = {ins.name: _kernel_of(ins, kernels) for comp in comps.values()
-                for ins in comp.instrs if _kernel_of(ins, kernels)}
+  grid_loops = {ins.name: kernel for comp in comps.values() for ins in comp.instrs
+                for kernel in [_kernel_of(ins, kernels)] if kernel}
   in_kernels = _reachable(comps, [c for comp in comps.values() for ins in comp.instrs
                                   if ins.name in grid_loops for c, _ in _callees(ins)[0]])
+  artifacts = _interpreter_copies(comps, grid_loops)
+  kernel_instrs = {i.name for c in in_kernels for i in comps[c].instrs}
+  # The kernels' own loops are not reported: their dots are set apart.
+  stats.unknown_trip_count_loops = [n for n in unknown if n not in kernel_instrs]
   for name, m in mult.items():
     for ins in comps[name].instrs:
       if name in in_kernels:
@@ -179,7 +183,7 @@ def hlo_stats(hlo_text: str, mesh_shape=None, kernels=PALLAS_KERNELS) -> HloStat
       if ins.name in grid_loops:
         kernel = grid_loops[ins.name]
         stats.kernel_calls[kernel] = stats.kernel_calls.get(kernel, 0.0) + m
-      if name not in fused and name not in in_kernels:
+      if name not in fused and name not in in_kernels and ins.name not in artifacts:
         # An interpreted kernel's grid loop: the buffers it carries, read or written once.
         nbytes = (_shape_bytes(ins.shape) if ins.name in grid_loops
                   else _traffic(ins, comps[name], comps))
@@ -462,6 +466,36 @@ def _kernel_of(ins: _Instr, kernels) -> str:
   return inner if inner in kernels else ''
 
 
+def _interpreter_copies(comps: dict[str, _Comp], grid_loops) -> set[str]:
+  """Copies and fills whose only use is to seed an interpreted kernel's grid loop (its
+  carried inputs, its output buffers): the interpreter's, not a GPU kernel's, traffic."""
+  def fill_or_copy(i):
+    if i.opcode == 'copy':
+      return True
+    body = {j.opcode for c in _refs(i.attrs, 'calls') for j in comps.get(c, _Comp()).instrs}
+    return i.opcode == 'fusion' and body <= {
+        'parameter', 'constant', 'broadcast', 'bitcast', 'copy', 'convert'}
+
+  found = set()
+  for comp in comps.values():
+    users = collections.defaultdict(set)
+    for i in comp.instrs:
+      for o in i.operands:
+        users[_operand_name(o)].add(i.name)
+    seeds = {_operand_name(o) for i in comp.instrs if i.name in grid_loops for o in i.operands}
+    ends = set(grid_loops) | {i.name for i in comp.instrs
+                              if i.name in seeds and i.opcode == 'tuple'}
+    changed = True
+    while changed:
+      changed = False
+      for i in comp.instrs:
+        if (i.name not in found and users[i.name] and users[i.name] <= ends | found
+            and fill_or_copy(i)):
+          found.add(i.name)
+          changed = True
+  return found
+
+
 def _reachable(comps: dict[str, _Comp], roots) -> set[str]:
   """The computations in `roots` and every one they call (fusions included)."""
   seen, stack = set(), [r for r in roots if r in comps]
@@ -570,8 +604,9 @@ def _traffic(ins: _Instr, comp: _Comp, comps: dict[str, _Comp]) -> float:
                                              if ins.opcode == 'gather')
   if ins.opcode == 'dynamic-update-slice':   # in place: the update, read and written
     return 2 * operand(1)
-  if ins.opcode == 'scatter':                # (operand, indices, updates): in place
-    return operand(1) + 2 * operand(2)
+  if ins.opcode == 'scatter':   # (operands..., indices, updates...): in place
+    n = (len(ins.operands) - 1) // 2
+    return operand(n) + 2 * sum(operand(i) for i in range(n + 1, len(ins.operands)))
   if ins.opcode == 'fusion':
     body = comps.get((_refs(ins.attrs, 'calls') or [''])[0])
     if body is not None:
@@ -579,10 +614,9 @@ def _traffic(ins: _Instr, comp: _Comp, comps: dict[str, _Comp]) -> float:
   return sum(operand(i) for i in range(len(ins.operands))) + _shape_bytes(ins.shape)
 
 
-# Ops a fusion's slicing sees through: the slice of a converted array is the converted
-# slice, so only the slice is read (XLA fuses them that way; the Pallas interpreter's
-# blocks read bf16 arrays through an f32 convert).
-_PASS = ('bitcast', 'convert', 'copy')
+# A slice of a converted (or copied) array reads only the slice: a fusion computes what
+# each output element needs.
+_READ_THROUGH = ('bitcast', 'convert', 'copy')
 
 
 def _elements(shape: str) -> int:
@@ -597,46 +631,57 @@ def _fusion_traffic(ins: _Instr, comp: _Comp, body: _Comp) -> float:
     for pos, o in enumerate(i.operands):
       users[_operand_name(o)].append((i, pos))
 
-  def uses(name):
+  def uses(name, through):
     out = []
     for user, pos in users[name]:
-      out += uses(user.name) if user.opcode in _PASS else [(user, pos)]
+      out += uses(user.name, through) if user.opcode in through else [(user, pos)]
     return out
 
-  def source(i):   # back through _PASS ops
-    while i is not None and i.opcode in _PASS:
+  def unbitcast(i):
+    while i is not None and i.opcode == 'bitcast':
       i = by_name.get(_operand_name(i.operands[0]))
     return i
 
+  root = by_name.get(body.root)
+  outputs = ([by_name.get(_operand_name(o)) for o in root.operands]
+             if root is not None and root.opcode == 'tuple' else [root])
+  # In place: a dynamic-update-slice that is an output (through bitcasts) and feeds
+  # nothing else, into a parameter (through bitcasts) of its own element type, reads and
+  # writes the update only; the buffer is not read.
+  in_place = set()
+  for out in outputs:
+    dus = unbitcast(out)
+    if dus is None or dus.opcode != 'dynamic-update-slice':
+      continue
+    buffer = unbitcast(by_name.get(_operand_name(dus.operands[0])))
+    only_output = dus is root or all(u is root for u, _ in uses(dus.name, ('bitcast',)))
+    same_type = buffer is not None and [a[0] for a in _arrays(buffer.shape)] == [
+        a[0] for a in _arrays(dus.shape)]
+    if buffer is not None and buffer.opcode == 'parameter' and only_output and same_type:
+      in_place.add(dus.name)
   params = {int(i.operands[0]): i.name for i in body.instrs if i.opcode == 'parameter'}
   total = 0.0
   for k, operand in enumerate(ins.operands):
     shape = _operand_shape(operand, comp)
-    reached = uses(params.get(k, ''))
+    full = _shape_bytes(shape)
+    reached = uses(params.get(k, ''), _READ_THROUGH)
     arrays = _arrays(shape)
     if (len(arrays) == 1 and reached
         and all(u.opcode in _SLICES and pos == 0 for u, pos in reached)):
-      # Only the slices are read, in the operand's own element type.
-      total += sum(_elements(u.shape) for u, _ in reached) * _dtype_bytes(arrays[0][0])
-    elif reached and all(u.opcode == 'dynamic-update-slice' and pos == 0 for u, pos in reached):
+      # Only the slices are read, in the operand's own element type (at most all of it).
+      total += min(full, sum(_elements(u.shape) for u, _ in reached)
+                   * _dtype_bytes(arrays[0][0]))
+    elif (reached and all(u.name in in_place and pos == 0
+                          for u, pos in uses(params.get(k, ''), ('bitcast',)))):
       pass                                  # a buffer updated in place: not read
     else:
-      total += _shape_bytes(shape)
-  root = by_name.get(body.root)
-  outputs = ([by_name.get(_operand_name(o)) for o in root.operands]
-             if root is not None and root.opcode == 'tuple' else [root])
+      total += full
   for out in outputs:
     if out is None:
       continue
-    update = source(out)
-    buffer = (source(by_name.get(_operand_name(update.operands[0])))
-              if update is not None and update.opcode == 'dynamic-update-slice' else None)
-    if buffer is not None and buffer.opcode == 'parameter' and _arrays(out.shape):
-      # In place: only the update is written, in the output's element type.
-      update_shape = _operand_shape(update.operands[1], body)
-      total += _elements(update_shape) * _dtype_bytes(_arrays(out.shape)[0][0])
-    else:
-      total += _shape_bytes(out.shape)
+    dus = unbitcast(out)
+    total += (_shape_bytes(_operand_shape(dus.operands[1], body)) if dus.name in in_place
+              else _shape_bytes(out.shape))
   return total
 
 

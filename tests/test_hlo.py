@@ -339,6 +339,7 @@ def test_an_interpreted_pallas_kernel_is_costed_as_one_kernel():
   report = hlo.hlo_stats(text)
   assert report.kernel_calls == {'flash_attention_fwd': 1}
   assert report.dot_bytes == pytest.approx(4 * q.nbytes, abs=64)   # + loop scalars
+  assert report.other_bytes == 0   # the interpreter's copies of q, k, v and output fill
   assert report.dot_flops == 0 and report.kernel_dot_flops > 0
   blind = hlo.hlo_stats(text, kernels=())   # the interpreter's block copies
   assert blind.dot_bytes + blind.other_bytes > 10 * (report.dot_bytes + report.other_bytes)
@@ -354,3 +355,78 @@ def test_pallas_kernel_names_are_the_kernels_pallas_call_names():
                     (pathlib.Path(__file__).parent.parent / 'pallas_kernels').glob('*.py'))
   for name in hlo.PALLAS_KERNELS:
     assert f"'{name}'" in sources, name
+
+
+_UPDATE_HLO = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused (p0: f32[1024,1024], p1: f32[8,1024], p2: s32[]) -> OUT {
+  %p0 = f32[1024,1024]{1,0} parameter(0)
+  %p1 = f32[8,1024]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %dus = f32[1024,1024]{1,0} dynamic-update-slice(%p0, %p1, %p2, %z)
+  ROOT
+}
+
+ENTRY %main (b: f32[1024,1024], u: f32[8,1024], i: s32[]) -> OUT {
+  %b = f32[1024,1024]{1,0} parameter(0)
+  %u = f32[8,1024]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %f = OUT fusion(%b, %u, %i), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_an_update_is_in_place_only_when_nothing_else_in_the_fusion_reads_it():
+  buffer, update = 1024 * 1024 * F32, 8 * 1024 * F32
+  alone = _UPDATE_HLO.replace('OUT', 'f32[1024,1024]{1,0}').replace(
+      '  ROOT\n', '  ROOT %t = f32[1024,1024]{1,0} bitcast(%dus)\n')
+  assert hlo.hlo_stats(alone).other_bytes == 2 * update + 4   # + the index
+  # Also reduced in the fusion: the whole updated buffer is read, and written back.
+  out = '(f32[1024,1024]{1,0}, f32[])'
+  read_too = _UPDATE_HLO.replace('OUT', out).replace(
+      '  ROOT\n', '  %c = f32[] constant(0)\n'
+      '  %r = f32[] reduce(%dus, %c), dimensions={0,1}, to_apply=%add\n'
+      f'  ROOT %t = {out} tuple(%dus, %r)\n')
+  assert hlo.hlo_stats(read_too).other_bytes >= 2 * buffer
+
+
+def test_a_converted_buffer_is_not_updated_in_place():
+  """bf16 buffer -> f32 -> update: XLA:CPU reads all of it and writes an f32 copy."""
+  b = jnp.ones((1024, 1024), jnp.bfloat16)
+  u = jnp.ones((8, 1024), jnp.float32)
+  f = lambda b, u, i: jax.lax.dynamic_update_slice(b.astype(jnp.float32), u, (i, 0))
+  report = _report(f, b, u, jnp.int32(3))
+  assert report.other_bytes >= b.nbytes + 2 * b.nbytes   # read bf16, write f32
+
+
+def test_a_variadic_scatter_counts_its_indices_and_updates():
+  text = """HloModule m
+
+%add2 (a: f32[], b: f32[], c: f32[], d: f32[]) -> (f32[], f32[]) {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  %c = f32[] parameter(2)
+  %d = f32[] parameter(3)
+  %s = f32[] add(%a, %c)
+  %t = f32[] add(%b, %d)
+  ROOT %r = (f32[], f32[]) tuple(%s, %t)
+}
+
+ENTRY %main (x: f32[1048576], y: f32[1048576], i: s32[8,1], u: f32[8], v: f32[8]) -> (f32[1048576], f32[1048576]) {
+  %x = f32[1048576]{0} parameter(0)
+  %y = f32[1048576]{0} parameter(1)
+  %i = s32[8,1]{1,0} parameter(2)
+  %u = f32[8]{0} parameter(3)
+  %v = f32[8]{0} parameter(4)
+  ROOT %sc = (f32[1048576]{0}, f32[1048576]{0}) scatter(%x, %y, %i, %u, %v), update_window_dims={}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add2
+}
+"""
+  # The indices once; each update read, and its element read and written in place.
+  assert hlo.hlo_stats(text).other_bytes == 8 * 4 + 2 * (2 * 8 * F32)
