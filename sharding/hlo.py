@@ -646,8 +646,8 @@ def _fusion_traffic(ins: _Instr, comp: _Comp, body: _Comp) -> float:
   outputs = ([by_name.get(_operand_name(o)) for o in root.operands]
              if root is not None and root.opcode == 'tuple' else [root])
   # In place: a dynamic-update-slice that is an output (through bitcasts) and feeds
-  # nothing else, into a parameter (through bitcasts) of its own element type, reads and
-  # writes the update only; the buffer is not read.
+  # nothing else, into a parameter (through bitcasts: a convert makes a new buffer), reads
+  # and writes the update only; the buffer is not read.
   in_place = set()
   for out in outputs:
     dus = unbitcast(out)
@@ -655,9 +655,7 @@ def _fusion_traffic(ins: _Instr, comp: _Comp, body: _Comp) -> float:
       continue
     buffer = unbitcast(by_name.get(_operand_name(dus.operands[0])))
     only_output = dus is root or all(u is root for u, _ in uses(dus.name, ('bitcast',)))
-    same_type = buffer is not None and [a[0] for a in _arrays(buffer.shape)] == [
-        a[0] for a in _arrays(dus.shape)]
-    if buffer is not None and buffer.opcode == 'parameter' and only_output and same_type:
+    if buffer is not None and buffer.opcode == 'parameter' and only_output:
       in_place.add(dus.name)
   params = {int(i.operands[0]): i.name for i in body.instrs if i.opcode == 'parameter'}
   total = 0.0
