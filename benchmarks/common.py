@@ -63,3 +63,25 @@ def random_train_batch(cfg, specs: dict, seed: int = 0) -> dict:
           'positions': np.tile(np.arange(t, dtype=np.int32), (b, 1)),
           'weights': np.ones((b, t), np.float32), 'segment_ids': np.ones((b, t), np.int32)}
   return {k: jax.device_put(host[k], spec.sharding) for k, spec in specs.items()}
+
+
+def train_step_runner(cfg, layout):
+  """(compiled train step, run) for `layout` of cfg (a sharding.planner.Layout) on this
+  machine's devices: run() takes one step from fresh random weights on one random batch
+  and returns (state, metrics)."""
+  from training import plan, state   # pylint: disable=import-outside-toplevel
+  built = plan.build_layout(cfg, layout)
+  compiled = built.compile()
+  box = [state.init_state(built.cfg, built.plan, built.tx)]
+  batch = random_train_batch(built.cfg, built.batch)
+
+  def run():
+    box[0], metrics = compiled(box[0], batch)
+    return box[0], metrics
+
+  return compiled, run
+
+
+def peak_memory_bytes() -> float | None:
+  """The first device's peak memory in this process (None where it keeps no statistics)."""
+  return (jax.devices()[0].memory_stats() or {}).get('peak_bytes_in_use')

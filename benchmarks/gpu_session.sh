@@ -78,7 +78,7 @@ jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'" ;;
       --tiles ;;
     packed) stage packed "${PACKED_LIMIT:-240}" "$PY" -m benchmarks.attention --packed ;;
     planner) stage planner "${PLANNER_LIMIT:-300}" "$PY" -m benchmarks.planner_check \
-      --configs=default.py --gpu-compile ;;
+      --configs=default.py --this-compile ;;
     planner_64k) stage planner_64k "${PLANNER_64K_LIMIT:-570}" bash -c "$PY -m \
 benchmarks.planner_check --configs=gpt_64k.py --top=2 --steps=3 --grad-accums=4,8 && $PY \
 -m benchmarks.planner_check --fit=\$(ls benchmarks/results/planner_check_gpu_*.json | \

@@ -1,16 +1,16 @@
 """The planner's predicted step times against measured ones, and the efficiency fit.
 
   python -m benchmarks.planner_check [--configs=default.py,gpt_64k.py] [--device=h100]
-      [--top=3] [--steps=10] [--grad-accums=1,2,4] [--gpu-compile]
+      [--top=3] [--steps=10] [--grad-accums=1,2,4] [--this-compile]
   python -m benchmarks.planner_check --fit=results/a.json,results/b.json [--device=h100]
 
-For each config, the planner ranks the one-device layouts (remat policy x gradient
-accumulation; ZeRO and the mesh axes do nothing on one device) from a CPU compile, as
-`python -m sharding.plan` does for a user without a GPU. The top `--top` that fit are then
-run on this machine's accelerator: a fresh train state, random tokens, `--steps` timed
-steps after two warm-up steps (median), and the device's peak memory where it reports
-one. `--gpu-compile` also records this platform's compile of each (its traffic and
-memory; the FLOPs of kernel custom-calls, such as flash attention, are not in its HLO).
+For each config, `python -m sharding.plan` ranks the one-device layouts (remat policy x
+gradient accumulation; ZeRO and the mesh axes do nothing on one device) in a CPU-only
+process of its own, as for a user without a GPU. The top `--top` that fit are then run
+on this machine's accelerator: a fresh train state, random tokens, `--steps` timed steps
+after two warm-up steps (median), and the device's peak memory where it reports one.
+`--this-compile` also records this platform's compile of each (its traffic and memory;
+the FLOPs of kernel custom-calls, such as flash attention on a GPU, are not in its HLO).
 
 `sharding.planner.fit_efficiency` then fits the hardware table's matmul and HBM
 efficiency factors to the measured times, with the error of the table's factors before
@@ -27,75 +27,84 @@ script runs: the times say nothing about a GPU.
 import argparse
 import dataclasses
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
 import numpy as np
 
-from benchmarks.common import random_train_batch, write_result
-from sharding import planner
-from training import cli, plan, state
+from benchmarks.common import peak_memory_bytes, train_step_runner, write_result
+from sharding import hlo, planner
+from training import cli, plan
 
 
-def peak_memory() -> float | None:
-  stats = jax.devices()[0].memory_stats() or {}
-  return stats.get('peak_bytes_in_use')
+def plan_on_cpu(spec: str, hw: planner.Hardware, accums) -> list[dict]:
+  """The planner's ranked one-device rows for `spec` (plan.json records), from
+  `python -m sharding.plan` in its own CPU-only process, as a user without a GPU runs it."""
+  with tempfile.TemporaryDirectory() as out:
+    cmd = [sys.executable, '-m', 'sharding.plan', f'--config={spec}', '--devices', '1',
+           '--device', hw.name, '--zero', '0', '--remat', 'none,full',
+           '--grad-accum', ','.join(str(a) for a in accums), '--output', out]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    print(done.stdout, done.stderr[-2000:] if done.returncode else '', flush=True)
+    if done.returncode:
+      raise RuntimeError(f'{" ".join(cmd)} failed (exit {done.returncode})')
+    with open(os.path.join(out, 'plan.json')) as f:
+      return json.load(f)['rows']
 
 
 def run_layout(cfg, layout: planner.Layout, steps: int) -> dict:
   """Median step seconds of `layout` (two warm-up steps left out) and its peak memory.
   The device keeps one peak for the whole process: a layout's own peak is known when it
   raises it (the first layout run always does), else only that it was at most that."""
-  before = peak_memory()
-  built = plan.build_layout(cfg, layout)
-  compiled = built.compile()
-  train_state = state.init_state(built.cfg, built.plan, built.tx)
-  batch = random_train_batch(built.cfg, built.batch)
+  before = peak_memory_bytes()
+  _, step = train_step_runner(cfg, layout)
   times = []
   for i in range(steps + 2):
     start = time.perf_counter()
-    train_state, metrics = compiled(train_state, batch)
-    jax.block_until_ready((train_state, metrics))
+    _, metrics = jax.block_until_ready(step())
     if i >= 2:
       times.append(time.perf_counter() - start)
   loss = float(metrics['loss'])
   if not np.isfinite(loss):
     raise RuntimeError(f'{layout.name()}: loss {loss} is not finite')
-  after = peak_memory()
+  after = peak_memory_bytes()
   raised = after is not None and (before is None or after > before)
   return {'measured_step_s': statistics.median(times), 'step_times_s': times,
           'peak_memory_bytes': after if raised else None,
           'peak_memory_at_most_bytes': after, 'loss': loss}
 
 
-def check(spec: str, hw: planner.Hardware, top: int, steps: int, gpu_compile: bool,
-          remats=('none', 'full'), accums=(1, 2, 4)) -> list[dict]:
+def check(spec: str, hw: planner.Hardware, top: int, steps: int, this_compile: bool,
+          accums=(1, 2, 4)) -> list[dict]:
   """Plans `spec` on one device from a CPU compile and runs the top layouts here."""
   cfg = cli.load_config_file(spec)
-  progress = lambda i, n, lay: print(f'[{spec} {i + 1}/{n}] compiling {lay.name()}',
-                                     file=sys.stderr, flush=True)
-  rows, _ = plan.plan_layouts(cfg, 1, hw.name, progress=progress, zero_stages=(0,),
-                              remats=remats, grad_accums=accums,
-                              compile_on=jax.devices('cpu'))
-  print(planner.table(rows), flush=True)
   out = []
-  for row in [r for r in rows if r['prediction'].fits][:top]:
-    lay, p, m = row['layout'], row['prediction'], row['measured']
-    record = {'config': spec, 'layout': lay.name(), 'overrides': ' '.join(lay.overrides()),
-              'predicted_step_s': p.step_s, 'matmul_s': p.matmul_s, 'memory_bound_s': p.memory_s,
-              'dot_flops': m.dot_flops, 'dot_bytes': m.dot_bytes, 'other_bytes': m.other_bytes,
-              'predicted_memory_bytes': m.peak_bytes,
+  for row in [r for r in plan_on_cpu(spec, hw, accums) if r['fits']][:top]:
+    lay = planner.Layout(row['mesh'], row['zero_stage'], row['remat'], row['grad_accum'],
+                         row['microbatches'])
+    record = {'config': spec, 'layout': row['layout'], 'overrides': row['overrides'],
+              'predicted_step_s': row['step_s'], 'matmul_s': row['matmul_s'],
+              'memory_bound_s': row['memory_bound_s'],
+              'dot_flops': row['dot_flops_per_device'],
+              'dot_bytes': row['dot_bytes_per_device'],
+              'other_bytes': row['other_bytes_per_device'],
+              'predicted_memory_bytes': row['memory_bytes'],
               'tokens_per_step': cfg.data.batch_size * cfg.data.seq_len,
               **run_layout(cfg, lay, steps)}
-    record['measured_over_predicted'] = record['measured_step_s'] / p.step_s
-    if gpu_compile:   # what this machine's compiler makes of it (kernels' FLOPs not seen)
-      here = plan.measure(cfg, lay)
+    record['measured_over_predicted'] = record['measured_step_s'] / row['step_s']
+    if this_compile:   # this platform's compiler (the kernels' FLOPs are not in its HLO)
+      report = hlo.inspect_compiled(plan.build_layout(cfg, lay).compile())
       record['this_platform_compile'] = {
-          'dot_flops': here.dot_flops, 'dot_bytes': here.dot_bytes,
-          'other_bytes': here.other_bytes, 'memory_bytes': here.peak_bytes}
-    print(f"{lay.name()}: predicted {p.step_s * 1e3:.3f} ms, measured "
+          'dot_flops': report.dot_flops, 'dot_bytes': report.dot_bytes,
+          'other_bytes': report.other_bytes,
+          'memory_bytes': (report.argument_bytes + report.output_bytes - report.alias_bytes
+                           + report.temp_bytes)}
+    print(f"{row['layout']}: predicted {row['step_s'] * 1e3:.3f} ms, measured "
           f"{record['measured_step_s'] * 1e3:.3f} ms", flush=True)
     out.append(record)
   return out
@@ -122,7 +131,7 @@ def main(argv=None) -> dict:
   p.add_argument('--top', type=int, default=3)
   p.add_argument('--steps', type=int, default=10)
   p.add_argument('--grad-accums', default='1,2,4')
-  p.add_argument('--gpu-compile', action='store_true',
+  p.add_argument('--this-compile', action='store_true',
                  help="also record this platform's compile of each run layout")
   p.add_argument('--fit', metavar='JSON,JSON',
                  help='fit over the runs of these planner_check results instead of running')
@@ -139,7 +148,7 @@ def main(argv=None) -> dict:
   if args.smoke:
     args.configs, args.top, args.steps, accums = 'default.py:tiny', 2, 2, (1,)
   runs = [r for spec in args.configs.split(',')
-          for r in check(spec, hw, args.top, args.steps, args.gpu_compile, accums=accums)]
+          for r in check(spec, hw, args.top, args.steps, args.this_compile, accums=accums)]
   result = {'hardware': dataclasses.asdict(hw), 'runs': runs, 'fit': fit(runs, hw)}
   name = '_'.join(c.replace('.py', '').replace(':', '-') for c in args.configs.split(','))
   print(write_result(f'planner_check_{jax.devices()[0].platform}_{name}', result))

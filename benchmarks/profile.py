@@ -24,10 +24,9 @@ import jax
 from absl import flags
 from jax.profiler import ProfileData
 
-from benchmarks.common import random_train_batch
+from benchmarks.common import train_step_runner
 from sharding import hlo, planner
 from sharding.mesh import mesh_shape
-from training import plan, state
 
 STEPS = flags.DEFINE_integer('profile_steps', 0, 'steps to trace (this module: 0 means 3; '
                              'train_throughput: 0 means no profile)')
@@ -68,8 +67,7 @@ def scope_of(ins, comps) -> str:
   label = next((p for p in parts if p in SCOPES), 'other')
   if label == 'other' and ins.opcode == 'copy' and not ins.op_name:
     return 'copies XLA inserted'   # layout changes and loop-carried buffers
-  bare = [re.sub(r'^(?:[\w.-]+\()*([^()]*)\)*$', r'\1', p) for p in parts]
-  kernel = next((p for p in bare if p in hlo.PALLAS_KERNELS), None)
+  kernel = next((p for p in map(hlo.unwrap_scope, parts) if p in hlo.PALLAS_KERNELS), None)
   if kernel:
     label += f'/{kernel}'
   if label.startswith('optimizer'):
@@ -111,16 +109,7 @@ def layout_of(cfg) -> planner.Layout:
 def profile_config(cfg, steps: int = 3) -> dict:
   """Traces `steps` train steps of cfg (random weights and tokens, after two untraced
   ones) on this machine's devices and summarizes where their time goes."""
-  built = plan.build_layout(cfg, layout_of(cfg))
-  compiled = built.compile()
-  train_state = state.init_state(built.cfg, built.plan, built.tx)
-  batch = random_train_batch(built.cfg, built.batch)
-  box = [train_state]
-
-  def step():
-    box[0], metrics = compiled(box[0], batch)
-    return box[0], metrics
-
+  compiled, step = train_step_runner(cfg, layout_of(cfg))
   for _ in range(2):
     jax.block_until_ready(step())
   return profile_compiled(compiled, step, steps)

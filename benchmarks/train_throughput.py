@@ -21,7 +21,7 @@ from absl import flags
 
 import model
 from benchmarks import profile
-from benchmarks.common import write_result
+from benchmarks.common import peak_memory_bytes, write_result
 from sharding.mesh import mesh_shape
 from training import cli, trainer
 
@@ -53,7 +53,7 @@ def benchmark(cfg) -> dict:
       'median_mfu': statistics.median(mfus) if mfus else None,
       'first_loss': history[0]['loss'], 'last_loss': history[-1]['loss'],
       'wall_time_s': wall,
-      'peak_memory_bytes': (jax.devices()[0].memory_stats() or {}).get('peak_bytes_in_use'),
+      'peak_memory_bytes': peak_memory_bytes(),
   }
   if profile.STEPS.value:
     result['profile'] = profile.profile_config(cfg, profile.STEPS.value)

@@ -462,8 +462,14 @@ def _kernel_of(ins: _Instr, kernels) -> str:
   parts = ins.op_name.split('/')
   if len(parts) < 2 or parts[-1] != 'while':
     return ''
-  inner = re.sub(r'^(?:[\w.-]+\()*([^()]*)\)*$', r'\1', parts[-2])
+  inner = unwrap_scope(parts[-2])
   return inner if inner in kernels else ''
+
+
+def unwrap_scope(part: str) -> str:
+  """A name scope without the transformations jax wraps it in: jvp(f) and
+  transpose(jvp(f)) are f."""
+  return re.sub(r'^(?:[\w.-]+\()*([^()]*)\)*$', r'\1', part)
 
 
 def _interpreter_copies(comps: dict[str, _Comp], grid_loops) -> set[str]:

@@ -40,7 +40,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
   args = parse_args(argv)
   import jax   # pylint: disable=import-outside-toplevel
-  jax.config.update('jax_num_cpu_devices', max(args.devices, 1))   # this process only
+  # The planner compiles for CPU devices, on a GPU machine too (the Pallas kernels are
+  # costed from the interpreter's program): this process only.
+  jax.config.update('jax_platforms', 'cpu')
+  jax.config.update('jax_num_cpu_devices', max(args.devices, 1))
   # pylint: disable=import-outside-toplevel
   import dataclasses
   from sharding import planner

@@ -264,15 +264,18 @@ def table(rows: list[dict], top: int | None = None) -> str:
 def as_record(row: dict) -> dict:
   """One ranked row as plain JSON/CSV values."""
   p, layout = row['prediction'], row['layout']
+  m = row['measured']
   return {'layout': layout.name(), 'mesh': layout.mesh, 'zero_stage': layout.zero_stage,
           'remat': layout.remat, 'grad_accum': layout.grad_accum,
+          'microbatches': layout.microbatches, 'memory_bytes': p.memory_bytes,
           'fits': p.fits, 'memory_gib': p.memory_bytes / 2**30,
           'headroom_gib': p.headroom_bytes / 2**30, 'step_s': p.step_s,
           'tokens_per_s': p.tokens_per_s, 'mfu': p.mfu, 'dominant': p.dominant,
           'why_not': p.why_not, 'compute_s': p.compute_s, 'matmul_s': p.matmul_s,
           'memory_bound_s': p.memory_s,
-          'comm_s': p.comm_s, 'dot_flops_per_device': row['measured'].dot_flops,
-          'hbm_bytes_per_device': row['measured'].dot_bytes + row['measured'].other_bytes,
+          'comm_s': p.comm_s, 'dot_flops_per_device': m.dot_flops,
+          'hbm_bytes_per_device': m.dot_bytes + m.other_bytes,
+          'dot_bytes_per_device': m.dot_bytes, 'other_bytes_per_device': m.other_bytes,
           'collectives': {k: {'count': c, 'bytes': b}
-                          for k, (c, b) in row['measured'].collectives.items()},
+                          for k, (c, b) in m.collectives.items()},
           'overrides': ' '.join(layout.overrides())}

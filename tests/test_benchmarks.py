@@ -111,13 +111,18 @@ def test_profile_files_each_ops_time_under_its_scope():
   summary = profile.profile_compiled(compiled, lambda: compiled(a, a), steps=3)
   shares = {r['scope']: r['fraction'] for r in summary['by_scope']}
   assert shares['mlp (forward)'] > 0.8, shares
+  from sharding import hlo   # pylint: disable=import-outside-toplevel
+  comps, _ = hlo._parse_module(compiled.as_text())   # pylint: disable=protected-access
+  top = next(i for c in comps.values() for i in c.instrs
+             if i.name == summary['top_ops'][0]['op'])
+  assert hlo._does_matmul(top, comps), top   # pylint: disable=protected-access
   assert summary['top_ops'][0]['scope'] == 'mlp (forward)'
 
 
 def test_planner_check_smoke_runs_the_planners_top_layouts_and_fits(tmp_path, monkeypatch):
   from benchmarks import planner_check   # pylint: disable=import-outside-toplevel
   monkeypatch.setenv('MESHLM_RESULTS_DIR', str(tmp_path))
-  result = planner_check.main(['--smoke'])
+  result = planner_check.main(['--smoke', '--this-compile'])
   runs = result['runs']
   assert sorted(r['layout'] for r in runs) == ['single zero0 remat=full accum1',
                                                 'single zero0 remat=none accum1']
@@ -126,6 +131,12 @@ def test_planner_check_smoke_runs_the_planners_top_layouts_and_fits(tmp_path, mo
     assert r['predicted_step_s'] > 0 and math.isfinite(r['loss'])
     assert r['measured_over_predicted'] == pytest.approx(r['measured_step_s']
                                                          / r['predicted_step_s'])
+  # Planned in its own CPU process; on this CPU, the same program as compiled here.
+  for r in runs:
+    here = r['this_platform_compile']
+    assert (here['dot_flops'], here['dot_bytes'], here['other_bytes']) == (
+        r['dot_flops'], r['dot_bytes'], r['other_bytes'])
+    assert here['memory_bytes'] == r['predicted_memory_bytes']
   # remat=full recomputes the forward: more dot FLOPs for the same step.
   flops = {r['layout'].split()[2]: r['dot_flops'] for r in runs}
   assert flops['remat=full'] > flops['remat=none']

@@ -400,3 +400,13 @@ def test_flash_kernels_are_costed_analytically_and_the_rest_matches_xla_attentio
   # Flash: causal halves every matmul; forward 2 (+2 recomputed), dq 3, dkv 4.
   flash = (2 + 3 + 4 + recompute) * per_matmul / 2
   assert flops['pallas'] == pytest.approx(flops['xla'] - xla_attention + flash, rel=1e-9)
+
+
+def test_pallas_attention_is_planned_from_a_cpu_compile_only(monkeypatch):
+  """On a GPU the flash kernels compile to calls the planner cannot cost: it says where
+  to plan instead of returning a step without their FLOPs."""
+  cfg = planner_config()
+  cfg.model = dataclasses.replace(cfg.model, attention_impl='pallas')
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  with pytest.raises(ValueError, match='python -m sharding.plan'):
+    plan.compile_layout(cfg, layout(data=8))

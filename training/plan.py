@@ -119,14 +119,17 @@ def flash_flops(cfg: config_lib.Config, layout: planner.Layout, calls: dict) -> 
   causal attention over the step's tokens is 2 x 2 x layers x T^2/2 x heads x head_dim
   per sequence, split evenly over the devices; the forward kernel runs once per pass
   (twice with remat recomputing it: counted from the calls), the backward kernels once.
-  Pipeline bubbles are not counted."""
+  Not counted: pipeline bubbles (the HLO's own dots include them), and the blocks the
+  kernels skip between packed documents (data-dependent): with packed documents this is
+  an upper bound."""
   calls = {k: v for k, v in calls.items() if k in FLASH_MATMULS}
   if not calls:
     return 0.0
   m, t = cfg.model, cfg.data.seq_len
   one_pass = (2 * 2 * m.num_layers * t * t / 2 * m.num_heads * m.resolved_head_dim
               * cfg.data.batch_size / math.prod(layout.mesh.values()))
-  unit = calls.get('flash_attention_dq') or calls.get('flash_attention_fwd')
+  unit = (calls.get('flash_attention_dq') or calls.get('flash_attention_fwd')
+          or max(calls.values()))
   return one_pass * sum(FLASH_MATMULS[k] * n / unit for k, n in calls.items())
 
 
@@ -134,6 +137,12 @@ def compile_layout(cfg: config_lib.Config, layout: planner.Layout,
                    layers: int | None = None, devices=None) -> planner.Measured:
   """The layout's train step compiled from abstract shapes (nothing allocated), measured;
   the flash kernels' FLOPs counted analytically (flash_flops)."""
+  if cfg.model.attention_impl == 'pallas' and jax.default_backend() != 'cpu':
+    raise ValueError(
+        'model.attention_impl=pallas: the planner costs the flash kernels from a CPU compile '
+        '(the Pallas interpreter); compiled for this machine\'s '
+        f'{jax.default_backend()} they are calls it cannot read. Plan in a CPU-only process: '
+        'python -m sharding.plan, or JAX_PLATFORMS=cpu.')
   built = build_layout(cfg, layout, layers, devices)
   report = hlo.inspect_compiled(built.compile(), dict(built.mesh.shape))
   pair = lambda s: (s.count, s.bytes)
