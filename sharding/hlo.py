@@ -14,15 +14,20 @@ are communication) reads and writes in device memory, loops weighted by trip cou
 into kernels that do matmuls and the rest (memory-bound). Reads that only feed a slice
 count the slice: a scanned layer's `dynamic-slice` of the stacked weights reads one
 layer's weights, not the stack. Writes by `dynamic-update-slice` into a buffer (in place)
-count the update. What the compiler fuses differs between backends, so bytes read from a
-CPU compile are an estimate of a GPU's. A Pallas kernel run by the interpreter (on CPU)
+count the update; a scatter counts its whole buffer, as XLA's own cost analysis does (on
+a GPU it is updated in place: an overcount, small next to a step). What the compiler
+fuses differs between backends, so bytes read from a CPU compile are an estimate of a
+GPU's. A Pallas kernel run by the interpreter (on CPU)
 becomes a loop over its grid that copies blocks around; on a GPU it is one kernel, so its
 traffic is taken as its inputs read and outputs written once (the loop's carried buffers;
 a lower bound: flash attention re-reads K and V blocks, mostly from L2), while the dots
 in its blocks are set apart (`kernel_dot_flops`: the interpreter's inner loops have no
 known trip count, so they undercount) with the kernel's executions (`kernel_calls`), for
 a caller that knows the kernel's FLOPs analytically. The kernels are found by their
-pallas_call names (`PALLAS_KERNELS`, the name scope of the interpreter's grid loop).
+pallas_call names (`PALLAS_KERNELS`, the name scope of the interpreter's grid loop); the
+interpreter's copies and fills that only seed that loop are left out. A kernel whose
+grid is one program has no loop left after XLA's simplification: it is costed as plain
+ops, its dots in `dot_flops`, and not counted in `kernel_calls`.
 """
 
 import collections
