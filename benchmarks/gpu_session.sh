@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # What a GPU session checks and measures for the kernels, run from the repository root by
-# the device tool; logs and JSON land in $OUT. It needs only jax, numpy and pytest, which
-# the GPU image has. Stages, run in the order given (default: all of them):
+# the device tool; logs and JSON land in $OUT. The kernel stages (tests .. packed) need
+# only jax, numpy and pytest, which the GPU image has; planner and train_* import the
+# training stack (flax, optax, orbax, grain, ml_collections, rich, tensorboardX), which
+# `machine` lists as found or missing: the machine has no network to install them.
+# Stages, run in the order given (default: all of them):
 #
 #   machine       GPU, clocks, jax and jaxlib versions                          ~10 s
 #   tests         kernels compiled on the GPU against their references, and the
@@ -68,7 +71,9 @@ run_stage() {
   case $1 in
     machine) stage machine 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,\
 clocks.max.sm,driver_version --format=csv; $PY -c 'import jax, jaxlib; print(\"jax\", \
-jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'" ;;
+jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'; $PY -c 'import \
+importlib.util as u; print(\"training stack:\", {m: bool(u.find_spec(m)) for m in \
+(\"flax\", \"optax\", \"orbax\", \"grain\", \"ml_collections\", \"rich\", \"tensorboardX\")})'" ;;
     tests) stage tests "${TEST_LIMIT:-480}" env MESHLM_TEST_GPU=1 "$PY" -m pytest -rs \
       tests/test_gpu.py tests/test_flash_attention.py ;;
     attention) stage attention "${ATTENTION_LIMIT:-420}" "$PY" -m benchmarks.attention ;;
