@@ -81,10 +81,10 @@ def scope_of(ins, comps) -> str:
 
 def summarize(times: dict[str, float], hlo_text: str, steps: int, top: int = 10) -> dict:
   comps, _ = hlo._parse_module(hlo_text)   # pylint: disable=protected-access
-  instrs = {i.name: (i, comps) for c in comps.values() for i in c.instrs}
+  instrs = {i.name: i for c in comps.values() for i in c.instrs}
   by_scope, ops = collections.Counter(), []
   for op, seconds in times.items():
-    ins = instrs.get(op, (None,))[0]
+    ins = instrs.get(op)
     if ins is not None and ins.opcode in _CONTROL:
       continue
     scope = scope_of(ins, comps) if ins is not None else 'other (forward)'

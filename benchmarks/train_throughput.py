@@ -6,9 +6,9 @@
 Takes the same `--config` and `--config.a.b=value` as train.py, runs `steps` steps in a
 fresh temporary workdir (no sample), drops the first `warmup` steps, and writes
 benchmarks/results/train_<config>_<platform>.json (or `--result_name`.json) with the
-median numbers and the device's peak memory (where it reports one). `--profile_steps=N` then traces N more
-steps of the same step and adds where their time goes (benchmarks/profile.py: seconds per
-model scope, the top ops, the three largest costs).
+median numbers and the device's peak memory (where it reports one). `--profile_steps=N`
+then traces N more steps of the same step and adds where their time goes
+(benchmarks/profile.py: seconds per model scope, the top ops, the three largest costs).
 """
 
 import statistics
