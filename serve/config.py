@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 
 ATTENTION_CHOICES = ('auto', 'xla', 'pallas')
+DTYPE_CHOICES = ('auto', 'float32', 'bfloat16', 'float16')
 
 
 @dataclasses.dataclass
@@ -15,6 +16,7 @@ class ServeConfig:
   max_num_batched_tokens: int = 512  # tokens per step (prefill chunks + decodes)
   max_model_len: int = 0             # 0: the model's max_seq_len
   attention: str = 'auto'            # 'auto': pallas on GPU, xla on CPU
+  dtype: str = 'auto'                # weights, activations, KV cache; 'auto': the model's
   tensor: int = 1                    # devices over the mesh's 'tensor' axis
   enable_prefix_caching: bool = True
   max_waiting_requests: int = 256    # beyond it add_request raises QueueFull
@@ -36,6 +38,8 @@ class ServeConfig:
       raise ValueError(f'--memory-fraction={self.memory_fraction}: must be in (0, 1].')
     if self.attention not in ATTENTION_CHOICES:
       raise ValueError(f'--attention={self.attention!r}: choose one of {ATTENTION_CHOICES}.')
+    if self.dtype not in DTYPE_CHOICES:
+      raise ValueError(f'--dtype={self.dtype!r}: choose one of {DTYPE_CHOICES}.')
 
 
 def _flag(name: str) -> str:
@@ -71,6 +75,6 @@ def load_served_model(args: argparse.Namespace, mesh=None):
   # pylint: disable=import-outside-toplevel
   if args.checkpoint:
     from serve.loader import load_checkpoint
-    return load_checkpoint(args.checkpoint, mesh=mesh)
+    return load_checkpoint(args.checkpoint, mesh=mesh, dtype=args.dtype)
   from serve.hf_llama import load_hf_model
-  return load_hf_model(args.hf_model)
+  return load_hf_model(args.hf_model, dtype=args.dtype)

@@ -29,6 +29,7 @@ import numpy as np
 from serve import kv_cache, sampler
 from serve.config import ServeConfig
 from serve.detokenizer import IncrementalDetokenizer
+from serve.hf_llama import with_dtype
 from serve.kv_cache_manager import KVCacheManager
 from serve.model_runner import ModelRunner, RunnerConfig, seq_bucket, token_buckets
 from serve.request import Request, RequestStatus
@@ -233,6 +234,16 @@ def _blocks_from_memory(served, cfg: ServeConfig, mesh, per_request: int) -> int
   return blocks
 
 
+def describe_model(served) -> str:
+  leaves = jax.tree.leaves(served.params)
+  count, size = sum(x.size for x in leaves), sum(x.nbytes for x in leaves)
+  count = f'{count / 1e9:.2f}B' if count >= 1e9 else f'{count / 1e6:.2f}M'
+  size = f'{size / 2**30:.2f} GiB' if size >= 2**30 else f'{size / 2**20:.2f} MiB'
+  cfg = served.model_cfg
+  return (f'Model {served.name}: {count} parameters, {size} in {cfg.param_dtype}; '
+          f'activations and KV cache in {cfg.dtype}.')
+
+
 def describe_cache(num_blocks: int, cfg: ServeConfig, max_model_len: int) -> str:
   tokens = (num_blocks - 1) * cfg.block_size
   return (f'KV cache: {num_blocks} blocks of {cfg.block_size} tokens = {tokens} tokens; '
@@ -259,6 +270,8 @@ class Engine:
   def __init__(self, served, cfg: ServeConfig | None = None):
     self.cfg = cfg = cfg or ServeConfig()
     cfg.validate()
+    if cfg.dtype != 'auto':   # the loaders take it too, and cast while loading
+      served = with_dtype(served, cfg.dtype)
     self.served = served
     self.vocab_size = served.tokenizer.vocab_size
     self.max_model_len = cfg.max_model_len or served.model_cfg.max_seq_len
@@ -267,6 +280,7 @@ class Engine:
                        f'of {served.model_cfg.max_seq_len} tokens; give at most that.')
     self.mesh = build_mesh(cfg)
     self.num_blocks = size_cache(served, cfg, self.mesh, self.max_model_len)
+    print(describe_model(served), flush=True)
     print(describe_cache(self.num_blocks, cfg, self.max_model_len), flush=True)
     self.scheduler, self.runner = self._build_parts()
     # The runner holds the weights now (per layer, model.paged.unstack_layers); keep the

@@ -11,6 +11,7 @@ import glob
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
@@ -35,13 +36,44 @@ class ServedModel:
 _REQUIRED = {'model_type': 'llama', 'hidden_act': 'silu', 'attention_bias': False,
              'mlp_bias': False}
 _SPECIAL_TOKENS = ('bos_token', 'eos_token', 'unk_token', 'pad_token')
+# What the weights, the activations and the KV cache can be served in (--dtype).
+SERVE_DTYPES = ('float32', 'bfloat16', 'float16')
 
 
-def load_hf_model(path: str, dtype: str = 'float32') -> ServedModel:
-  """The Llama model in a local Hugging Face directory, weights cast to `dtype`."""
+def check_dtype(dtype: str, source: str = '--dtype') -> str:
+  if dtype not in SERVE_DTYPES:
+    raise ValueError(f'{source}={dtype!r} cannot be served: choose one of {SERVE_DTYPES}'
+                     f"{'' if source == '--dtype' else ' with --dtype'}.")
+  return dtype
+
+
+def with_dtype(served: ServedModel, dtype: str) -> ServedModel:
+  """`served` with its weights, activations and KV cache in `dtype` (itself if they are).
+
+  Each weight keeps its sharding; for a moment both copies of a weight exist, so the
+  peak is the old weights plus the new ones."""
+  cfg = served.model_cfg
+  check_dtype(dtype)
+  if cfg.dtype == cfg.param_dtype == dtype:
+    return served
+  params = served.params
+  if params is not None:
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+  return dataclasses.replace(
+      served, params=params,
+      model_cfg=dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype))
+
+
+def load_hf_model(path: str, dtype: str = 'auto') -> ServedModel:
+  """The Llama model in a local Hugging Face directory, weights cast to `dtype` ('auto':
+  the dtype config.json names, float32 where it names none)."""
   path = os.path.expanduser(path)
   hf = _read_json(os.path.join(path, 'config.json'), required=True)
-  model_cfg = model_config(hf, dtype)
+  if dtype == 'auto':
+    # transformers >= 4.56 writes `dtype`, older versions `torch_dtype`.
+    stored = hf.get('dtype') or hf.get('torch_dtype') or 'float32'
+    dtype = check_dtype(stored, source=f'{path}/config.json dtype')
+  model_cfg = model_config(hf, check_dtype(dtype))
   tok_cfg = _read_json(os.path.join(path, 'tokenizer_config.json'))
   gen_cfg = _read_json(os.path.join(path, 'generation_config.json'))
   eos_ids = _as_ids(gen_cfg.get('eos_token_id', hf.get('eos_token_id')))
@@ -144,11 +176,23 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     raise FileNotFoundError(f'{path} has no *.safetensors weights (PyTorch .bin files are '
                             'not read): save the model with safe_serialization=True.')
   tensors = {}
-  for file in files:
-    with safe_open(file, framework='np') as f:
-      for key in f.keys():
-        tensors[key] = f.get_tensor(key)
+  # numpy has no bfloat16, the dtype most Llama checkpoints are stored in: read through
+  # jax on the host (the arrays come out as numpy arrays of ml_dtypes' bfloat16).
+  with jax.default_device(_host_device()):
+    for file in files:
+      with safe_open(file, framework='flax') as f:
+        for key in f.keys():
+          tensors[key] = np.asarray(f.get_tensor(key))
   return tensors
+
+
+def _host_device():
+  """A CPU device to read weights onto (None: the default device, where jax was started
+  without its CPU backend)."""
+  try:
+    return jax.local_devices(backend='cpu')[0]
+  except RuntimeError:
+    return None
 
 
 def _params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:

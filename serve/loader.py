@@ -13,7 +13,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import model
 from model.config import ModelConfig
-from serve.hf_llama import ServedModel
+from serve.hf_llama import ServedModel, with_dtype
 from sharding.rules import REPLICATED
 from training import checkpoint
 from training.tokenizer import load_tokenizer
@@ -45,8 +45,11 @@ def shard_params(params: dict, model_cfg: ModelConfig, mesh: Mesh | None = None)
   return jax.device_put(params, param_shardings(model_cfg, mesh))
 
 
-def load_checkpoint(workdir: str, mesh: Mesh | None = None) -> ServedModel:
-  """The newest intact checkpoint of a train.py workdir, parameters only, on `mesh`."""
+def load_checkpoint(workdir: str, mesh: Mesh | None = None,
+                    dtype: str = 'auto') -> ServedModel:
+  """The newest intact checkpoint of a train.py workdir, parameters only, on `mesh`, in
+  `dtype` ('auto': the run's compute dtype, model.dtype; the master weights a run keeps
+  in model.param_dtype are read, checked against their checksums, then cast)."""
   workdir = os.path.expanduser(workdir)
   raw = _read_run_config(workdir)
   model_cfg = _model_config(raw, workdir)
@@ -55,9 +58,10 @@ def load_checkpoint(workdir: str, mesh: Mesh | None = None) -> ServedModel:
   target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         model.abstract_params(model_cfg), shardings)
   params, _ = checkpoint.restore_params(os.path.join(workdir, 'checkpoints'), target)
-  return ServedModel(model_cfg=model_cfg, params=params, tokenizer=tokenizer,
-                     eos_token_ids=[tokenizer.eos_id], chat_template=None,
-                     name=os.path.basename(os.path.normpath(os.path.abspath(workdir))))
+  served = ServedModel(model_cfg=model_cfg, params=params, tokenizer=tokenizer,
+                       eos_token_ids=[tokenizer.eos_id], chat_template=None,
+                       name=os.path.basename(os.path.normpath(os.path.abspath(workdir))))
+  return with_dtype(served, model_cfg.dtype if dtype == 'auto' else dtype)
 
 
 def _read_run_config(workdir: str) -> dict:

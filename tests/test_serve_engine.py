@@ -11,12 +11,14 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import model
 from serve.config import ServeConfig
 from serve.engine import Engine, EngineClosed, QueueFull
+from serve.hf_llama import with_dtype
 from serve.sampling_params import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +42,13 @@ def greedy_reference(served, prompts, num_tokens: int, min_margin=0.0) -> list[l
   Checks every step's top-2 logit gap is above min_margin, so float reassociation in
   the paged path cannot flip an argmax and the comparison is exact by construction.
   """
+  tokens, gaps = greedy_with_gaps(served, prompts, num_tokens)
+  assert np.all(gaps > min_margin), 'near-tie: pick another seed'
+  return tokens
+
+
+def greedy_with_gaps(served, prompts, num_tokens: int) -> tuple[list[list[int]], np.ndarray]:
+  """greedy_reference's tokens, and the top-2 logit gap of each [prompt, step]."""
   cfg, vocab = served.model_cfg, served.tokenizer.vocab_size
   params = jax.device_get(served.params)
   step = jax.jit(lambda p, toks: model.logits(p, model.forward(p, toks, cfg), cfg))
@@ -47,14 +56,15 @@ def greedy_reference(served, prompts, num_tokens: int, min_margin=0.0) -> list[l
   lens = np.array([len(p) for p in prompts])
   for i, p in enumerate(prompts):
     buf[i, :len(p)] = p
-  rows = np.arange(len(prompts))
-  for _ in range(num_tokens):
+  rows, gaps = np.arange(len(prompts)), np.zeros((len(prompts), num_tokens))
+  for j in range(num_tokens):
     logits = np.asarray(step(params, buf))[rows, lens - 1, :vocab]
     top2 = np.sort(logits, axis=-1)[:, -2:]
-    assert np.all(top2[:, 1] - top2[:, 0] > min_margin), 'near-tie: pick another seed'
+    gaps[:, j] = top2[:, 1] - top2[:, 0]
     buf[rows, lens] = np.argmax(logits, axis=-1)
     lens += 1
-  return [[int(t) for t in buf[i, len(p):len(p) + num_tokens]] for i, p in enumerate(prompts)]
+  tokens = [[int(t) for t in buf[i, len(p):len(p) + num_tokens]] for i, p in enumerate(prompts)]
+  return tokens, gaps
 
 
 @pytest.fixture(scope='module')
@@ -130,6 +140,27 @@ def test_greedy_on_tensor_2_mesh_equals_training_forward(varied, prompts, refere
   with Engine(varied, ServeConfig(num_blocks=160, tensor=2, **SMALL)) as eng:
     assert dict(eng.mesh.shape)['tensor'] == 2
     assert ids(eng.generate(prompts, GREEDY)) == reference
+
+
+def test_bfloat16_engine_computes_in_bfloat16_as_the_training_forward_does(
+    varied, prompts, reference):
+  """--dtype bfloat16 casts the weights and keeps the KV cache in bfloat16. Its greedy
+  tokens equal the bfloat16 training forward's up to that forward's first near-tie, and
+  are not float32's."""
+  b16 = with_dtype(varied, 'bfloat16')
+  want, gaps = greedy_with_gaps(b16, prompts, MAX_TOKENS)
+  with Engine(varied, ServeConfig(num_blocks=160, dtype='bfloat16', **SMALL)) as eng:
+    assert {x.dtype for x in jax.tree.leaves((eng.runner.params, eng.runner.cache))} == {
+        jnp.dtype('bfloat16')}
+    assert eng.served.model_cfg.dtype == 'bfloat16'
+    got = ids(eng.generate(prompts, GREEDY))
+  # Each prompt's tokens up to its first near-tie: the paged and the dense forward round
+  # differently, and moved logits of ~10 by up to 0.07 here; after a tie the two may
+  # rightly go apart.
+  clear = [int(np.argmin(np.append(g > 0.15, False))) for g in gaps]
+  assert sum(clear) >= gaps.size // 4, clear
+  assert [g[:n] for g, n in zip(got, clear)] == [w[:n] for w, n in zip(want, clear)]
+  assert got != reference   # float32's continuations (half of them differ)
 
 
 def test_stop_string_ends_text_before_it(engine, prompts, reference):
@@ -333,6 +364,21 @@ def test_generate_cli_bad_line_names_line_and_field(tiny_workdir, tmp_path, line
   assert not (tmp_path / 'out.jsonl').exists()
 
 
+def test_dtype_flag_reaches_the_loader_and_a_bad_one_is_refused(tiny_workdir, tmp_path,
+                                                                capsys):
+  from serve import config as config_lib, generate  # pylint: disable=import-outside-toplevel
+  (tmp_path / 'in.jsonl').write_text('{"prompt": "ok"}\n')
+  args = generate.parse_args(['--checkpoint', tiny_workdir, '--prompts',
+                              str(tmp_path / 'in.jsonl'), '--output', 'o', '--dtype', 'float16'])
+  assert config_lib.config_from_args(args).dtype == 'float16'
+  served = config_lib.load_served_model(args)
+  assert {x.dtype for x in jax.tree.leaves(served.params)} == {jnp.dtype('float16')}
+  assert generate.main(['--checkpoint', tiny_workdir, '--prompts', str(tmp_path / 'in.jsonl'),
+                        '--output', str(tmp_path / 'o'), '--dtype', 'int8']) == 2
+  assert "--dtype='int8': choose one of ('auto', 'float32', 'bfloat16', 'float16')" in (
+      capsys.readouterr().err)
+
+
 def run_generate(workdir, prompts_path, output_path):
   return subprocess.run(
       [sys.executable, '-m', 'serve.generate', '--checkpoint', str(workdir), '--prompts',
@@ -348,9 +394,12 @@ def test_cache_sized_from_memory_is_printed(varied, capsys):
   with Engine(varied, ServeConfig(num_blocks=0, max_num_seqs=4, max_num_batched_tokens=64)) \
       as eng:
     assert eng.num_blocks == 4 * 64 // 16 + 1
-  line = capsys.readouterr().out.strip().splitlines()[0]
+  model_line, line = capsys.readouterr().out.strip().splitlines()[:2]
   assert line == ('KV cache: 17 blocks of 16 tokens = 256 tokens; 4.0 requests at the full '
                   'context of 64 tokens at once.')
+  count = sum(x.size for x in jax.tree.leaves(varied.params))
+  assert model_line == (f'Model run: {count / 1e6:.2f}M parameters, {count * 4 / 2**20:.2f} '
+                        'MiB in float32; activations and KV cache in float32.')
 
 
 def test_throughput_benchmark_smoke(tmp_path):

@@ -119,6 +119,52 @@ def test_logits_and_greedy_tokens_match_transformers(tmp_path, case):
   assert our_greedy(served, prompt, 10) == out[0, len(prompt):].tolist()
 
 
+def test_bfloat16_checkpoints_load_bitwise_and_serve_in_their_dtype(tmp_path):
+  """Most Llama checkpoints are stored in bfloat16, which numpy cannot read. Read as
+  float32 they give transformers' float32 logits on the same (upcast) weights; under
+  'auto' they are served in bfloat16, off those logits by bfloat16 rounding: more than
+  float32 would be, no more than twice what transformers' own bfloat16 forward is off."""
+  save_llama(tmp_path).to(torch.bfloat16).save_pretrained(tmp_path)
+  write_tokenizer(tmp_path)
+  assert json.loads((tmp_path / 'config.json').read_text())['dtype'] == 'bfloat16'
+  tokens = np.random.default_rng(0).integers(0, 300, size=(2, 60))
+
+  def hf_logits(dtype):
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=dtype).eval()
+    with torch.no_grad():
+      return hf(torch.as_tensor(tokens)).logits.float().numpy()
+
+  want, hf_b16 = hf_logits(torch.float32), hf_logits(torch.bfloat16)
+  f32 = load_hf_model(str(tmp_path), dtype='float32')
+  assert {x.dtype for x in jax.tree.leaves(f32.params)} == {jnp.dtype('float32')}
+  assert np.abs(our_logits(f32, tokens) - want).max() < 1e-4
+  b16 = load_hf_model(str(tmp_path))
+  assert (b16.model_cfg.dtype, b16.model_cfg.param_dtype) == ('bfloat16', 'bfloat16')
+  assert {x.dtype for x in jax.tree.leaves(b16.params)} == {jnp.dtype('bfloat16')}
+  err, hf_err = (np.abs(x - want).max() for x in (our_logits(b16, tokens), hf_b16))
+  assert 1e-3 < err < 2 * hf_err, (err, hf_err)
+
+
+def test_dtype_auto_follows_config_json_and_a_flag_overrides_it(llama_dir, tmp_path):
+  assert load_hf_model(str(llama_dir)).model_cfg.dtype == 'float32'   # saved in float32
+  half = load_hf_model(str(llama_dir), dtype='float16')
+  assert {x.dtype for x in jax.tree.leaves(half.params)} == {jnp.dtype('float16')}
+  assert half.model_cfg.dtype == 'float16'
+  path = tmp_path / 'model'
+  shutil.copytree(llama_dir, path)
+  config = json.loads((path / 'config.json').read_text())
+  config.pop('dtype', None)
+  (path / 'config.json').write_text(json.dumps({**config, 'torch_dtype': 'bfloat16'}))
+  assert load_hf_model(str(path)).model_cfg.dtype == 'bfloat16'   # transformers < 4.56
+  (path / 'config.json').write_text(json.dumps({**config, 'dtype': 'float8_e4m3fn'}))
+  with pytest.raises(ValueError, match=r"config.json dtype='float8_e4m3fn' cannot be "
+                     r"served: choose one of .* with --dtype"):
+    load_hf_model(str(path))
+  assert load_hf_model(str(path), dtype='float32').model_cfg.dtype == 'float32'
+  with pytest.raises(ValueError, match=r"--dtype='int8' cannot be served"):
+    load_hf_model(str(llama_dir), dtype='int8')
+
+
 def test_config_tokenizer_and_eos_come_from_the_directory(tmp_path):
   save_llama(tmp_path, eos_token_id=[3, 2], rope_theta=500000.0, rms_norm_eps=1e-6)
   tok = write_tokenizer(tmp_path, chat_template=LLAMA3_TEMPLATE, eos_token='<|eot_id|>')

@@ -8,6 +8,7 @@ import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -106,6 +107,32 @@ def test_params_land_on_a_tensor_parallel_mesh(run, shape, names):
     assert x.sharding == NamedSharding(mesh, REPLICATED.spec(a)), a
   wq = served.params['layers']['wq']   # [L, D, H, E]: heads split in two
   assert wq.addressable_shards[0].data.shape[2] == cfg.model.num_heads // 2
+
+
+def test_dtype_casts_the_checked_params_and_auto_is_the_runs_compute_dtype(run, tmp_path):
+  """The float32 master weights are read and checksum-checked as saved, then cast: to
+  --dtype, or under 'auto' to the run's model.dtype (a bfloat16-compute run is served in
+  bfloat16), with the sharding kept."""
+  workdir, cfg, full = run
+  mesh = jax.make_mesh((2,), ('tensor',), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:2])
+  b16 = load_checkpoint(str(workdir), mesh, dtype='bfloat16')
+  assert (b16.model_cfg.dtype, b16.model_cfg.param_dtype) == ('bfloat16', 'bfloat16')
+  want = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), full[2].params)
+  _assert_params_equal(b16.params, want)
+  assert b16.params['layers']['wq'].addressable_shards[0].data.shape[2] == (
+      cfg.model.num_heads // 2)
+  bf16_run = tmp_path / 'bf16_run'
+  shutil.copytree(workdir, bf16_run)
+  raw = json.loads((bf16_run / 'config.json').read_text())
+  assert raw['model']['dtype'] == 'float32'
+  raw['model']['dtype'] = 'bfloat16'   # compute dtype only: the saved tree is unchanged
+  (bf16_run / 'config.json').write_text(json.dumps(raw))
+  _assert_params_equal(load_checkpoint(str(bf16_run)).params, want)
+  _assert_params_equal(load_checkpoint(str(bf16_run), dtype='float32').params,
+                       full[2].params)
+  with pytest.raises(ValueError, match=r"--dtype='int8' cannot be served"):
+    load_checkpoint(str(workdir), dtype='int8')
 
 
 def test_optimizer_state_is_not_read(run):
