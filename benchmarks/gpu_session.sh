@@ -25,9 +25,13 @@
 #                 tokens/s, MFU, peak memory, one step profiled (the three
 #                 largest costs)                                                ~8 min
 #   train_8k      the same at 8,192 tokens, 8 sequences a step                  ~6 min
+#   serve         benchmarks.serve_throughput --shapes=1b: a random Llama-3.2-1B-shaped
+#                 model in bfloat16, continuous batching against transformers'
+#                 static batches of 64 on the same GPU, 256 requests, 2 passes   ~6 min
 #
 # All of it is more than the 30 minutes of device time a session has: take the stages
-# the open issues need first (issue 16 lists them in order).
+# the open issues need first (issue 16 lists them in order). The serve stage also
+# needs torch, transformers and tokenizers (`machine` lists them).
 #
 # The device tool stops a command at 10 minutes, so split the stages over calls, made
 # back to back (the machine is given back after 30 s idle):
@@ -39,6 +43,7 @@
 #   bash benchmarks/gpu_session.sh planner_64k
 #   bash benchmarks/gpu_session.sh train_64k
 #   bash benchmarks/gpu_session.sh train_8k
+#   bash benchmarks/gpu_session.sh serve
 # A failing stage does not stop the next, so one call reports both failures and speed.
 # The times above are estimates, not measurements; each stage has its own time limit.
 set -uo pipefail
@@ -72,8 +77,9 @@ run_stage() {
     machine) stage machine 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,\
 clocks.max.sm,driver_version --format=csv; $PY -c 'import jax, jaxlib; print(\"jax\", \
 jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'; $PY -c 'import \
-importlib.util as u; print(\"training stack:\", {m: bool(u.find_spec(m)) for m in \
-(\"flax\", \"optax\", \"orbax\", \"grain\", \"ml_collections\", \"rich\", \"tensorboardX\")})'" ;;
+importlib.util as u; print(\"python packages:\", {m: bool(u.find_spec(m)) for m in \
+(\"flax\", \"optax\", \"orbax\", \"grain\", \"ml_collections\", \"rich\", \"tensorboardX\", \
+\"tokenizers\", \"safetensors\", \"torch\", \"transformers\")})'" ;;
     tests) stage tests "${TEST_LIMIT:-480}" env MESHLM_TEST_GPU=1 "$PY" -m pytest -rs \
       tests/test_gpu.py tests/test_flash_attention.py ;;
     attention) stage attention "${ATTENTION_LIMIT:-420}" "$PY" -m benchmarks.attention ;;
@@ -90,18 +96,21 @@ benchmarks.planner_check --configs=gpt_64k.py --top=2 --steps=3 --grad-accums=4,
 paste -sd,)" ;;
     train_64k) stage train_64k "${TRAIN_LIMIT:-570}" bash -c 'train 65536 1' ;;
     train_8k) stage train_8k "${TRAIN_LIMIT:-570}" bash -c 'train 8192 8' ;;
+    serve) stage serve "${SERVE_LIMIT:-570}" "$PY" -m benchmarks.serve_throughput --shapes=1b \
+      --repeats=2 ;;
     *) echo "unknown stage '$1': use machine, tests, attention, tiles, paged_decode, \
-paged_tiles, packed, planner, planner_64k, train_64k or train_8k"
+paged_tiles, packed, planner, planner_64k, train_64k, train_8k or serve"
        return 2 ;;
   esac
   # The JSON results, where this stage wrote one (at most 8 files come back from $OUT).
   cp benchmarks/results/attention_*.json benchmarks/results/paged_decode_*.json \
-    benchmarks/results/planner_*.json benchmarks/results/train_gpt_64k_*.json "$OUT/" \
+    benchmarks/results/planner_*.json benchmarks/results/train_gpt_64k_*.json \
+    benchmarks/results/serve_throughput_1b_*.json "$OUT/" \
     2>/dev/null
   return 0
 }
 
-for name in "${@:-machine tests attention tiles paged_decode paged_tiles packed planner planner_64k train_64k train_8k}"; do
+for name in "${@:-machine tests attention tiles paged_decode paged_tiles packed planner planner_64k train_64k train_8k serve}"; do
   for one in $name; do run_stage "$one"; done
 done
 ls "$OUT"

@@ -3,10 +3,13 @@
 
   python -m benchmarks.serve_throughput            # writes results/serve_throughput_cpu.json
   python -m benchmarks.serve_throughput --smoke    # tiny sizes, prints JSON, writes nothing
+  python -m benchmarks.serve_throughput --shapes=1b    # on a GPU: serve_throughput_1b_gpu.json
 
-A small HF-shaped Llama with random weights is built with transformers, saved with
+A HF-shaped Llama with random weights is built with transformers, saved with
 save_pretrained and loaded into meshlm with serve.hf_llama.load_hf_model, so both run
-identical weights. Prompts are random token ids with random input and output lengths
+identical weights, in the preset's dtype: the default preset is a small float32 model for
+this CPU; `1b` is Llama-3.2-1B's shape (1.24B parameters, tied embeddings) in bfloat16,
+with transformers on the GPU when torch sees one (on the CPU otherwise). Prompts are random token ids with random input and output lengths
 (fixed seed); ignore_eos holds every output to its asked length. Output tokens/s counts
 the asked tokens only: a static batch also computes tokens past a row's own length until
 its longest row is done, which is the cost continuous batching removes.
@@ -28,6 +31,7 @@ import time
 import numpy as np
 
 from benchmarks.common import environment, write_result
+from serve.config import ATTENTION_CHOICES
 
 
 @dataclasses.dataclass
@@ -45,11 +49,31 @@ class Shapes:
   max_batched_tokens: int = 512   # meshlm's token budget per step
   max_model_len: int = 512
   seed: int = 0
+  tie_embeddings: bool = False
+  dtype: str = 'float32'          # weights and activations, on both sides
+  one_at_a_time: int = 0          # requests timed one at a time; 0: all of them
 
 
 SMOKE = Shapes(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=300,
                num_requests=6, input_len=(4, 20), output_len=(2, 10), batch_size=4,
-               max_batched_tokens=32, max_model_len=64)
+               max_batched_tokens=32, max_model_len=64, tie_embeddings=True,
+               one_at_a_time=3)
+# Llama-3.2-1B's shape (its config.json), random weights; a GPU's workload: 256 requests,
+# static batches of 64, 16 of them also one at a time (all would take minutes).
+LLAMA_1B = Shapes(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192,
+                  vocab=128256, tie_embeddings=True, dtype='bfloat16', num_requests=256,
+                  input_len=(32, 512), output_len=(32, 512), batch_size=64,
+                  max_batched_tokens=2048, max_model_len=1024, one_at_a_time=16)
+PRESETS = {'small': Shapes(), '1b': LLAMA_1B, 'smoke': SMOKE}
+
+
+def num_params(shapes: Shapes) -> int:
+  """Parameters of the preset's LlamaForCausalLM, counted from its shapes."""
+  d, e = shapes.hidden, shapes.hidden // shapes.heads
+  attention = 2 * d * d + 2 * d * shapes.kv_heads * e
+  layer = attention + 3 * d * shapes.intermediate + 2 * d
+  heads = 1 if shapes.tie_embeddings else 2
+  return shapes.layers * layer + heads * shapes.vocab * d + d
 
 
 def build_hf_model(shapes: Shapes, path: str) -> None:
@@ -62,9 +86,12 @@ def build_hf_model(shapes: Shapes, path: str) -> None:
       vocab_size=shapes.vocab, hidden_size=shapes.hidden, intermediate_size=shapes.intermediate,
       num_hidden_layers=shapes.layers, num_attention_heads=shapes.heads,
       num_key_value_heads=shapes.kv_heads, max_position_embeddings=shapes.max_model_len,
-      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+      bos_token_id=1, eos_token_id=2, pad_token_id=0,
+      tie_word_embeddings=shapes.tie_embeddings,
       initializer_range=0.2)   # sharp logits: greedy ties cannot blur the agreement check
-  transformers.LlamaForCausalLM(config).save_pretrained(path)
+  hf = transformers.LlamaForCausalLM(config)
+  assert hf.num_parameters() == num_params(shapes), (hf.num_parameters(), num_params(shapes))
+  hf.to(getattr(torch, shapes.dtype)).save_pretrained(path)
   vocab = {'<pad>': 0, '<s>': 1, '</s>': 2, '<unk>': 3}
   vocab.update({f'w{i}': i for i in range(4, shapes.vocab)})
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token='<unk>'))
@@ -89,17 +116,18 @@ def _params(out_lens):
 
 
 @contextlib.contextmanager
-def meshlm_engine(path: str, shapes: Shapes):
+def meshlm_engine(path: str, shapes: Shapes, attention: str = 'auto'):
   """The engine on the HF directory's weights, compiled and warmed up."""
   # pylint: disable=import-outside-toplevel
   from serve.config import ServeConfig
   from serve.engine import Engine
   from serve.hf_llama import load_hf_model
-  served = load_hf_model(path)
+  served = load_hf_model(path)   # in the dtype the directory was saved in
+  assert served.model_cfg.dtype == shapes.dtype
   # No prefix caching: the one-at-a-time pass reruns the prompts and must not find them.
   cfg = ServeConfig(num_blocks=shapes.num_requests * 20, max_num_seqs=shapes.batch_size,
                     max_num_batched_tokens=shapes.max_batched_tokens,
-                    max_model_len=shapes.max_model_len,
+                    max_model_len=shapes.max_model_len, attention=attention,
                     enable_prefix_caching=False, warmup=True)
   with Engine(served, cfg) as engine:
     yield engine
@@ -158,14 +186,19 @@ def profile_steps(engine, prompts, out_lens) -> dict:
 
 
 def load_transformers(path: str, prompts, shapes: Shapes):
-  """LlamaForCausalLM on the same weights, torch's thread count chosen, warmed up."""
+  """LlamaForCausalLM on the same weights, on the GPU if torch sees one, else on the CPU
+  with torch's thread count chosen; warmed up."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
-  hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+  hf = transformers.LlamaForCausalLM.from_pretrained(
+      path, dtype=getattr(torch, shapes.dtype)).eval()
   # ignore_eos as vLLM means it: eos may be drawn and does not stop (min_new_tokens would
   # forbid drawing it).
   hf.generation_config.eos_token_id = None
-  threads = _fastest_threads(hf, prompts[:shapes.batch_size])
+  if torch.cuda.is_available():
+    hf, threads = hf.to('cuda'), None
+  else:
+    threads = _fastest_threads(hf, prompts[:shapes.batch_size])
   _hf_batch(hf, prompts[:shapes.batch_size], 8)   # warm-up
   return hf, threads
 
@@ -209,16 +242,17 @@ def _hf_batch(hf, prompts, num_tokens: int) -> list[list[int]]:
   for i, p in enumerate(prompts):
     ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
   with torch.no_grad():
-    out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=num_tokens,
-                      do_sample=False, pad_token_id=0)
+    out = hf.generate(input_ids=ids.to(hf.device), attention_mask=mask.to(hf.device),
+                      max_new_tokens=num_tokens, do_sample=False, pad_token_id=0)
   assert out.shape[1] == width + num_tokens, 'transformers stopped early'
   return out[:, width:].tolist()
 
 
-def benchmark(shapes: Shapes, repeats: int = 3) -> dict:
+def benchmark(shapes: Shapes, repeats: int = 3, attention: str = 'auto') -> dict:
   """`repeats` timed passes of continuous batching and of transformers' static batches,
   interleaved (a neighbour's load on the shared machine hits both alike); the rates
-  are the medians, every pass is kept. One request at a time runs once."""
+  are the medians, every pass is kept. One request at a time runs once, over the first
+  `shapes.one_at_a_time` requests (0: all)."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   prompts, out_lens = workload(shapes)
@@ -226,7 +260,7 @@ def benchmark(shapes: Shapes, repeats: int = 3) -> dict:
   with tempfile.TemporaryDirectory() as path:
     build_hf_model(shapes, path)
     hf, threads = load_transformers(path, prompts, shapes)
-    with meshlm_engine(path, shapes) as engine:
+    with meshlm_engine(path, shapes, attention) as engine:
       warm = engine.runner.num_compiles
       # One static batch's worth, untimed, as transformers warms up: the first pass over
       # real data runs slower than later ones (measured ~15%).
@@ -238,7 +272,8 @@ def benchmark(shapes: Shapes, repeats: int = 3) -> dict:
         (cb_s, batched), (static_s, peer) = (sides[0](), sides[1]()) if i % 2 == 0 else (
             sides[1](), sides[0]())[::-1]
         passes.append({'continuous_s': cb_s, 'static_s': static_s})
-      one_s, single = time_one_at_a_time(engine, prompts, out_lens)
+      alone = shapes.one_at_a_time or len(prompts)
+      one_s, single = time_one_at_a_time(engine, prompts[:alone], out_lens[:alone])
       compiles = engine.runner.num_compiles
       assert compiles == warm, f'{compiles - warm} programs compiled after the warm-up'
       profile = profile_steps(engine, prompts, out_lens)
@@ -247,11 +282,12 @@ def benchmark(shapes: Shapes, repeats: int = 3) -> dict:
   seconds = {'continuous_s': median('continuous_s'), 'static_s': median('static_s'),
              'one_at_a_time_s': one_s}
   rates = {'continuous_batching': tokens / seconds['continuous_s'],
-           'one_at_a_time': tokens / one_s,
+           'one_at_a_time': sum(out_lens[:alone]) / one_s,
            'transformers_static': tokens / seconds['static_s']}
   batches = static_batches(shapes, len(prompts))
   return {
-      'shapes': dataclasses.asdict(shapes), 'output_tokens': tokens,
+      'shapes': dataclasses.asdict(shapes), 'parameters': num_params(shapes),
+      'one_at_a_time_requests': alone, 'output_tokens': tokens,
       'prompt_tokens': sum(map(len, prompts)), 'output_tokens_per_s': rates,
       'ratios': {'continuous_vs_transformers': rates['continuous_batching'] /
                  rates['transformers_static'],
@@ -262,36 +298,45 @@ def benchmark(shapes: Shapes, repeats: int = 3) -> dict:
       'transformers_computed_tokens': sum(len(b) * max(out_lens[i] for i in b)
                                           for b in batches),
       'meshlm_compiles': compiles,
-      'greedy_agrees': {'batched_vs_one_at_a_time': batched == single,
+      'greedy_agrees': {'batched_vs_one_at_a_time': batched[:alone] == single,
                         'requests_equal_to_transformers': sum(
                             a == b for a, b in zip(batched, peer))},
       'load_average_1min': os.getloadavg()[0],   # the 2 cores are shared: context
       'versions': {'transformers': transformers.__version__, 'torch': torch.__version__},
-      'torch_threads': threads,
+      'torch_device': str(hf.device), 'torch_threads': threads,
+      'meshlm_attention': engine.runner.impl,
       'meshlm_step_profile': profile,
   }
 
 
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n', 1)[0])
+  parser.add_argument('--shapes', choices=sorted(PRESETS), default='small',
+                      help='small: float32, for this CPU (default); 1b: Llama-3.2-1B-shaped '
+                      'in bfloat16, for a GPU; smoke: tiny')
   parser.add_argument('--smoke', action='store_true',
-                      help='tiny sizes; print the JSON, write results/ nothing')
+                      help='--shapes=smoke; print the JSON, write results/ nothing')
   parser.add_argument('--output', metavar='PATH', help='also write the JSON here')
   parser.add_argument('--repeats', type=int, default=None,
                       help='timed passes of each side, interleaved (default 3; smoke 1)')
+  parser.add_argument('--attention', choices=ATTENTION_CHOICES, default='auto',
+                      help="meshlm's paged attention (auto: pallas on GPU, xla on CPU)")
   args = parser.parse_args(argv)
-  repeats = args.repeats or (1 if args.smoke else 3)
+  preset = 'smoke' if args.smoke else args.shapes
+  repeats = args.repeats or (1 if preset == 'smoke' else 3)
   if repeats < 1:
     parser.error(f'--repeats={repeats}: give at least 1.')
   result = {'environment': environment(),
-            **benchmark(SMOKE if args.smoke else Shapes(), repeats)}
+            **benchmark(PRESETS[preset], repeats, args.attention)}
   if args.output:
     with open(args.output, 'w') as f:
       json.dump(result, f, indent=2)
-  if args.smoke:
+  if preset == 'smoke':
     print(json.dumps(result, indent=2))
     return result
-  path = write_result('serve_throughput_cpu', result)
+  name = '_'.join(['serve_throughput'] + ([preset] if preset != 'small' else []) +
+                  [result['environment']['platform']])
+  path = write_result(name, result)
   print(json.dumps(result['output_tokens_per_s'], indent=2), json.dumps(result['ratios']))
   print(f'written to {path}')
   return result

@@ -412,6 +412,26 @@ def test_throughput_benchmark_smoke(tmp_path):
   assert result['greedy_agrees'] == {'batched_vs_one_at_a_time': True,
                                      'requests_equal_to_transformers': len(out_lens)}
   assert all(rate > 0 for rate in result['output_tokens_per_s'].values())
+  assert result['one_at_a_time_requests'] == 3 < len(out_lens)
+  assert result['seconds']['one_at_a_time_s'] * result['output_tokens_per_s'][
+      'one_at_a_time'] == pytest.approx(sum(out_lens[:3]))
+
+
+def test_throughput_presets_count_their_parameters():
+  """The GPU preset is Llama-3.2-1B's shape: 1.24B parameters, as transformers counts them
+  (built on the meta device: nothing allocated)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  from benchmarks import serve_throughput  # pylint: disable=import-outside-toplevel
+  for name, s in serve_throughput.PRESETS.items():
+    config = transformers.LlamaConfig(
+        vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers, num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads, tie_word_embeddings=s.tie_embeddings)
+    with torch.device('meta'):
+      count = transformers.LlamaForCausalLM(config).num_parameters()
+    assert serve_throughput.num_params(s) == count, name
+  assert round(serve_throughput.num_params(serve_throughput.LLAMA_1B) / 1e9, 2) == 1.24
 
 
 def test_warmup_compiles_every_step_shape_up_front(varied, prompts, reference):
