@@ -547,12 +547,14 @@ class Engine:
     if not rows:
       return {}, {}
     params = [t.request.sampling_params for t in rows]
-    if all(p.greedy and p.logprobs is None for p in params):
+    if all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params):
       # The step's own argmax: the token the sampler would pick, without its program.
       res = sampler.SampleResult(np.asarray(step.greedy)[:len(rows)], None, [None] * len(rows))
     else:
       res = self.sampler(step.logits[:len(rows)], params,
-                         [t.request.num_output_tokens for t in rows], self.vocab_size)
+                         [t.request.num_output_tokens for t in rows], self.vocab_size,
+                         [(t.request.prompt_token_ids, t.request.output_token_ids)
+                          for t in rows])
     tokens, logprobs = {}, {}
     for i, t in enumerate(rows):
       rid, token = t.request.request_id, int(res.token_ids[i])

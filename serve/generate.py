@@ -21,8 +21,7 @@ from serve import config as config_lib
 from serve.sampling_params import SamplingParams, SamplingParamsError, from_openai
 
 PROMPT_KEYS = ('prompt', 'prompt_token_ids', 'messages')
-OPENAI_EXTRA = ('max_completion_tokens', 'top_logprobs', 'n', 'best_of', 'presence_penalty',
-                'frequency_penalty', 'repetition_penalty', 'logit_bias')
+OPENAI_EXTRA = ('max_completion_tokens', 'top_logprobs', 'n', 'best_of')
 KNOWN = {'id', *PROMPT_KEYS, *OPENAI_EXTRA,
          *(f.name for f in dataclasses.fields(SamplingParams))}
 

@@ -4,9 +4,11 @@ Per-row settings travel as arrays, so one program serves any mix of greedy, temp
 top-k, top-p and min-p rows; programs differ only by the row bucket (a power of two), by
 which filters some row uses and by whether any row wants top logprobs.
 
-Filters apply in the order Hugging Face applies them: temperature, top-k, top-p (on the
-top-k survivors, renormalised), min-p (relative to the most likely token, so it commutes
-with the others). Tokens tied with the last kept one are kept. Logprobs are the "raw"
+Before them the logits are adjusted as vLLM does (`adjusted_logits`): logit_bias, then the
+repetition, frequency and presence penalties, from each row's prompt and output tokens;
+greedy rows take the argmax of the adjusted logits. Filters apply in the order Hugging
+Face applies them: temperature, top-k, top-p (on the top-k survivors, renormalised), min-p
+(relative to the most likely token, so it commutes with the others). Tokens tied with the last kept one are kept. Logprobs are the "raw"
 ones (vLLM's default): log_softmax of the unmodified logits over the real vocabulary, so
 they describe the model, not the sampling settings.
 
@@ -41,13 +43,16 @@ class Sampler:
     self._rng = np.random.default_rng(seed)
 
   def __call__(self, logits, params: list[SamplingParams], steps: list[int],
-               vocab_size: int) -> SampleResult:
-    return sample(logits, params, steps, vocab_size, rng=self._rng)
+               vocab_size: int, history=None) -> SampleResult:
+    return sample(logits, params, steps, vocab_size, rng=self._rng, history=history)
 
 
 def sample(logits: jax.Array, params: list[SamplingParams], steps: list[int], vocab_size: int,
-           rng: np.random.Generator | None = None) -> SampleResult:
-  """One token per row of logits [N, V >= vocab_size]; ids >= vocab_size are never drawn."""
+           rng: np.random.Generator | None = None, history=None) -> SampleResult:
+  """One token per row of logits [N, V >= vocab_size]; ids >= vocab_size are never drawn.
+
+  history: each row's (prompt token ids, output token ids so far), which the penalties
+  read; needed only when some row has one."""
   n = len(params)
   if logits.ndim != 2 or logits.shape[0] != n or len(steps) != n:
     raise ValueError(f'sample: logits {logits.shape} must be [len(params)={n}, vocab] and '
@@ -60,7 +65,8 @@ def sample(logits: jax.Array, params: list[SamplingParams], steps: list[int], vo
   logits = jnp.asarray(logits)
   padded = jnp.pad(logits, ((0, rows - n), (0, 0))) if rows > n else logits
   want_top = any(p.logprobs for p in params)
-  out = _sample_rows(padded, *row_args, vocab_size=vocab_size,
+  adjust = _adjust_arrays(params, history, rows, vocab_size)
+  out = _sample_rows(padded, *row_args, adjust, vocab_size=vocab_size,
                      filters=_filters(params, vocab_size),
                      logprobs=any(p.logprobs is not None for p in params),
                      top_n=min(MAX_LOGPROBS, vocab_size) if want_top else 0)
@@ -109,10 +115,66 @@ def _row_arrays(params, steps, rng, rows, vocab_size):
           keys, column(steps, 0, np.int32))
 
 
+def _adjust_arrays(params, history, rows, vocab_size) -> dict | None:
+  """adjusted_logits' arguments for the rows (None: no row adjusts its logits). Token ids
+  are padded with vocab_size, which the scatters drop, to a power-of-two width (>= 16):
+  one program per width, not per length."""
+  if not any(p.adjusts_logits for p in params):
+    return None
+  pad = rows - len(params)
+  repeat = any(p.repetition_penalty != 1 for p in params)
+  count = any(p.counts_output for p in params)
+  if (repeat or count) and (history is None or len(history) != len(params)):
+    raise ValueError('sample: penalties need each row\'s (prompt ids, output ids) history')
+
+  def column(values, fill):
+    return np.asarray(list(values) + [fill] * pad, np.float32)
+
+  def padded(lists, fill=vocab_size, dtype=np.int32):
+    width = max(16, _bucket(max(map(len, lists))))
+    out = np.full((rows, width), fill, dtype)
+    for i, values in enumerate(lists):
+      out[i, :len(values)] = values
+    return out
+
+  adjust = {}
+  if count:
+    adjust['output'] = padded([h[1] if p.counts_output else () for p, h in zip(params, history)])
+    adjust['presence'] = column((p.presence_penalty for p in params), 0.0)
+    adjust['frequency'] = column((p.frequency_penalty for p in params), 0.0)
+  if repeat:
+    adjust['seen'] = padded([list(h[0]) + list(h[1]) if p.repetition_penalty != 1 else ()
+                             for p, h in zip(params, history)])
+    adjust['repetition'] = column((p.repetition_penalty for p in params), 1.0)
+  if any(p.logit_bias for p in params):
+    adjust['bias_ids'] = padded([list(p.logit_bias) for p in params])
+    adjust['bias'] = padded([list(p.logit_bias.values()) for p in params], 0.0, np.float32)
+  return adjust
+
+
+def adjusted_logits(logits, output=None, presence=None, frequency=None, seen=None,
+                    repetition=None, bias_ids=None, bias=None):
+  """logits [N, V] after logit_bias (bias_ids, bias [N, B]), the repetition penalty over
+  the tokens in `seen` [N, S] and the frequency and presence penalties over the tokens of
+  `output` [N, O] (penalties [N]); ids >= V are padding."""
+  logits, rows = jnp.asarray(logits), jnp.arange(logits.shape[0])[:, None]
+  if bias_ids is not None:
+    logits = logits.at[rows, bias_ids].add(bias, mode='drop')
+  if seen is not None:
+    hit = jnp.zeros(logits.shape, bool).at[rows, seen].set(True, mode='drop')
+    r = repetition[:, None]
+    logits = jnp.where(hit, jnp.where(logits > 0, logits / r, logits * r), logits)
+  if output is not None:
+    counts = jnp.zeros(logits.shape, jnp.float32).at[rows, output].add(1.0, mode='drop')
+    logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+  return logits
+
+
 @functools.partial(jax.jit, static_argnames=('vocab_size', 'filters', 'logprobs', 'top_n'))
-def _sample_rows(logits, temperature, top_k, top_p, min_p, key_data, steps, *,
+def _sample_rows(logits, temperature, top_k, top_p, min_p, key_data, steps, adjust, *,
                  vocab_size, filters, logprobs, top_n):
-  logits = logits[:, :vocab_size].astype(jnp.float32)
+  raw = logits[:, :vocab_size].astype(jnp.float32)
+  logits = raw if adjust is None else adjusted_logits(raw, **adjust)
   token = jnp.argmax(logits, axis=-1)
   if filters is not None:
     filtered = filtered_logprobs(logits, temperature, top_k, top_p, min_p, *filters)
@@ -121,6 +183,7 @@ def _sample_rows(logits, temperature, top_k, top_p, min_p, key_data, steps, *,
   token = token.astype(jnp.int32)
   if not logprobs:
     return token, None, None
+  logits = raw   # the model's own logprobs, whatever the adjustments
   log_total = jax.nn.logsumexp(logits, axis=-1)
   token_logprob = jnp.take_along_axis(logits, token[:, None], axis=1)[:, 0] - log_total
   if not top_n:

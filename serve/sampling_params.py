@@ -1,8 +1,9 @@
 """How one request wants its tokens chosen, and the mapping from an OpenAI request body.
 
 Ranges follow the OpenAI API where it defines one (temperature 0..2, top_p in (0, 1],
-logprobs 0..20) and vLLM's extensions otherwise (top_k, -1 or 0 for off; min_p in [0, 1];
-stop_token_ids; ignore_eos). Logprobs are the model's own ("raw": before temperature and
+logprobs 0..20, presence and frequency penalties -2..2, logit_bias -100..100 per token) and
+vLLM's extensions otherwise (top_k, -1 or 0 for off; min_p in [0, 1]; repetition_penalty
+in (0, 2]; stop_token_ids; ignore_eos). Logprobs are the model's own ("raw": before temperature and
 filters, as vLLM reports by default). A seed is any integer (used modulo 2**64). Errors are `SamplingParamsError`, a ValueError whose `param`
 is the OpenAI field name, so the server can put it in the error body.
 """
@@ -14,6 +15,9 @@ MAX_TEMPERATURE = 2.0      # OpenAI's range; hotter than 2 is noise for any mode
 MAX_LOGPROBS = 20          # OpenAI's top_logprobs limit (completions' own is 5; we allow 20)
 MAX_STOP = 16              # OpenAI allows 4; vLLM any. Bounded: each token scans them all
 GREEDY_BELOW = 1e-5        # temperatures under this sample greedily (dividing by them overflows)
+MAX_PENALTY = 2.0          # OpenAI's presence/frequency range [-2, 2]; repetition (0, 2]
+MAX_LOGIT_BIAS = 100.0     # OpenAI's range [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 300   # bounded: the biased ids travel to the device every step
 
 
 class SamplingParamsError(ValueError):
@@ -37,10 +41,27 @@ class SamplingParams:
   stop_token_ids: list[int] = dataclasses.field(default_factory=list)
   ignore_eos: bool = False
   logprobs: int | None = None   # None: none; 0: the sampled token's; N: plus the top N
+  # Applied to the logits before temperature and the filters, in vLLM's order: logit_bias,
+  # then repetition_penalty over the prompt and output tokens (a positive logit divided by
+  # it, a negative one multiplied), then frequency_penalty times each token's count in the
+  # output and presence_penalty once for each token the output has.
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
 
   @property
   def greedy(self) -> bool:
     return self.temperature < GREEDY_BELOW
+
+  @property
+  def counts_output(self) -> bool:
+    """Whether the output's token counts change this request's logits."""
+    return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+  @property
+  def adjusts_logits(self) -> bool:
+    return self.counts_output or self.repetition_penalty != 1 or bool(self.logit_bias)
 
   def validate(self, vocab_size: int) -> None:
     """Raises SamplingParamsError naming the first field out of range."""
@@ -56,6 +77,11 @@ class SamplingParams:
     _check_bool('ignore_eos', self.ignore_eos)
     if self.logprobs is not None:
       _check_int('logprobs', self.logprobs, 0, MAX_LOGPROBS)
+    _check_float('presence_penalty', self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+    _check_float('frequency_penalty', self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+    _check_float('repetition_penalty', self.repetition_penalty, 0.0, MAX_PENALTY,
+                 low_open=True)
+    _check_logit_bias(self.logit_bias, vocab_size)
 
 
 def _is_int(value) -> bool:
@@ -102,10 +128,34 @@ def _check_token_ids(name, ids, vocab_size):
         name, f'token ids must be in [0, {vocab_size - 1}] (the vocabulary), got {bad}')
 
 
+def _check_logit_bias(bias, vocab_size):
+  if not isinstance(bias, dict):
+    raise SamplingParamsError('logit_bias', f'must map token ids to biases, got {bias!r}')
+  if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+    raise SamplingParamsError('logit_bias', f'at most {MAX_LOGIT_BIAS_TOKENS} tokens, got '
+                              f'{len(bias)}')
+  _check_token_ids('logit_bias', list(bias), vocab_size)
+  for value in bias.values():
+    _check_float('logit_bias', value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+
+
+def _logit_bias(bias) -> dict:
+  """OpenAI's logit_bias: a JSON object, so its token ids arrive as strings."""
+  if not isinstance(bias, dict):
+    raise SamplingParamsError('logit_bias', f'must be an object mapping token ids to '
+                              f'biases, got {bias!r}')
+  out = {}
+  for key, value in bias.items():
+    try:
+      out[int(key)] = value
+    except ValueError:
+      raise SamplingParamsError('logit_bias', f'keys must be token ids, got {key!r}') from None
+  return out
+
+
 # Fields vLLM and OpenAI define that this sampler does not implement: refused unless left at
 # their neutral value, so a client never silently gets something other than it asked for.
-_NEUTRAL = {'n': 1, 'best_of': 1, 'presence_penalty': 0, 'frequency_penalty': 0,
-            'repetition_penalty': 1, 'logit_bias': {}}
+_NEUTRAL = {'n': 1, 'best_of': 1}
 
 
 def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
@@ -131,7 +181,11 @@ def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
       top_p=get('top_p', 1.0), min_p=get('min_p', 0.0), seed=body.get('seed'),
       stop=_stop_list(get('stop', [])), stop_token_ids=get('stop_token_ids', []),
       ignore_eos=get('ignore_eos', False),
-      logprobs=_chat_logprobs(body) if chat else body.get('logprobs'))
+      logprobs=_chat_logprobs(body) if chat else body.get('logprobs'),
+      presence_penalty=get('presence_penalty', 0.0),
+      frequency_penalty=get('frequency_penalty', 0.0),
+      repetition_penalty=get('repetition_penalty', 1.0),
+      logit_bias=_logit_bias(get('logit_bias', {})))
   params.validate(vocab_size)
   return params
 

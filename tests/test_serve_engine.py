@@ -20,6 +20,7 @@ from serve.config import ServeConfig
 from serve.engine import Engine, EngineClosed, QueueFull
 from serve.hf_llama import with_dtype
 from serve.sampling_params import SamplingParams
+from tests.test_serve_sampler import np_adjusted
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_TOKENS = 12
@@ -36,18 +37,21 @@ def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
   return [list(text[s:s + k]) for s, k in zip(starts, lengths)]
 
 
-def greedy_reference(served, prompts, num_tokens: int, min_margin=0.0) -> list[list[int]]:
-  """Argmax decoding with model.forward + model.logits over a fixed causal buffer.
+def greedy_reference(served, prompts, num_tokens: int, min_margin=0.0,
+                     adjust=None) -> list[list[int]]:
+  """Argmax decoding with model.forward + model.logits over a fixed causal buffer, of
+  the logits adjust(row logits, prompt, output so far) gives, if given.
 
   Checks every step's top-2 logit gap is above min_margin, so float reassociation in
   the paged path cannot flip an argmax and the comparison is exact by construction.
   """
-  tokens, gaps = greedy_with_gaps(served, prompts, num_tokens)
+  tokens, gaps = greedy_with_gaps(served, prompts, num_tokens, adjust)
   assert np.all(gaps > min_margin), 'near-tie: pick another seed'
   return tokens
 
 
-def greedy_with_gaps(served, prompts, num_tokens: int) -> tuple[list[list[int]], np.ndarray]:
+def greedy_with_gaps(served, prompts, num_tokens: int,
+                     adjust=None) -> tuple[list[list[int]], np.ndarray]:
   """greedy_reference's tokens, and the top-2 logit gap of each [prompt, step]."""
   cfg, vocab = served.model_cfg, served.tokenizer.vocab_size
   params = jax.device_get(served.params)
@@ -59,6 +63,9 @@ def greedy_with_gaps(served, prompts, num_tokens: int) -> tuple[list[list[int]],
   rows, gaps = np.arange(len(prompts)), np.zeros((len(prompts), num_tokens))
   for j in range(num_tokens):
     logits = np.asarray(step(params, buf))[rows, lens - 1, :vocab]
+    if adjust is not None:
+      logits = np.stack([adjust(row, list(p), buf[i, len(p):lens[i]].tolist())
+                         for i, (row, p) in enumerate(zip(logits, prompts))])
     top2 = np.sort(logits, axis=-1)[:, -2:]
     gaps[:, j] = top2[:, 1] - top2[:, 0]
     buf[rows, lens] = np.argmax(logits, axis=-1)
@@ -161,6 +168,21 @@ def test_bfloat16_engine_computes_in_bfloat16_as_the_training_forward_does(
   assert sum(clear) >= gaps.size // 4, clear
   assert [g[:n] for g, n in zip(got, clear)] == [w[:n] for w, n in zip(want, clear)]
   assert got != reference   # float32's continuations (half of them differ)
+
+
+def test_penalties_and_logit_bias_equal_the_reference_applied_to_the_training_forward(
+    engine, varied, prompts, reference):
+  """Greedy decoding under every logit adjustment: the training forward's logits adjusted
+  by the float64 reference of test_serve_sampler, step by step over each request's own
+  prompt and output so far (batched with an unadjusted request)."""
+  penalized = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                             repetition_penalty=2.0, frequency_penalty=1.5,
+                             presence_penalty=2.0, logit_bias={32: 4.0, 101: -3.0})
+  want = greedy_reference(varied, prompts[:8], MAX_TOKENS, min_margin=1e-4,
+                          adjust=lambda row, p, out: np_adjusted(row, penalized, p, out))
+  assert sum(w != r for w, r in zip(want, reference[:8])) >= 4   # they change the output
+  got = ids(engine.generate(prompts[:9], [penalized] * 8 + [GREEDY]))
+  assert got == want + reference[8:9]
 
 
 def test_stop_string_ends_text_before_it(engine, prompts, reference):

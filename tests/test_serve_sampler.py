@@ -246,7 +246,10 @@ def test_bad_shapes_are_refused():
     ('temperature', float('nan')), ('top_k', -2), ('top_p', 0.0), ('top_p', 1.5),
     ('min_p', -0.1), ('min_p', 1.01), ('seed', 1.0), ('stop', ['']), ('stop', 'x'),
     ('stop', ['a'] * 17), ('stop_token_ids', [VOCAB]), ('stop_token_ids', [-1]),
-    ('ignore_eos', 1), ('logprobs', 21), ('logprobs', -1), ('logprobs', True)])
+    ('ignore_eos', 1), ('logprobs', 21), ('logprobs', -1), ('logprobs', True),
+    ('presence_penalty', 2.5), ('frequency_penalty', -2.1), ('repetition_penalty', 0.0),
+    ('repetition_penalty', 2.1), ('logit_bias', {VOCAB: 1.0}), ('logit_bias', {1: 101}),
+    ('logit_bias', {1: 'x'}), ('logit_bias', [1]), ('logit_bias', {i: 1 for i in range(301)})])
 def test_validate_names_the_field(field, value):
   with pytest.raises(SamplingParamsError) as err:
     SamplingParams(**{field: value}).validate(VOCAB)
@@ -268,14 +271,91 @@ def test_extreme_but_valid_values_sample():
   assert (got < VOCAB).all() and got[3] == logits[3, :VOCAB].argmax()
 
 
+def np_adjusted(logits, p: SamplingParams, prompt, output):
+  """Reference, float64, by the definitions (vLLM's order): bias, then repetition over
+  every token seen, then frequency x count and presence over the output."""
+  x = np.asarray(logits, np.float64).copy()
+  for token, bias in p.logit_bias.items():
+    x[token] += bias
+  for token in set(prompt) | set(output):
+    x[token] = x[token] / p.repetition_penalty if x[token] > 0 else (
+        x[token] * p.repetition_penalty)
+  for token in set(output):
+    x[token] -= p.frequency_penalty * output.count(token) + p.presence_penalty
+  return x
+
+
+PENALIZED = [
+    SamplingParams(temperature=0.0, presence_penalty=1.5),
+    SamplingParams(temperature=0.0, frequency_penalty=0.7, repetition_penalty=1.8),
+    SamplingParams(temperature=0.0, repetition_penalty=0.5, logit_bias={3: 100.0, 9: -5.5}),
+    SamplingParams(temperature=0.0),          # untouched beside the others
+    SamplingParams(temperature=0.0, presence_penalty=-2.0, frequency_penalty=2.0,
+                   repetition_penalty=1.3, logit_bias={0: 0.25}, logprobs=0),
+]
+
+
+def penalized_case(seed):
+  """Logits whose largest tokens are the ones the histories repeat, so penalties move the
+  argmax; histories with repeats and with tokens only in the prompt."""
+  rng = np.random.default_rng(seed)
+  logits = rng.normal(size=(len(PENALIZED), PADDED)).astype(np.float32)
+  histories = []
+  for row in logits:
+    top = [int(t) for t in np.argsort(row[:VOCAB])[::-1][:6]]
+    histories.append((top[:2] + rng.integers(0, VOCAB, 40).tolist(),
+                      [top[2]] * 3 + top[3:5] + rng.integers(0, VOCAB, 20).tolist()))
+  return logits, histories
+
+
+def test_adjusted_logits_match_numpy_and_greedy_takes_their_argmax():
+  logits, histories = penalized_case(0)
+  want = np.stack([np_adjusted(row[:VOCAB], p, *h)
+                   for row, p, h in zip(logits, PENALIZED, histories)])
+  adjust = sampler._adjust_arrays(PENALIZED, histories, 8, VOCAB)  # pylint: disable=protected-access
+  padded = np.pad(logits[:, :VOCAB], ((0, 3), (0, 0)))
+  got = np.asarray(sampler.adjusted_logits(padded, **adjust))[:len(PENALIZED)]
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+  assert np.array_equal(got[3], logits[3, :VOCAB])
+  res = sample(logits, PENALIZED, [0] * len(PENALIZED), VOCAB, history=histories)
+  assert res.token_ids.tolist() == want.argmax(-1).tolist()
+  assert (want.argmax(-1) != logits[:, :VOCAB].argmax(-1)).sum() >= 3   # they moved it
+  assert res.logprobs[4] == pytest.approx(np_log_softmax(logits[4, :VOCAB])[res.token_ids[4]],
+                                          abs=1e-5)   # raw: the model's, not adjusted
+  with pytest.raises(ValueError, match='history'):
+    sample(logits, PENALIZED, [0] * len(PENALIZED), VOCAB)
+
+
+def test_sampling_draws_from_the_adjusted_logits():
+  """A sampled row's support is its adjusted logits' top-k: the penalised favourites are
+  out of it, and a token biased to tie with the best is in it."""
+  logits, histories = penalized_case(1)
+  prompt, output = histories[0]
+  penalties = SamplingParams(repetition_penalty=2.0, presence_penalty=2.0,
+                             frequency_penalty=2.0)
+  plain = np_adjusted(logits[0, :VOCAB], penalties, prompt, output)
+  token = next(t for t in np.argsort(plain) if t not in prompt + output)   # unseen, unlikely
+  bias = float(plain.max() - logits[0, token])
+  params = [SamplingParams(temperature=1.0, top_k=2, repetition_penalty=2.0,
+                           presence_penalty=2.0, frequency_penalty=2.0,
+                           logit_bias={int(token): bias}, seed=s) for s in range(64)]
+  rows = np.repeat(logits[:1], 64, axis=0)
+  got = set(sample(rows, params, [0] * 64, VOCAB, history=[histories[0]] * 64).token_ids)
+  assert got == {int(token), int(plain.argmax())}
+  assert not got & set(np.argsort(logits[0, :VOCAB])[::-1][:5].tolist())
+
+
 def test_from_openai_defaults_and_mapping():
   assert from_openai({'model': 'm', 'prompt': 'x'}, VOCAB) == SamplingParams()
   got = from_openai({'max_tokens': 5, 'temperature': 0, 'top_k': -1, 'top_p': 0.5, 'min_p': 0.1,
                      'seed': 3, 'stop': 'END', 'stop_token_ids': [1], 'ignore_eos': True,
-                     'logprobs': 2, 'presence_penalty': 0, 'n': 1}, VOCAB)
+                     'logprobs': 2, 'presence_penalty': 0.5, 'frequency_penalty': -1,
+                     'repetition_penalty': 1.2, 'logit_bias': {'17': -100, '4': 2.5},
+                     'n': 1}, VOCAB)
   assert got == SamplingParams(max_tokens=5, temperature=0, top_k=0, top_p=0.5, min_p=0.1,
                                seed=3, stop=['END'], stop_token_ids=[1], ignore_eos=True,
-                               logprobs=2)
+                               logprobs=2, presence_penalty=0.5, frequency_penalty=-1,
+                               repetition_penalty=1.2, logit_bias={17: -100, 4: 2.5})
   assert from_openai({'stop': None, 'temperature': None}, VOCAB) == SamplingParams()
 
 
@@ -293,8 +373,10 @@ def test_from_openai_chat():
     (False, {'stop': 5}, 'stop'), (False, {'stop': ['a', 3]}, 'stop'),
     (False, {'logprobs': True}, 'logprobs'), (False, {'seed': 'x'}, 'seed'),
     (False, {'stop_token_ids': [999]}, 'stop_token_ids'), (False, {'n': 2}, 'n'),
-    (False, {'frequency_penalty': 0.5}, 'frequency_penalty'),
-    (False, {'logit_bias': {'1': 5}}, 'logit_bias'),
+    (False, {'frequency_penalty': 2.5}, 'frequency_penalty'),
+    (False, {'repetition_penalty': 0}, 'repetition_penalty'),
+    (False, {'logit_bias': {'one': 5}}, 'logit_bias'), (False, {'logit_bias': [5]}, 'logit_bias'),
+    (False, {'logit_bias': {'999': 5}}, 'logit_bias'), (True, {'best_of': 2}, 'best_of'),
     (True, {'max_completion_tokens': 0}, 'max_completion_tokens'),
     (True, {'logprobs': 1}, 'logprobs'), (True, {'top_logprobs': 3}, 'top_logprobs'),
     (True, {'logprobs': True, 'top_logprobs': 21}, 'top_logprobs'),

@@ -492,6 +492,21 @@ def test_logprobs_agree_with_greedy_choice(real_server):
   assert len(plain.choices[0].logprobs.token_logprobs) == plain.usage.completion_tokens
 
 
+def test_logit_bias_and_penalties_reach_the_sampler(real_server):
+  """OpenAI's logit_bias (token ids as string keys) and the penalties, end to end: +100 on
+  the byte 'Q' makes greedy output all Qs, as long as repeating it is not penalised away."""
+  client = _client(real_server)
+  q = {str(ord('Q')): 100}
+  out = client.completions.create(model='tiny', prompt='hello', max_tokens=5, temperature=0.0,
+                                  logit_bias=q, presence_penalty=2.0, frequency_penalty=2.0)
+  assert out.choices[0].text == 'QQQQQ'
+  chat = client.chat.completions.create(
+      model='tiny', messages=[{'role': 'user', 'content': 'hello'}], max_tokens=5,
+      temperature=0.0, logit_bias={str(ord('Q')): -100, str(ord('Z')): 100},
+      extra_body={'repetition_penalty': 1.5})
+  assert chat.choices[0].message.content == 'ZZZZZ'
+
+
 def test_concurrent_streams_with_disconnects_free_everything(real_server, real_engine):
   rng = np.random.default_rng(0)
   plans = [(int(rng.integers(4, 16)), int(rng.integers(0, 6)) if rng.random() < 0.5 else None)
