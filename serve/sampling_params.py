@@ -153,8 +153,9 @@ def _logit_bias(bias) -> dict:
   return out
 
 
-# Fields vLLM and OpenAI define that this sampler does not implement: refused unless left at
-# their neutral value, so a client never silently gets something other than it asked for.
+# Fields vLLM and OpenAI define that are not implemented here: refused unless left at their
+# neutral value, so a client never silently gets something other than it asked for. (The
+# server takes n itself, a request per choice; the batch CLI wants one completion a line.)
 _NEUTRAL = {'n': 1, 'best_of': 1}
 
 
@@ -203,7 +204,7 @@ def _refuse_unsupported(body: dict):
     value = body.get(name)
     if value is not None and value != neutral:
       raise SamplingParamsError(
-          name, f'is not supported by this server; leave it out or set it to {neutral!r}')
+          name, f'is not supported here; leave it out or set it to {neutral!r}')
 
 
 def _stop_list(stop):

@@ -74,13 +74,17 @@ class ChatBody(_Body):
   messages: list[ChatMessage]
 
 
+MAX_N = 128   # choices per prompt (OpenAI's limit)
+
+
 @dataclasses.dataclass
 class _Req:
-  """One prompt's request in the engine, and what it has produced so far."""
+  """One choice's request in the engine, and what it has produced so far."""
   rid: str
-  index: int
+  index: int                  # the choice's index: prompt number * n + sample number
   prompt_ids: list[int]
   stream: object
+  counts_prompt: bool = True  # the first of its prompt's n choices (usage counts it once)
   text: str = ''
   token_ids: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
@@ -156,8 +160,8 @@ def _check_common(state: ServerState, body: _Body) -> None:
   if body.model is not None and body.model != state.model_name:
     raise ApiError(400, f'model: this server serves {state.model_name!r}, not {body.model!r} '
                    '(GET /v1/models lists it).', param='model', code='model_not_found')
-  if body.n not in (None, 1):
-    raise ApiError(400, f'n: only n=1 is supported, got {body.n}; send n requests instead.',
+  if body.n is not None and not 1 <= body.n <= MAX_N:
+    raise ApiError(400, f'n: choices per prompt must be in [1, {MAX_N}], got {body.n}.',
                    param='n')
   if body.stream_options is not None and not body.stream:
     raise ApiError(400, 'stream_options: only allowed with "stream": true.',
@@ -216,7 +220,9 @@ def _sampling_params(state: ServerState, body: dict, prompt_len: int, chat: bool
   try:
     # Chat's default: the room left in the context (OpenAI's); completions': 16.
     default = max(state.max_model_len - prompt_len, 1) if chat else 16
-    params = sp_lib.from_openai(body, state.vocab_size, chat=chat, default_max_tokens=default)
+    fields = {k: v for k, v in body.items() if k != 'n'}   # n is the server's (_choices)
+    params = sp_lib.from_openai(fields, state.vocab_size, chat=chat,
+                                default_max_tokens=default)
   except sp_lib.SamplingParamsError as e:
     raise ApiError(400, str(e), param=e.param) from None
   param = 'messages' if chat else 'prompt'
@@ -233,16 +239,23 @@ def _sampling_params(state: ServerState, body: dict, prompt_len: int, chat: bool
 
 # --- the engine side of a request ---
 
-def _submit(state: ServerState, prompts: list[list[int]], params: list) -> list[_Req]:
-  """Adds every prompt to the engine, or none of them (429 when the queue is full)."""
-  base = uuid.uuid4().hex
+def _submit(state: ServerState, prompts: list[list[int]], params: list,
+            n: int | None = 1) -> list[_Req]:
+  """Adds n requests per prompt to the engine, or none at all (429 when the queue is full).
+
+  A prompt's n choices are independent requests; with a seed, choice j samples with
+  seed + j, as vLLM's parallel sampling does, so the n differ and each can be reproduced
+  alone."""
+  base, n = uuid.uuid4().hex, n or 1
   reqs = []
   try:
     for i, (ids, p) in enumerate(zip(prompts, params)):
-      rid = f'{base}-{i}'
-      stream = state.engine.add_request(ids, p, request_id=rid)
-      reqs.append(_Req(rid, i, ids, stream))
-      state.active[rid] = reqs[-1]
+      for j in range(n):
+        child = p if p.seed is None else dataclasses.replace(p, seed=p.seed + j)
+        rid = f'{base}-{i * n + j}'
+        stream = state.engine.add_request(ids, child, request_id=rid)
+        reqs.append(_Req(rid, i * n + j, ids, stream, counts_prompt=j == 0))
+        state.active[rid] = reqs[-1]
   except QueueFull as e:
     _abort(state, reqs)
     raise ApiError(429, f'The server is busy: its waiting queue is full ({e}).',
@@ -374,7 +387,7 @@ def _sse(payload) -> str:
 
 
 def _usage(reqs: list[_Req]) -> dict:
-  prompt = sum(len(r.prompt_ids) for r in reqs)
+  prompt = sum(len(r.prompt_ids) for r in reqs if r.counts_prompt)
   completion = sum(len(r.token_ids) for r in reqs)
   return {'prompt_tokens': prompt, 'completion_tokens': completion,
           'total_tokens': prompt + completion}
@@ -476,9 +489,11 @@ def _completion_json(state, reqs, want_logprobs: bool) -> dict:
 
 async def _chat_events(state, reqs, body: ChatBody, want_logprobs: bool):
   meta = _meta('chat.completion.chunk', state)
-  first = {'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'logprobs': None,
-           'finish_reason': None}
-  yield _sse({**meta, 'choices': [first], **({'usage': None} if _include_usage(body) else {})})
+  for r in reqs:   # each choice opens with its role
+    first = {'index': r.index, 'delta': {'role': 'assistant', 'content': ''},
+             'logprobs': None, 'finish_reason': None}
+    yield _sse({**meta, 'choices': [first],
+                **({'usage': None} if _include_usage(body) else {})})
 
   def choice(r, out):
     entries = _logprob_entries(out) if want_logprobs else []
@@ -486,7 +501,7 @@ async def _chat_events(state, reqs, body: ChatBody, want_logprobs: bool):
       return None
     delta = {'content': out.new_text} if out.new_text else {}
     logprobs = _chat_logprobs(state.served.tokenizer, entries) if want_logprobs else None
-    return {'index': 0, 'delta': delta, 'logprobs': logprobs,
+    return {'index': r.index, 'delta': delta, 'logprobs': logprobs,
             'finish_reason': r.finish_reason}
 
   async for event in _events(state, reqs, body, meta, choice):
@@ -494,12 +509,11 @@ async def _chat_events(state, reqs, body: ChatBody, want_logprobs: bool):
 
 
 def _chat_json(state, reqs, want_logprobs: bool) -> dict:
-  r = reqs[0]
-  choice = {'index': 0, 'message': {'role': 'assistant', 'content': r.text},
-            'finish_reason': r.finish_reason,
-            'logprobs': (_chat_logprobs(state.served.tokenizer, r.logprobs)
-                         if want_logprobs else None)}
-  return {**_meta('chat.completion', state), 'choices': [choice], 'usage': _usage(reqs)}
+  choices = [{'index': r.index, 'message': {'role': 'assistant', 'content': r.text},
+              'finish_reason': r.finish_reason,
+              'logprobs': (_chat_logprobs(state.served.tokenizer, r.logprobs)
+                           if want_logprobs else None)} for r in reqs]
+  return {**_meta('chat.completion', state), 'choices': choices, 'usage': _usage(reqs)}
 
 
 # --- routes ---
@@ -520,7 +534,7 @@ async def _completions(state: ServerState, request: fastapi.Request):
   _check_common(state, body)
   prompts = _completion_prompts(state, body)
   params = [_sampling_params(state, raw, len(p), chat=False) for p in prompts]
-  reqs = _submit(state, prompts, params)
+  reqs = _submit(state, prompts, params, body.n)
   return await _run(state, request, reqs, body, params[0].logprobs is not None,
                     _completion_events, _completion_json)
 
@@ -531,7 +545,7 @@ async def _chat(state: ServerState, request: fastapi.Request):
   _check_common(state, body)
   prompt = _chat_prompt(state, body)
   params = _sampling_params(state, raw, len(prompt), chat=True)
-  reqs = _submit(state, [prompt], [params])
+  reqs = _submit(state, [prompt], [params], body.n)
   return await _run(state, request, reqs, body, params.logprobs is not None,
                     _chat_events, _chat_json)
 

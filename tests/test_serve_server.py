@@ -38,6 +38,7 @@ class FakeServed:
   name: str = 'fake'
   eos_token_ids: list = dataclasses.field(default_factory=lambda: [256])
   chat_template: str | None = None
+  special_tokens: dict = dataclasses.field(default_factory=dict)
 
 
 class FakeEngine:
@@ -51,6 +52,7 @@ class FakeEngine:
     self.vocab_size = 257
     self.paused = False
     self.aborted = []
+    self.seeds = []            # of every request added, in order
     self._live = {}            # request id -> [stream, prompt, params, num emitted]
     self._lock = threading.Lock()
     self._observers = []
@@ -69,6 +71,7 @@ class FakeEngine:
       if len(self._live) >= self.max_waiting:
         raise engine_lib.QueueFull(f'{len(self._live)} requests are already waiting')
       stream = engine_lib.RequestStream(request_id, list(prompt_ids), self)
+      self.seeds.append(params.seed)
       self._live[request_id] = [stream, list(prompt_ids), params, 0]
     return stream
 
@@ -198,6 +201,51 @@ def test_several_prompts_and_token_ids(fake_server):
   assert pieces == {0: 'abab', 1: 'xyzx'}
 
 
+def test_n_choices_per_prompt_with_seeds_and_usage(fake_server, fake):
+  """n=3 over two prompts: six choices, prompt i's at indices 3i..3i+2, seeds s, s+1, s+2
+  for each prompt; usage counts each prompt once and every choice's tokens."""
+  client = _client(fake_server)
+  out = client.completions.create(model='fake', prompt=['ab', 'xyz'], max_tokens=4, n=3,
+                                  seed=5)
+  assert sorted((c.index, c.text) for c in out.choices) == (
+      [(i, 'abab') for i in range(3)] + [(i, 'xyzx') for i in range(3, 6)])
+  assert fake.seeds == [5, 6, 7, 5, 6, 7]
+  assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (2 + 3, 6 * 4)
+  chat = client.chat.completions.create(model='fake', messages=[{'role': 'user',
+                                        'content': 'hi'}], max_tokens=3, n=2)
+  assert [c.index for c in chat.choices] == [0, 1] and fake.seeds[-2:] == [None, None]
+  assert len({c.message.content for c in chat.choices}) == 1 and chat.usage.completion_tokens == 6
+  roles, pieces = {}, {0: '', 1: ''}
+  for chunk in client.chat.completions.create(
+      model='fake', messages=[{'role': 'user', 'content': 'hi'}], max_tokens=3, n=2,
+      stream=True, stream_options={'include_usage': True}):
+    for c in chunk.choices:
+      roles[c.index] = roles.get(c.index) or c.delta.role
+      pieces[c.index] += c.delta.content or ''
+    if chunk.usage:
+      usage = chunk.usage
+  assert roles == {0: 'assistant', 1: 'assistant'}
+  assert pieces == {0: chat.choices[0].message.content, 1: chat.choices[1].message.content}
+  assert usage.prompt_tokens == chat.usage.prompt_tokens and usage.completion_tokens == 6
+  assert fake.held == 0
+
+
+def test_n_choices_wait_together_in_the_queue_or_not_at_all(fake):
+  """n requests of one call are admitted together: a queue that cannot take them all
+  takes none (429) and holds nothing afterwards."""
+  small = FakeEngine(max_waiting=4)
+  server = ServerThread(create_app(small, FakeServed()))
+  try:
+    with pytest.raises(openai.RateLimitError):
+      _client(server).completions.create(model='fake', prompt='ab', max_tokens=2, n=5)
+    assert small.held == 0 and len(small.aborted) == 4
+    assert len(_client(server).completions.create(model='fake', prompt='ab', max_tokens=2,
+                                                   n=4).choices) == 4
+  finally:
+    server.stop()
+    small.shutdown()
+
+
 def test_completion_logprobs_shape(fake_server):
   out = _client(fake_server).completions.create(model='fake', prompt='ab', max_tokens=3,
                                                 logprobs=2)
@@ -225,7 +273,11 @@ BAD_INPUTS = [
     ('/v1/completions', {'prompt': 'hi', 'top_p': 0}, 'top_p', 'top_p'),
     ('/v1/completions', {'prompt': 'hi', 'logprobs': 99}, 'logprobs', 'logprobs'),
     ('/v1/completions', {'prompt': 'hi', 'stop': [3]}, 'stop', 'stop'),
-    ('/v1/completions', {'prompt': 'hi', 'n': 2}, 'n', 'n'),
+    ('/v1/completions', {'prompt': 'hi', 'n': 0}, 'n', 'n'),
+    ('/v1/chat/completions', {'messages': [{'role': 'user', 'content': 'hi'}], 'n': 129},
+     'n', 'n'),
+    ('/v1/completions', {'prompt': 'hi', 'n': '2'}, 'n', 'n'),
+    ('/v1/completions', {'prompt': 'hi', 'best_of': 3}, 'best_of', 'best_of'),
     ('/v1/completions', {'prompt': 'hi', 'echo': True}, 'echo', 'echo'),
     ('/v1/chat/completions', {'messages': 'hi'}, 'messages', 'messages'),
     ('/v1/chat/completions', {'messages': [{'content': 'hi'}]}, 'role', 'messages.0.role'),
@@ -505,6 +557,15 @@ def test_logit_bias_and_penalties_reach_the_sampler(real_server):
       temperature=0.0, logit_bias={str(ord('Q')): -100, str(ord('Z')): 100},
       extra_body={'repetition_penalty': 1.5})
   assert chat.choices[0].message.content == 'ZZZZZ'
+
+
+def test_n_seeded_choices_are_the_requests_with_seeds_s_to_s_plus_n(real_server):
+  client = _client(real_server)
+  ask = dict(model='tiny', prompt='def ', max_tokens=8, temperature=1.0)
+  out = client.completions.create(n=3, seed=11, **ask)
+  texts = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+  alone = [client.completions.create(seed=11 + j, **ask).choices[0].text for j in range(3)]
+  assert texts == alone and len(set(texts)) == 3
 
 
 def test_concurrent_streams_with_disconnects_free_everything(real_server, real_engine):
