@@ -33,7 +33,7 @@ from serve.hf_llama import with_dtype
 from serve.kv_cache_manager import KVCacheManager
 from serve.model_runner import ModelRunner, RunnerConfig, seq_bucket, token_buckets
 from serve.request import Request, RequestStatus
-from serve.sampling_params import SamplingParams
+from serve.sampling_params import MAX_LOGPROBS, SamplingParams
 from serve.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from sharding.mesh import MeshConfig, make_mesh
 
@@ -89,6 +89,9 @@ class RequestOutput:
   num_output_tokens: int
   error: str | None = None       # why, when finish_reason is 'error' or 'abort'
   metrics: RequestMetrics | None = None   # on the final output
+  # On the first output of a request that asked for them: one per prompt token, the
+  # first None (nothing precedes it).
+  prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass
@@ -102,6 +105,7 @@ class CompletionResult:
   logprobs: list[TokenLogprob] | None
   error: str | None
   metrics: RequestMetrics | None
+  prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass
@@ -177,7 +181,7 @@ def collect(request_id: str, prompt_ids: list[int], outs: list[RequestOutput]):
       request_id, list(prompt_ids), [t for o in outs for t in o.new_token_ids],
       ''.join(o.new_text for o in outs), last.finish_reason,
       logprobs if any(o.logprobs is not None for o in outs) else None, last.error,
-      last.metrics)
+      last.metrics, outs[0].prompt_logprobs)
 
 
 @dataclasses.dataclass
@@ -187,6 +191,8 @@ class _Tracked:
   stream: RequestStream
   detok: IncrementalDetokenizer
   metrics: RequestMetrics
+  # Asked-for prompt logprobs gathered so far, [None] + one per prompt token scored.
+  prompt_logprobs: list | None = None
 
 
 # ------------------------------------------------------------------------ set-up
@@ -364,7 +370,8 @@ class Engine:
       self._tracked[request_id] = _Tracked(
           request, stream,
           IncrementalDetokenizer(self.served.tokenizer, prompt_ids, list(params.stop)),
-          RequestMetrics(request.arrival_time, len(prompt_ids)))
+          RequestMetrics(request.arrival_time, len(prompt_ids)),
+          None if params.prompt_logprobs is None else [None])
     self._wake.set()
     return stream
 
@@ -541,8 +548,12 @@ class Engine:
 
   def _execute(self, out):
     """Runs the model and samples: ({id: token}, {id: TokenLogprob}) of sampling chunks."""
-    step = self.runner.step(out)   # dispatched; the device runs it while
-    self._flush_outputs()          # the previous step's outputs go out
+    targets, top_n = self._prompt_targets(out)
+    # dispatched; the device runs it while the previous step's outputs go out
+    step = self.runner.step(out, targets, top_n) if targets else self.runner.step(out)
+    self._flush_outputs()
+    if step.scores is not None:
+      self._gather_prompt_logprobs(out, targets, step.scores)
     rows = [self._tracked[c.request_id] for c in out.chunks if c.sample]
     if not rows:
       return {}, {}
@@ -564,6 +575,45 @@ class Engine:
         logprobs[rid] = TokenLogprob(token, float(res.logprobs[i]), top)
     return tokens, logprobs
 
+  def _prompt_targets(self, out):
+    """Per chunk, the prompt token each of its rows predicts (-1: none), or None for
+    chunks whose request wants no prompt logprobs (no list at all when no chunk does);
+    and the top-N width (0 or the most)."""
+    targets, top = [], 0
+    for c in out.chunks:
+      t = self._tracked.get(c.request_id)
+      want = t is not None and t.prompt_logprobs is not None
+      prompt = t.request.prompt_token_ids if want else ()
+      if not want or c.start_position + 1 >= len(prompt):
+        targets.append(None)
+        continue
+      nxt = np.arange(c.start_position + 1, c.start_position + 1 + len(c.token_ids))
+      targets.append(np.where(nxt < len(prompt),
+                              np.asarray(prompt)[np.minimum(nxt, len(prompt) - 1)], -1))
+      top = max(top, t.request.sampling_params.prompt_logprobs)
+    if all(t is None for t in targets):
+      return None, 0
+    return targets, min(MAX_LOGPROBS, self.vocab_size) if top else 0
+
+  def _gather_prompt_logprobs(self, out, targets, scores) -> None:
+    """Appends each scored chunk's entries to its request, in prompt order (a preempted
+    request recomputes its prompt: positions it already has are skipped)."""
+    target, top = jax.device_get(scores)
+    row = 0
+    for c, want in zip(out.chunks, targets):
+      if want is not None:
+        t = self._tracked[c.request_id]
+        count = t.request.sampling_params.prompt_logprobs
+        for i in range(len(c.token_ids)):
+          token = int(want[i])
+          if token < 0 or c.start_position + 1 + i != len(t.prompt_logprobs):
+            continue
+          pairs = ([(int(k), float(v)) for k, v in zip(top[1][row + i, :count],
+                                                       top[0][row + i, :count])]
+                   if count else [])
+          t.prompt_logprobs.append(TokenLogprob(token, float(target[row + i]), pairs))
+      row += len(c.token_ids)
+
   def _emit(self, tokens: dict, logprobs: dict, finished) -> None:
     done = {r.request_id for r in finished}
     for rid, token in tokens.items():
@@ -575,8 +625,10 @@ class Engine:
 
   def _on_token(self, t: _Tracked, token: int, logprob, finished_now: bool) -> None:
     req, now = t.request, time.monotonic()
-    if not t.metrics.token_times:
+    prompt_lps = None
+    if not t.metrics.token_times:   # the first token: the prompt is all computed
       self._totals['prompt_tokens'] += len(req.prompt_token_ids)
+      prompt_lps = t.prompt_logprobs
     t.metrics.token_times.append(now)
     self._totals['generation_tokens'] += 1
     text, stop = '', None
@@ -586,12 +638,13 @@ class Engine:
     if stop is not None:
       if not finished_now:
         self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-      self._finish(t, 'stop', [token], text, lps)
+      self._finish(t, 'stop', [token], text, lps, prompt_logprobs=prompt_lps)
     elif finished_now:
-      self._finish(t, None, [token], text + t.detok.flush(), lps)
+      self._finish(t, None, [token], text + t.detok.flush(), lps, prompt_logprobs=prompt_lps)
     else:
       t.stream.put(RequestOutput(req.request_id, [token], text, lps, False, None,
-                                 len(req.prompt_token_ids), req.num_output_tokens))
+                                 len(req.prompt_token_ids), req.num_output_tokens,
+                                 prompt_logprobs=prompt_lps))
 
   @staticmethod
   def _is_stop_token(req: Request, token: int) -> bool:
@@ -601,7 +654,7 @@ class Engine:
         token == req.eos_token_id and not params.ignore_eos)
 
   def _finish(self, t: _Tracked, reason=None, token_ids=(), text='', logprobs=None,
-              error=None) -> None:
+              error=None, prompt_logprobs=None) -> None:
     req = t.request
     reason = reason or req.status.finish_reason or 'stop'
     self._tracked.pop(req.request_id, None)
@@ -610,7 +663,7 @@ class Engine:
     t.metrics.finish_time, t.metrics.finish_reason = time.monotonic(), reason
     t.stream.put(RequestOutput(req.request_id, list(token_ids), text, logprobs, True, reason,
                                len(req.prompt_token_ids), req.num_output_tokens, error,
-                               t.metrics))
+                               t.metrics, prompt_logprobs))
     for fn in self._observers:
       try:
         fn(t.metrics)

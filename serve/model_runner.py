@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from model import paged
 from model.config import ModelConfig
-from model.transformer import abstract_params, logical_axes
+from model.transformer import abstract_params, logical_axes, logits as model_logits
 from sharding.rules import REPLICATED, ShardingPlan, activation_rules, check_divisible
 
 ATTENTION = ('xla', 'pallas')
@@ -104,10 +104,13 @@ def serving_plan(mesh) -> ShardingPlan | None:
 class StepResult(NamedTuple):
   """One step's sampled rows, on the device: logits [S, vocab] (rows past num_sampled are
   padding) and each row's greedy token [S] (argmax over the first `vocab_size` ids, as
-  the sampler's greedy rows take it), so an all-greedy step needs no sampler."""
+  the sampler's greedy rows take it), so an all-greedy step needs no sampler. With
+  targets (`step`), `scores` is (log p of each token's target [T], and the top_n
+  (log p [T, n], ids [T, n]) or None) over the batch's token rows."""
   logits: jax.Array
   greedy: jax.Array
   num_sampled: int
+  scores: tuple | None = None
 
 
 class ModelRunner:
@@ -135,6 +138,8 @@ class ModelRunner:
       whole = NamedSharding(mesh, PartitionSpec())
       out_sh = (whole, whole, (cache_sharding,) * 2)
     self._step = jax.jit(self._run, donate_argnums=(1,), out_shardings=out_sh)
+    self._score = jax.jit(self._run_scored, donate_argnums=(1,), static_argnames=('top_n',),
+                          out_shardings=out_sh and (*out_sh, out_sh[0]))
 
   def _empty_cache(self):
     return paged.init_kv_cache(self.model_cfg, self.cfg.num_blocks, self.cfg.block_size,
@@ -169,9 +174,23 @@ class ModelRunner:
     greedy = jnp.argmax(logits[:, :self.vocab_size], axis=-1).astype(jnp.int32)
     return logits, greedy, cache
 
+  def _run_scored(self, params, cache, batch, rope, targets, *, top_n):
+    """_run, plus every token row's log p of its target (the next prompt token; -1:
+    none) and top_n, over the real vocabulary: the prompt logprobs."""
+    cfg = self.model_cfg
+    hidden, cache = paged.paged_forward(params, cache, batch, cfg, impl=self.impl,
+                                        plan=self.plan, rope=rope)
+    logits = model_logits(params, hidden[:, batch.sample_rows], cfg, self.plan)[0]
+    greedy = jnp.argmax(logits[:, :self.vocab_size], axis=-1).astype(jnp.int32)
+    every = model_logits(params, hidden, cfg, self.plan)[0, :, :self.vocab_size]
+    logp = jax.nn.log_softmax(every, axis=-1)
+    target = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[:, None], axis=1)[:, 0]
+    top = jax.lax.top_k(logp, top_n) if top_n else None
+    return logits, greedy, cache, (target, top)
+
   @property
   def num_compiles(self) -> int:
-    return self._step._cache_size()
+    return self._step._cache_size() + self._score._cache_size()
 
   def warmup(self) -> None:
     """Compiles every token bucket's program now (a step of padding only, which writes
@@ -188,15 +207,28 @@ class ModelRunner:
     res = self.step(out)
     return res.logits[:res.num_sampled]
 
-  def step(self, out) -> StepResult:
-    """`execute`, with the logits left padded and the greedy tokens beside them."""
+  def step(self, out, targets=None, top_n: int = 0) -> StepResult:
+    """`execute`, with the logits left padded and the greedy tokens beside them.
+
+    targets: per chunk, None or the token ids its rows should score (one per token of
+    the chunk; -1: none), giving StepResult.scores with top_n alternatives per row."""
     chunks = list(out.chunks)
     if not chunks:
       empty = jnp.zeros((0, self.model_cfg.vocab_size), jnp.float32)
       return StepResult(empty, jnp.zeros((0,), jnp.int32), 0)
     batch, num_sampled = self.build_batch(chunks)
-    logits, greedy, self.cache = self._step(self.params, self.cache, batch, self.rope)
-    return StepResult(logits, greedy, num_sampled)
+    if targets is None or all(t is None for t in targets):
+      logits, greedy, self.cache = self._step(self.params, self.cache, batch, self.rope)
+      return StepResult(logits, greedy, num_sampled)
+    rows = np.full(batch.tokens.shape, -1, np.int32)
+    row = 0
+    for c, t in zip(chunks, targets):
+      if t is not None:
+        rows[row:row + len(c.token_ids)] = t
+      row += len(c.token_ids)
+    logits, greedy, self.cache, scores = self._score(self.params, self.cache, batch,
+                                                     self.rope, rows, top_n=top_n)
+    return StepResult(logits, greedy, num_sampled, scores)
 
   def build_batch(self, chunks) -> tuple[paged.PagedBatch, int]:
     """The padded host-side batch (numpy arrays) for `chunks`, and how many of them are

@@ -9,6 +9,7 @@ is the OpenAI field name, so the server can put it in the error body.
 """
 
 import dataclasses
+import json
 import math
 
 MAX_TEMPERATURE = 2.0      # OpenAI's range; hotter than 2 is noise for any model we serve
@@ -41,6 +42,9 @@ class SamplingParams:
   stop_token_ids: list[int] = dataclasses.field(default_factory=list)
   ignore_eos: bool = False
   logprobs: int | None = None   # None: none; 0: the sampled token's; N: plus the top N
+  # The same for each prompt token after the first (vLLM's prompt_logprobs): computed for
+  # the whole prompt, so such a request never takes its prompt from the prefix cache.
+  prompt_logprobs: int | None = None
   # Applied to the logits before temperature and the filters, in vLLM's order: logit_bias,
   # then repetition_penalty over the prompt and output tokens (a positive logit divided by
   # it, a negative one multiplied), then frequency_penalty times each token's count in the
@@ -77,6 +81,8 @@ class SamplingParams:
     _check_bool('ignore_eos', self.ignore_eos)
     if self.logprobs is not None:
       _check_int('logprobs', self.logprobs, 0, MAX_LOGPROBS)
+    if self.prompt_logprobs is not None:
+      _check_int('prompt_logprobs', self.prompt_logprobs, 0, MAX_LOGPROBS)
     _check_float('presence_penalty', self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
     _check_float('frequency_penalty', self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
     _check_float('repetition_penalty', self.repetition_penalty, 0.0, MAX_PENALTY,
@@ -155,8 +161,9 @@ def _logit_bias(bias) -> dict:
 
 # Fields vLLM and OpenAI define that are not implemented here: refused unless left at their
 # neutral value, so a client never silently gets something other than it asked for. (The
-# server takes n itself, a request per choice; the batch CLI wants one completion a line.)
-_NEUTRAL = {'n': 1, 'best_of': 1}
+# server takes n itself, a request per choice; the batch CLI wants one completion a line.
+# Prompt logprobs come with completions' echo and logprobs, in OpenAI's shape.)
+_NEUTRAL = {'n': 1, 'best_of': 1, 'prompt_logprobs': None}
 
 
 def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
@@ -204,7 +211,7 @@ def _refuse_unsupported(body: dict):
     value = body.get(name)
     if value is not None and value != neutral:
       raise SamplingParamsError(
-          name, f'is not supported here; leave it out or set it to {neutral!r}')
+          name, f'is not supported here; leave it out or set it to {json.dumps(neutral)}')
 
 
 def _stop_list(stop):

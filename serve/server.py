@@ -85,6 +85,9 @@ class _Req:
   prompt_ids: list[int]
   stream: object
   counts_prompt: bool = True  # the first of its prompt's n choices (usage counts it once)
+  echo: str | None = None     # completions' echo: the prompt text, sent before the output
+  prompt_only: bool = False   # echo with max_tokens 0: the one token generated is dropped
+  prompt_logprobs: list | None = None
   text: str = ''
   token_ids: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
@@ -168,9 +171,8 @@ def _check_common(state: ServerState, body: _Body) -> None:
                    param='stream_options')
 
 
-def _completion_prompts(state: ServerState, body: CompletionBody) -> list[list[int]]:
-  if body.echo:
-    raise ApiError(400, 'echo: not supported; leave it false.', param='echo')
+def _completion_prompts(state: ServerState,
+                        body: CompletionBody) -> tuple[list[list[int]], list[str]]:
   if body.best_of not in (None, 1):
     raise ApiError(400, f'best_of: only 1 is supported, got {body.best_of}.', param='best_of')
   prompt = body.prompt
@@ -182,7 +184,10 @@ def _completion_prompts(state: ServerState, body: CompletionBody) -> list[list[i
     prompts = list(prompt)
   if not prompts:
     raise ApiError(400, 'prompt: the list of prompts is empty.', param='prompt')
-  return [_prompt_ids(state, p) for p in prompts]
+  ids = [_prompt_ids(state, p) for p in prompts]
+  # echo repeats a text prompt as given, a token prompt decoded
+  return ids, [p if isinstance(p, str) else state.served.tokenizer.decode(i)
+               for p, i in zip(prompts, ids)]
 
 
 def _prompt_ids(state: ServerState, prompt, param: str = 'prompt') -> list[int]:
@@ -220,9 +225,13 @@ def _sampling_params(state: ServerState, body: dict, prompt_len: int, chat: bool
   try:
     # Chat's default: the room left in the context (OpenAI's); completions': 16.
     default = max(state.max_model_len - prompt_len, 1) if chat else 16
-    fields = {k: v for k, v in body.items() if k != 'n'}   # n is the server's (_choices)
+    fields = {k: v for k, v in body.items() if k != 'n'}   # n is the server's (_submit)
+    if _prompt_only(body, chat):
+      fields['max_tokens'] = 1   # one token is generated and dropped (_Req.prompt_only)
     params = sp_lib.from_openai(fields, state.vocab_size, chat=chat,
                                 default_max_tokens=default)
+    if body.get('echo') and not chat and params.logprobs is not None:
+      params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
   except sp_lib.SamplingParamsError as e:
     raise ApiError(400, str(e), param=e.param) from None
   param = 'messages' if chat else 'prompt'
@@ -235,6 +244,12 @@ def _sampling_params(state: ServerState, body: dict, prompt_len: int, chat: bool
                    f'{state.max_model_len} tokens together; lower max_tokens to at most '
                    f'{state.max_model_len - prompt_len}.', param='max_tokens')
   return params
+
+
+def _prompt_only(body: dict, chat: bool) -> bool:
+  """Completions with echo and max_tokens 0: score the prompt, generate nothing (what
+  lm-evaluation-harness sends for log-likelihoods)."""
+  return not chat and bool(body.get('echo')) and body.get('max_tokens') == 0
 
 
 # --- the engine side of a request ---
@@ -281,14 +296,19 @@ def _finish(state: ServerState, r: _Req, reason: str) -> None:
   state.active.pop(r.rid, None)
 
 
-def _apply(state: ServerState, r: _Req, out) -> None:
-  """Folds one RequestOutput delta into its request."""
+def _apply(state: ServerState, r: _Req, out):
+  """Folds one RequestOutput delta into its request; the delta as the client sees it."""
+  if out.prompt_logprobs is not None:
+    r.prompt_logprobs = out.prompt_logprobs
+  if r.prompt_only:
+    out = dataclasses.replace(out, new_token_ids=[], new_text='', logprobs=None)
   r.text += out.new_text
   r.token_ids.extend(out.new_token_ids)
   if out.logprobs:
     r.logprobs.extend(_logprob_entries(out))
   if out.finished:
     _finish(state, r, out.finish_reason)
+  return out
 
 
 async def _outputs(state: ServerState, reqs: list[_Req]):
@@ -317,8 +337,7 @@ async def _outputs(state: ServerState, reqs: list[_Req]):
           _finish(state, r, 'abort' if out is None else 'error')
           yield r, None         # readers learn of the early end (_ended_early says why)
         continue
-      _apply(state, r, out)
-      yield r, out
+      yield r, _apply(state, r, out)
   finally:
     for t in tasks:
       t.cancel()
@@ -406,7 +425,7 @@ def _token_bytes(tokenizer, token_id: int) -> list[int]:
 def _completion_logprobs(tokenizer, entries, offset: int) -> dict:
   """OpenAI's completions shape; offset: the text length before the first entry."""
   out = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
-  for token_id, logprob, top in entries:
+  for token_id, logprob, top in entries:   # logprob None: an echoed prompt's first token
     text = _token_text(tokenizer, token_id)
     out['tokens'].append(text)
     out['token_logprobs'].append(logprob)
@@ -464,16 +483,25 @@ async def _events(state, reqs, body, meta, choice_fn):
   yield 'data: [DONE]\n\n'
 
 
+def _echo_entries(r: _Req) -> list:
+  """The echoed prompt's logprob entries: its first token has none."""
+  first = [(r.prompt_ids[0], None, None)]
+  return first + [(e.token_id, e.logprob, e.top) for e in (r.prompt_logprobs or [None])[1:]]
+
+
 def _completion_events(state, reqs, body: CompletionBody, want_logprobs: bool):
   def choice(r, out):
-    entries = _logprob_entries(out) if want_logprobs else []
+    text, entries = out.new_text, _logprob_entries(out) if want_logprobs else []
+    if r.echo is not None:   # the prompt goes first, with the first output
+      text, r.echo = r.echo + text, None
+      entries = (_echo_entries(r) if want_logprobs else []) + entries
     logprobs = None
     if want_logprobs:
       logprobs = _completion_logprobs(state.served.tokenizer, entries, r.logprob_offset)
       r.logprob_offset += sum(len(t) for t in logprobs['tokens'])
-    if not (out.new_text or entries or r.finish_reason):
+    if not (text or entries or r.finish_reason):
       return None
-    return {'index': r.index, 'text': out.new_text, 'logprobs': logprobs,
+    return {'index': r.index, 'text': text, 'logprobs': logprobs,
             'finish_reason': r.finish_reason}
 
   return _events(state, reqs, body, _meta('text_completion', state), choice)
@@ -481,9 +509,14 @@ def _completion_events(state, reqs, body: CompletionBody, want_logprobs: bool):
 
 def _completion_json(state, reqs, want_logprobs: bool) -> dict:
   tokenizer = state.served.tokenizer
-  choices = [{'index': r.index, 'text': r.text, 'finish_reason': r.finish_reason,
-              'logprobs': (_completion_logprobs(tokenizer, r.logprobs, 0)
-                           if want_logprobs else None)} for r in reqs]
+
+  def logprobs(r):
+    echoed = _echo_entries(r) if r.echo is not None else []
+    return _completion_logprobs(tokenizer, echoed + r.logprobs, 0)
+
+  choices = [{'index': r.index, 'text': (r.echo or '') + r.text,
+              'finish_reason': r.finish_reason,
+              'logprobs': logprobs(r) if want_logprobs else None} for r in reqs]
   return {**_meta('text_completion', state), 'choices': choices, 'usage': _usage(reqs)}
 
 
@@ -532,9 +565,13 @@ async def _completions(state: ServerState, request: fastapi.Request):
   raw = await _json_body(request)
   body = _validate(CompletionBody, raw)
   _check_common(state, body)
-  prompts = _completion_prompts(state, body)
+  prompts, texts = _completion_prompts(state, body)
   params = [_sampling_params(state, raw, len(p), chat=False) for p in prompts]
   reqs = _submit(state, prompts, params, body.n)
+  for r in reqs:
+    if body.echo:
+      r.echo = texts[r.index // (body.n or 1)]
+      r.prompt_only = _prompt_only(raw, chat=False)
   return await _run(state, request, reqs, body, params[0].logprobs is not None,
                     _completion_events, _completion_json)
 

@@ -185,6 +185,37 @@ def test_penalties_and_logit_bias_equal_the_reference_applied_to_the_training_fo
   assert got == want + reference[8:9]
 
 
+def test_prompt_logprobs_equal_the_training_forwards_over_chunks_and_cached_prefixes(
+    varied, prompts):
+  """prompt_logprobs=N: each prompt token's log p and top N under the training forward,
+  the first None; the 50-token prompt is prefilled in chunks of at most 32 tokens, and
+  is computed again (no prefix-cache hit) though an earlier request cached it."""
+  cfg, vocab = varied.model_cfg, varied.tokenizer.vocab_size
+  forward = jax.jit(lambda p, t: model.logits(p, model.forward(p, t, cfg), cfg))
+  with Engine(varied, ServeConfig(num_blocks=40, max_num_seqs=4,
+                                  max_num_batched_tokens=32)) as eng:
+    eng.generate(prompts[:1], GREEDY)   # caches prompt 0's full blocks
+    hits = eng.stats().prefix_cache_hits
+    asks = [SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=n) for n in (3, 0)]
+    got = eng.generate(prompts[:2], asks)
+    assert eng.stats().prefix_cache_hits == hits
+  for result, prompt, ask in zip(got, prompts, asks):
+    logp = np.asarray(jax.nn.log_softmax(
+        forward(varied.params, jnp.asarray([prompt]))[0, :, :vocab], axis=-1))
+    entries = result.prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    assert [e.token_id for e in entries[1:]] == prompt[1:]
+    want = logp[np.arange(len(prompt) - 1), prompt[1:]]
+    np.testing.assert_allclose([e.logprob for e in entries[1:]], want, atol=2e-4)
+    for q, e in enumerate(entries[1:]):
+      assert len(e.top) == ask.prompt_logprobs
+      if e.top:
+        assert [t for t, _ in e.top] == np.argsort(-logp[q])[:3].tolist()
+        np.testing.assert_allclose([v for _, v in e.top], np.sort(logp[q])[::-1][:3],
+                                   atol=2e-4)
+  assert len(prompts[0]) == 50 and got[0].token_ids   # then it generates as usual
+
+
 def test_stop_string_ends_text_before_it(engine, prompts, reference):
   # A printable ASCII token after at least two others, all ASCII up to it.
   row, token = next((i, t) for i, r in enumerate(reference) for j, t in enumerate(r)

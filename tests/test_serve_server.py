@@ -278,7 +278,10 @@ BAD_INPUTS = [
      'n', 'n'),
     ('/v1/completions', {'prompt': 'hi', 'n': '2'}, 'n', 'n'),
     ('/v1/completions', {'prompt': 'hi', 'best_of': 3}, 'best_of', 'best_of'),
-    ('/v1/completions', {'prompt': 'hi', 'echo': True}, 'echo', 'echo'),
+    ('/v1/completions', {'prompt': 'hi', 'max_tokens': 0, 'echo': False}, 'max_tokens',
+     'max_tokens'),
+    ('/v1/completions', {'prompt': 'hi', 'prompt_logprobs': 1}, 'prompt_logprobs',
+     'prompt_logprobs'),
     ('/v1/chat/completions', {'messages': 'hi'}, 'messages', 'messages'),
     ('/v1/chat/completions', {'messages': [{'content': 'hi'}]}, 'role', 'messages.0.role'),
     ('/v1/chat/completions', {'messages': []}, 'empty', 'messages'),
@@ -566,6 +569,43 @@ def test_n_seeded_choices_are_the_requests_with_seeds_s_to_s_plus_n(real_server)
   texts = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
   alone = [client.completions.create(seed=11 + j, **ask).choices[0].text for j in range(3)]
   assert texts == alone and len(set(texts)) == 3
+
+
+def test_echo_scores_the_prompt_as_the_training_forward_does(real_server, real_engine,
+                                                             tiny_served):
+  """echo with max_tokens 0 and logprobs (how lm-evaluation-harness asks for a
+  log-likelihood): the prompt back as the text, each token's log p under the training
+  forward (the first None), no completion tokens; streamed, the same."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import model  # pylint: disable=import-outside-toplevel
+  cfg, prompt = tiny_served.model_cfg, list(b'def main(args):\n  return')
+  full = np.asarray(jax.nn.log_softmax(model.logits(
+      tiny_served.params, model.forward(tiny_served.params, np.asarray([prompt]), cfg),
+      cfg)[0, :, :257], axis=-1))
+  want = full[np.arange(len(prompt) - 1), prompt[1:]]
+  client = _client(real_server)
+  out = client.completions.create(model='tiny', prompt=prompt, max_tokens=0, echo=True,
+                                  logprobs=2)
+  choice = out.choices[0]
+  assert choice.text == bytes(prompt).decode() and choice.finish_reason == 'length'
+  lp = choice.logprobs
+  assert lp.tokens == [chr(t) for t in prompt] and lp.token_logprobs[0] is None
+  np.testing.assert_allclose(lp.token_logprobs[1:], want, atol=2e-4)
+  assert lp.top_logprobs[0] is None and all(len(t) == 2 for t in lp.top_logprobs[1:])
+  assert lp.text_offset == list(range(len(prompt)))
+  assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt), 0)
+  chunks = list(client.completions.create(model='tiny', prompt=prompt, max_tokens=0,
+                                          echo=True, logprobs=2, stream=True))
+  assert ''.join(c.choices[0].text for c in chunks) == choice.text
+  streamed = [x for c in chunks if c.choices[0].logprobs
+              for x in c.choices[0].logprobs.token_logprobs]
+  assert streamed == lp.token_logprobs
+  # echo with a completion: the prompt text, then what the same request without it gives
+  plain = client.completions.create(model='tiny', prompt='def ', max_tokens=4, temperature=0)
+  echoed = client.completions.create(model='tiny', prompt='def ', max_tokens=4,
+                                     temperature=0, echo=True)
+  assert echoed.choices[0].text == 'def ' + plain.choices[0].text
+  _assert_at_rest(real_engine)
 
 
 def test_concurrent_streams_with_disconnects_free_everything(real_server, real_engine):
