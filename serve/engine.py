@@ -424,6 +424,10 @@ class Engine:
           finished=dict(self._finished_by_reason))
 
   @property
+  def max_waiting_requests(self) -> int:
+    return self.cfg.max_waiting_requests
+
+  @property
   def num_unfinished(self) -> int:
     with self._lock:
       return len(self._tracked)
@@ -584,34 +588,33 @@ class Engine:
       t = self._tracked.get(c.request_id)
       want = t is not None and t.prompt_logprobs is not None
       prompt = t.request.prompt_token_ids if want else ()
-      if not want or c.start_position + 1 >= len(prompt):
+      # (a preempted request recomputes its prompt: positions it has are not scored again)
+      first = max(c.start_position + 1, len(t.prompt_logprobs) if want else 0)
+      if not want or first >= min(len(prompt), c.start_position + 1 + len(c.token_ids)):
         targets.append(None)
         continue
       nxt = np.arange(c.start_position + 1, c.start_position + 1 + len(c.token_ids))
-      targets.append(np.where(nxt < len(prompt),
-                              np.asarray(prompt)[np.minimum(nxt, len(prompt) - 1)], -1))
+      scored = (nxt >= first) & (nxt < len(prompt))
+      targets.append(np.where(scored, np.asarray(prompt)[np.minimum(nxt, len(prompt) - 1)],
+                              -1))
       top = max(top, t.request.sampling_params.prompt_logprobs)
     if all(t is None for t in targets):
       return None, 0
     return targets, min(MAX_LOGPROBS, self.vocab_size) if top else 0
 
   def _gather_prompt_logprobs(self, out, targets, scores) -> None:
-    """Appends each scored chunk's entries to its request, in prompt order (a preempted
-    request recomputes its prompt: positions it already has are skipped)."""
+    """Appends each scored chunk's entries to its request, in prompt order (its scored
+    rows are consecutive positions from the first it lacks: _prompt_targets)."""
     target, top = jax.device_get(scores)
     row = 0
     for c, want in zip(out.chunks, targets):
       if want is not None:
         t = self._tracked[c.request_id]
         count = t.request.sampling_params.prompt_logprobs
-        for i in range(len(c.token_ids)):
-          token = int(want[i])
-          if token < 0 or c.start_position + 1 + i != len(t.prompt_logprobs):
-            continue
-          pairs = ([(int(k), float(v)) for k, v in zip(top[1][row + i, :count],
-                                                       top[0][row + i, :count])]
+        for k in np.flatnonzero(want >= 0) + row:
+          pairs = ([(int(i), float(v)) for i, v in zip(top[1][k, :count], top[0][k, :count])]
                    if count else [])
-          t.prompt_logprobs.append(TokenLogprob(token, float(target[row + i]), pairs))
+          t.prompt_logprobs.append(TokenLogprob(int(want[k - row]), float(target[k]), pairs))
       row += len(c.token_ids)
 
   def _emit(self, tokens: dict, logprobs: dict, finished) -> None:

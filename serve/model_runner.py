@@ -101,6 +101,9 @@ def serving_plan(mesh) -> ShardingPlan | None:
   return ShardingPlan(mesh, params, params, params, acts)
 
 
+SCORE_ROWS = 256   # rows whose full-vocabulary logits a scored step holds at once
+
+
 class StepResult(NamedTuple):
   """One step's sampled rows, on the device: logits [S, vocab] (rows past num_sampled are
   padding) and each row's greedy token [S] (argmax over the first `vocab_size` ids, as
@@ -175,18 +178,31 @@ class ModelRunner:
     return logits, greedy, cache
 
   def _run_scored(self, params, cache, batch, rope, targets, *, top_n):
-    """_run, plus every token row's log p of its target (the next prompt token; -1:
-    none) and top_n, over the real vocabulary: the prompt logprobs."""
-    cfg = self.model_cfg
+    """_run, plus each token row's log p of its target (the next prompt token; -1: none)
+    and the top_n, over the real vocabulary: the prompt logprobs. The head runs over
+    slices of SCORE_ROWS rows (lax.map), so its logits never take more than
+    SCORE_ROWS x vocab floats, however many tokens the step has."""
+    cfg, vocab = self.model_cfg, self.vocab_size
     hidden, cache = paged.paged_forward(params, cache, batch, cfg, impl=self.impl,
                                         plan=self.plan, rope=rope)
     logits = model_logits(params, hidden[:, batch.sample_rows], cfg, self.plan)[0]
-    greedy = jnp.argmax(logits[:, :self.vocab_size], axis=-1).astype(jnp.int32)
-    every = model_logits(params, hidden, cfg, self.plan)[0, :, :self.vocab_size]
-    logp = jax.nn.log_softmax(every, axis=-1)
-    target = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[:, None], axis=1)[:, 0]
-    top = jax.lax.top_k(logp, top_n) if top_n else None
-    return logits, greedy, cache, (target, top)
+    greedy = jnp.argmax(logits[:, :vocab], axis=-1).astype(jnp.int32)
+    rows = hidden.shape[1]
+    size = min(rows, SCORE_ROWS)
+    slices = -(-rows // size)
+    pad = slices * size - rows
+    h = jnp.pad(hidden[0], ((0, pad), (0, 0))).reshape(slices, 1, size, -1)
+    t = jnp.pad(targets, (0, pad), constant_values=-1).reshape(slices, size)
+
+    def score(args):
+      h, t = args
+      logp = jax.nn.log_softmax(model_logits(params, h, cfg, self.plan)[0, :, :vocab], -1)
+      target = jnp.take_along_axis(logp, jnp.maximum(t, 0)[:, None], axis=1)[:, 0]
+      return target, (jax.lax.top_k(logp, top_n) if top_n else None)
+
+    target, top = jax.lax.map(score, (h, t))
+    flat = lambda x: x.reshape(slices * size, *x.shape[2:])[:rows]  # noqa: E731
+    return logits, greedy, cache, (flat(target), top and jax.tree.map(flat, top))
 
   @property
   def num_compiles(self) -> int:
@@ -211,7 +227,8 @@ class ModelRunner:
     """`execute`, with the logits left padded and the greedy tokens beside them.
 
     targets: per chunk, None or the token ids its rows should score (one per token of
-    the chunk; -1: none), giving StepResult.scores with top_n alternatives per row."""
+    the chunk; -1: none), giving StepResult.scores with top_n alternatives per row.
+    Scored steps are their own programs, compiled on first use (not by warmup)."""
     chunks = list(out.chunks)
     if not chunks:
       empty = jnp.zeros((0, self.model_cfg.vocab_size), jnp.float32)

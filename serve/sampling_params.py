@@ -3,7 +3,7 @@
 Ranges follow the OpenAI API where it defines one (temperature 0..2, top_p in (0, 1],
 logprobs 0..20, presence and frequency penalties -2..2, logit_bias -100..100 per token) and
 vLLM's extensions otherwise (top_k, -1 or 0 for off; min_p in [0, 1]; repetition_penalty
-in (0, 2]; stop_token_ids; ignore_eos). Logprobs are the model's own ("raw": before temperature and
+> 0; stop_token_ids; ignore_eos). Logprobs are the model's own ("raw": before temperature and
 filters, as vLLM reports by default). A seed is any integer (used modulo 2**64). Errors are `SamplingParamsError`, a ValueError whose `param`
 is the OpenAI field name, so the server can put it in the error body.
 """
@@ -16,7 +16,7 @@ MAX_TEMPERATURE = 2.0      # OpenAI's range; hotter than 2 is noise for any mode
 MAX_LOGPROBS = 20          # OpenAI's top_logprobs limit (completions' own is 5; we allow 20)
 MAX_STOP = 16              # OpenAI allows 4; vLLM any. Bounded: each token scans them all
 GREEDY_BELOW = 1e-5        # temperatures under this sample greedily (dividing by them overflows)
-MAX_PENALTY = 2.0          # OpenAI's presence/frequency range [-2, 2]; repetition (0, 2]
+MAX_PENALTY = 2.0          # OpenAI's presence/frequency range [-2, 2]
 MAX_LOGIT_BIAS = 100.0     # OpenAI's range [-100, 100]
 MAX_LOGIT_BIAS_TOKENS = 300   # bounded: the biased ids travel to the device every step
 
@@ -85,8 +85,7 @@ class SamplingParams:
       _check_int('prompt_logprobs', self.prompt_logprobs, 0, MAX_LOGPROBS)
     _check_float('presence_penalty', self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
     _check_float('frequency_penalty', self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
-    _check_float('repetition_penalty', self.repetition_penalty, 0.0, MAX_PENALTY,
-                 low_open=True)
+    _check_float('repetition_penalty', self.repetition_penalty, 0.0, math.inf, low_open=True)
     _check_logit_bias(self.logit_bias, vocab_size)
 
 
@@ -153,9 +152,12 @@ def _logit_bias(bias) -> dict:
   out = {}
   for key, value in bias.items():
     try:
-      out[int(key)] = value
+      token = int(key)
     except ValueError:
       raise SamplingParamsError('logit_bias', f'keys must be token ids, got {key!r}') from None
+    if token in out:
+      raise SamplingParamsError('logit_bias', f'token {token} is given twice')
+    out[token] = value
   return out
 
 

@@ -172,7 +172,7 @@ def _check_common(state: ServerState, body: _Body) -> None:
 
 
 def _completion_prompts(state: ServerState,
-                        body: CompletionBody) -> tuple[list[list[int]], list[str]]:
+                        body: CompletionBody) -> tuple[list[list[int]], list[str] | None]:
   if body.best_of not in (None, 1):
     raise ApiError(400, f'best_of: only 1 is supported, got {body.best_of}.', param='best_of')
   prompt = body.prompt
@@ -185,6 +185,8 @@ def _completion_prompts(state: ServerState,
   if not prompts:
     raise ApiError(400, 'prompt: the list of prompts is empty.', param='prompt')
   ids = [_prompt_ids(state, p) for p in prompts]
+  if not body.echo:
+    return ids, None
   # echo repeats a text prompt as given, a token prompt decoded
   return ids, [p if isinstance(p, str) else state.served.tokenizer.decode(i)
                for p, i in zip(prompts, ids)]
@@ -232,6 +234,9 @@ def _sampling_params(state: ServerState, body: dict, prompt_len: int, chat: bool
                                 default_max_tokens=default)
     if body.get('echo') and not chat and params.logprobs is not None:
       params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+    if _prompt_only(body, chat):   # the dropped token: greedy, and nothing can stop it
+      params = dataclasses.replace(params, temperature=0.0, ignore_eos=True, stop=[],
+                                   stop_token_ids=[])
   except sp_lib.SamplingParamsError as e:
     raise ApiError(400, str(e), param=e.param) from None
   param = 'messages' if chat else 'prompt'
@@ -249,7 +254,8 @@ def _sampling_params(state: ServerState, body: dict, prompt_len: int, chat: bool
 def _prompt_only(body: dict, chat: bool) -> bool:
   """Completions with echo and max_tokens 0: score the prompt, generate nothing (what
   lm-evaluation-harness sends for log-likelihoods)."""
-  return not chat and bool(body.get('echo')) and body.get('max_tokens') == 0
+  tokens = body.get('max_tokens')
+  return not chat and bool(body.get('echo')) and type(tokens) is int and tokens == 0
 
 
 # --- the engine side of a request ---
@@ -262,6 +268,11 @@ def _submit(state: ServerState, prompts: list[list[int]], params: list,
   seed + j, as vLLM's parallel sampling does, so the n differ and each can be reproduced
   alone."""
   base, n = uuid.uuid4().hex, n or 1
+  limit = state.engine.max_waiting_requests
+  if len(prompts) * n > limit:
+    raise ApiError(400, f'n: {len(prompts)} prompts x n={n} are {len(prompts) * n} requests, '
+                   f'more than the server ever queues ({limit}, --max-waiting-requests); '
+                   'send fewer per call.', param='n')
   reqs = []
   try:
     for i, (ids, p) in enumerate(zip(prompts, params)):
@@ -301,7 +312,9 @@ def _apply(state: ServerState, r: _Req, out):
   if out.prompt_logprobs is not None:
     r.prompt_logprobs = out.prompt_logprobs
   if r.prompt_only:
-    out = dataclasses.replace(out, new_token_ids=[], new_text='', logprobs=None)
+    out = dataclasses.replace(out, new_token_ids=[], new_text='', logprobs=None,
+                              finish_reason='length' if out.finish_reason in ('stop', 'length')
+                              else out.finish_reason)
   r.text += out.new_text
   r.token_ids.extend(out.new_token_ids)
   if out.logprobs:

@@ -189,17 +189,23 @@ def test_prompt_logprobs_equal_the_training_forwards_over_chunks_and_cached_pref
     varied, prompts):
   """prompt_logprobs=N: each prompt token's log p and top N under the training forward,
   the first None; the 50-token prompt is prefilled in chunks of at most 32 tokens, and
-  is computed again (no prefix-cache hit) though an earlier request cached it."""
+  is computed again (no prefix-cache hit) though an earlier request cached it; with 5
+  usable blocks the requests preempt each other and recompute their prompts."""
   cfg, vocab = varied.model_cfg, varied.tokenizer.vocab_size
   forward = jax.jit(lambda p, t: model.logits(p, model.forward(p, t, cfg), cfg))
-  with Engine(varied, ServeConfig(num_blocks=40, max_num_seqs=4,
+  with Engine(varied, ServeConfig(num_blocks=6, max_num_seqs=4,
                                   max_num_batched_tokens=32)) as eng:
     eng.generate(prompts[:1], GREEDY)   # caches prompt 0's full blocks
     hits = eng.stats().prefix_cache_hits
     asks = [SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=n) for n in (3, 0)]
-    got = eng.generate(prompts[:2], asks)
+    alone = eng.generate(prompts[:1], asks[:1])
     assert eng.stats().prefix_cache_hits == hits
-  for result, prompt, ask in zip(got, prompts, asks):
+    asks.insert(1, SamplingParams(max_tokens=2, temperature=0.0))   # none asked
+    got = eng.generate(prompts[:3], asks)
+    assert eng.scheduler.num_preemptions > 0
+  assert got[1].prompt_logprobs is None and got[0].prompt_logprobs == alone[0].prompt_logprobs
+  del got[1], asks[1]
+  for result, prompt, ask in zip(got, prompts[:1] + prompts[2:3], asks):
     logp = np.asarray(jax.nn.log_softmax(
         forward(varied.params, jnp.asarray([prompt]))[0, :, :vocab], axis=-1))
     entries = result.prompt_logprobs
@@ -209,9 +215,10 @@ def test_prompt_logprobs_equal_the_training_forwards_over_chunks_and_cached_pref
     np.testing.assert_allclose([e.logprob for e in entries[1:]], want, atol=2e-4)
     for q, e in enumerate(entries[1:]):
       assert len(e.top) == ask.prompt_logprobs
-      if e.top:
-        assert [t for t, _ in e.top] == np.argsort(-logp[q])[:3].tolist()
-        np.testing.assert_allclose([v for _, v in e.top], np.sort(logp[q])[::-1][:3],
+      n = ask.prompt_logprobs
+      if n:
+        assert [t for t, _ in e.top] == np.argsort(-logp[q])[:n].tolist()
+        np.testing.assert_allclose([v for _, v in e.top], np.sort(logp[q])[::-1][:n],
                                    atol=2e-4)
   assert len(prompts[0]) == 50 and got[0].token_ids   # then it generates as usual
 

@@ -248,7 +248,7 @@ def test_bad_shapes_are_refused():
     ('stop', ['a'] * 17), ('stop_token_ids', [VOCAB]), ('stop_token_ids', [-1]),
     ('ignore_eos', 1), ('logprobs', 21), ('logprobs', -1), ('logprobs', True),
     ('presence_penalty', 2.5), ('frequency_penalty', -2.1), ('repetition_penalty', 0.0),
-    ('repetition_penalty', 2.1), ('logit_bias', {VOCAB: 1.0}), ('logit_bias', {1: 101}),
+    ('repetition_penalty', float('inf')), ('logit_bias', {VOCAB: 1.0}), ('logit_bias', {1: 101}),
     ('logit_bias', {1: 'x'}), ('logit_bias', [1]), ('logit_bias', {i: 1 for i in range(301)})])
 def test_validate_names_the_field(field, value):
   with pytest.raises(SamplingParamsError) as err:
@@ -377,6 +377,7 @@ def test_from_openai_chat():
     (False, {'repetition_penalty': 0}, 'repetition_penalty'),
     (False, {'logit_bias': {'one': 5}}, 'logit_bias'), (False, {'logit_bias': [5]}, 'logit_bias'),
     (False, {'logit_bias': {'999': 5}}, 'logit_bias'), (True, {'best_of': 2}, 'best_of'),
+    (False, {'logit_bias': {'1': 5, '01': 2}}, 'logit_bias'),
     (True, {'max_completion_tokens': 0}, 'max_completion_tokens'),
     (True, {'logprobs': 1}, 'logprobs'), (True, {'top_logprobs': 3}, 'top_logprobs'),
     (True, {'logprobs': True, 'top_logprobs': 21}, 'top_logprobs'),

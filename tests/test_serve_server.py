@@ -61,6 +61,10 @@ class FakeEngine:
     self._thread.start()
 
   @property
+  def max_waiting_requests(self) -> int:
+    return self.max_waiting
+
+  @property
   def held(self) -> int:
     with self._lock:
       return len(self._live)
@@ -232,15 +236,23 @@ def test_n_choices_per_prompt_with_seeds_and_usage(fake_server, fake):
 
 def test_n_choices_wait_together_in_the_queue_or_not_at_all(fake):
   """n requests of one call are admitted together: a queue that cannot take them all
-  takes none (429) and holds nothing afterwards."""
+  takes none (429); more than the queue ever holds is a 400."""
   small = FakeEngine(max_waiting=4)
   server = ServerThread(create_app(small, FakeServed()))
   try:
-    with pytest.raises(openai.RateLimitError):
-      _client(server).completions.create(model='fake', prompt='ab', max_tokens=2, n=5)
-    assert small.held == 0 and len(small.aborted) == 4
+    small.paused = True
+    waiting = [small.add_request([97], sp_lib.SamplingParams(max_tokens=2), f'w{i}')
+               for i in range(2)]
+    with pytest.raises(openai.RateLimitError):   # 2 + 3 > 4: the third is refused
+      _client(server).completions.create(model='fake', prompt='ab', max_tokens=2, n=3)
+    assert small.held == 2 and len(small.aborted) == 2
+    small.paused = False
+    assert [len(s.result().token_ids) for s in waiting] == [2, 2]
     assert len(_client(server).completions.create(model='fake', prompt='ab', max_tokens=2,
                                                    n=4).choices) == 4
+    with pytest.raises(openai.BadRequestError, match='more than the server ever queues'):
+      _client(server).completions.create(model='fake', prompt=['ab', 'cd'], max_tokens=2,
+                                         n=3)   # 6 > 4: no retry would help
   finally:
     server.stop()
     small.shutdown()
@@ -600,6 +612,13 @@ def test_echo_scores_the_prompt_as_the_training_forward_does(real_server, real_e
   streamed = [x for c in chunks if c.choices[0].logprobs
               for x in c.choices[0].logprobs.token_logprobs]
   assert streamed == lp.token_logprobs
+  # several prompts x n: choice i echoes prompt i // n
+  many = client.completions.create(model='tiny', prompt=[prompt, prompt[:5]], max_tokens=0,
+                                   echo=True, logprobs=0, n=2)
+  assert [c.text for c in sorted(many.choices, key=lambda c: c.index)] == (
+      [choice.text] * 2 + [bytes(prompt[:5]).decode()] * 2)
+  np.testing.assert_allclose(many.choices[3].logprobs.token_logprobs[1:], want[:4], atol=2e-4)
+  assert all(c.finish_reason == 'length' for c in many.choices)
   # echo with a completion: the prompt text, then what the same request without it gives
   plain = client.completions.create(model='tiny', prompt='def ', max_tokens=4, temperature=0)
   echoed = client.completions.create(model='tiny', prompt='def ', max_tokens=4,
