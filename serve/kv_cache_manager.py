@@ -46,9 +46,10 @@ class KVCacheManager:
     """The longest run of cached blocks that starts the request's tokens.
 
     Never the whole sequence: its last token must be computed to give logits, so a full
-    hit stops one token short, which at a block boundary is one whole block short.
+    hit stops one token short, which at a block boundary is one whole block short. None
+    for a request that needs its prompt's logits (prompt logprobs): it computes them all.
     """
-    if not self.enable_caching:
+    if not self.enable_caching or request.needs_prompt_logits:
       return []
     hashes = self._request_hashes(request)
     hits = []
@@ -121,7 +122,7 @@ class KVCacheManager:
     table = self._tables[request.request_id] = list(computed_blocks)
     self._block_ids[request.request_id] = [b.block_id for b in computed_blocks]
     self._num_cached[request.request_id] = len(computed_blocks)
-    if self.enable_caching:
+    if self.enable_caching and not request.needs_prompt_logits:   # it looked the cache up
       self.prefix_cache_queries += request.num_tokens
       self.prefix_cache_hits += len(computed_blocks) * self.block_size
     return table

@@ -63,6 +63,11 @@ class Request:
   def is_finished(self) -> bool:
     return self.status.is_finished
 
+  @property
+  def needs_prompt_logits(self) -> bool:
+    """Prompt logprobs need every prompt token's logits: no prefix is taken from the cache."""
+    return self.sampling_params.prompt_logprobs is not None
+
   def token_ids(self, start: int, end: int) -> list[int]:
     """all_token_ids[start:end] without building the whole list (decode steps ask for one)."""
     num_prompt = len(self.prompt_token_ids)

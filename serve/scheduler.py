@@ -220,9 +220,7 @@ class Scheduler:
   def _schedule_waiting(self, budget: int, chunks: list) -> int:
     while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
       request = self.waiting[0]
-      # Prompt logprobs need every prompt token's logits: no prefix-cache hits.
-      hits = ([] if request.sampling_params.prompt_logprobs is not None
-              else self.kv.get_computed_blocks(request))
+      hits = self.kv.get_computed_blocks(request)
       num_computed = len(hits) * self.cfg.block_size
       num_tokens = request.num_tokens
       num_new = self._num_new_tokens(num_tokens, num_computed, budget)

@@ -197,6 +197,30 @@ def test_prefix_hit_skips_cached_blocks_and_keeps_the_last_token():
     assert r.output_token_ids == reference_output(r.prompt_token_ids, r.sampling_params, None)
 
 
+def test_prompt_logprobs_request_computes_its_whole_prompt_and_is_no_cache_query():
+  """Its prompt's logits are needed: a cached prefix is not taken, nor counted as looked up."""
+  sched = scheduler(enable_prefix_caching=True)
+  runner = FakeRunner(sched)
+  sched.add_request(make('a', range(10), max_tokens=1))
+  step(sched, runner)
+  queries, hits = sched.prefix_cache_queries, sched.prefix_cache_hits
+  d = make('d', range(10), max_tokens=2, prompt_logprobs=1)
+  sched.add_request(d)
+  out, _ = step(sched, runner)
+  assert [(c.request_id, c.start_position, len(c.token_ids)) for c in out.chunks] == [
+      ('d', 0, 10)]
+  assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (queries, hits)
+  e = make('e', range(10), max_tokens=1)   # an ordinary request still hits
+  sched.add_request(e)
+  out, _ = step(sched, runner)
+  assert ('e', 8, 2) in [(c.request_id, c.start_position, len(c.token_ids))
+                         for c in out.chunks]
+  assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (queries + 10, hits + 8)
+  while sched.has_unfinished_requests():
+    step(sched, runner)
+  assert d.output_token_ids == reference_output(d.prompt_token_ids, d.sampling_params, None)
+
+
 def test_abort_while_waiting_and_running_frees_everything():
   sched = scheduler(max_num_seqs=1)
   runner = FakeRunner(sched)
