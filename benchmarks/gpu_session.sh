@@ -3,7 +3,10 @@
 # the device tool; logs and JSON land in $OUT. The kernel stages (tests .. packed) need
 # only jax, numpy and pytest, which the GPU image has; planner and train_* import the
 # training stack (flax, optax, orbax, grain, ml_collections, rich, tensorboardX), which
-# `machine` lists as found or missing: the machine has no network to install them.
+# `machine` lists as found or missing: the machine has no network to install them. The
+# image lacks grain, ml_collections and tensorboardX: run benchmarks/gpu_wheels.sh here
+# first and name .whl in the call's carry; the wheels found there are installed into
+# /tmp/site before the first stage.
 # Stages, run in the order given (default: all of them):
 #
 #   machine       GPU, clocks, jax and jaxlib versions                          ~10 s
@@ -29,12 +32,14 @@
 #                 model in bfloat16, continuous batching against transformers'
 #                 static batches of 64 on the same GPU, 256 requests, 2 passes   ~6 min
 #
-# All of it is more than the 30 minutes of device time a session has: take the stages
-# the open issues need first (issue 16 lists them in order). The serve stage also
-# needs torch, transformers and tokenizers (`machine` lists them).
+# All of it is far more than the 15 minutes of device time a session has now (the
+# machine's start, a few minutes, counts too): take the stages the open issues need
+# first, in issue 16's order (tests, attention, paged_decode, then train_64k, serve),
+# with planner and planner_64k for issue 14's fit. The serve stage also needs torch,
+# transformers and tokenizers (`machine` lists them; the image has them).
 #
 # The device tool stops a command at 10 minutes, so split the stages over calls, made
-# back to back (the machine is given back after 30 s idle):
+# back to back (the machine is given back after 30 s idle), for example:
 #   bash benchmarks/gpu_session.sh machine tests
 #   bash benchmarks/gpu_session.sh attention
 #   bash benchmarks/gpu_session.sh tiles
@@ -51,6 +56,10 @@ OUT=${OUT:-/tmp/meshlm_gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" > /dev/null; then   # carried wheels (benchmarks/gpu_wheels.sh)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 
 stage() {  # stage NAME SECONDS COMMAND...: runs it with a limit, log in $OUT/NAME.txt
   local name=$1 limit=$2
