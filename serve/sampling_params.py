@@ -161,11 +161,30 @@ def _logit_bias(bias) -> dict:
   return out
 
 
-# Fields vLLM and OpenAI define that are not implemented here: refused unless left at their
-# neutral value, so a client never silently gets something other than it asked for. (The
+# Fields OpenAI and vLLM define that would change what is generated but are not
+# implemented here: refused unless absent, null or one of the values that ask for nothing
+# (the tuple), so a client never silently gets something other than it asked for. The
 # server takes n itself, a request per choice; the batch CLI wants one completion a line.
-# Prompt logprobs come with completions' echo and logprobs, in OpenAI's shape.)
-_NEUTRAL = {'n': 1, 'best_of': 1, 'prompt_logprobs': None}
+# Prompt logprobs come with completions' echo and logprobs, in OpenAI's shape.
+_UNSUPPORTED = {
+    'n': (1,), 'best_of': (1,), 'prompt_logprobs': (), 'use_beam_search': (False,),
+    'guided_json': (), 'guided_regex': (), 'guided_choice': (), 'guided_grammar': (),
+    'structured_outputs': (), 'logits_processors': (), 'allowed_token_ids': (),
+    'bad_words': ([],), 'min_tokens': (0,), 'include_stop_str_in_output': (False,),
+    'skip_special_tokens': (True,), 'truncate_prompt_tokens': (),
+}
+_UNSUPPORTED_CHAT = {   # with no tools, tool_choice 'none' and 'auto' both mean plain text
+    'response_format': ({'type': 'text'},), 'tools': ([],), 'functions': ([],),
+    'tool_choice': ('none', 'auto'), 'function_call': ('none', 'auto'),
+    'echo': (False,), 'add_generation_prompt': (True,), 'continue_final_message': (False,),
+}
+_UNSUPPORTED_COMPLETION = {'response_format': ({'type': 'text'},), 'suffix': ('',)}
+_HINTS = {
+    'response_format': 'structured output (JSON mode, JSON schema) is not implemented',
+    'tools': 'tool calling is not implemented', 'functions': 'tool calling is not implemented',
+    'min_tokens': 'ignore_eos with max_tokens gives an exact length',
+    'prompt_logprobs': 'completions with "echo": true and "logprobs" give the prompt\'s',
+}
 
 
 def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
@@ -179,7 +198,7 @@ def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
   """
   if not isinstance(body, dict):
     raise SamplingParamsError('body', f'must be a JSON object, got {type(body).__name__}')
-  _refuse_unsupported(body)
+  _refuse_unsupported(body, chat)
 
   def get(name, default):      # JSON null means "the default", as OpenAI reads it
     return default if body.get(name) is None else body[name]
@@ -208,12 +227,16 @@ def _max_tokens(body: dict, chat: bool, default: int):
   return default if body.get('max_tokens') is None else body['max_tokens']
 
 
-def _refuse_unsupported(body: dict):
-  for name, neutral in _NEUTRAL.items():
+def _refuse_unsupported(body: dict, chat: bool):
+  fields = {**_UNSUPPORTED, **(_UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETION)}
+  for name, neutral in fields.items():
     value = body.get(name)
-    if value is not None and value != neutral:
-      raise SamplingParamsError(
-          name, f'is not supported here; leave it out or set it to {json.dumps(neutral)}')
+    if value is None or value in neutral:
+      continue
+    hint = f' ({_HINTS[name]})' if name in _HINTS else ''
+    allowed = ' or '.join(json.dumps(v) for v in neutral)
+    raise SamplingParamsError(name, f'is not supported here{hint}; leave it out'
+                              + (f' or set it to {allowed}' if neutral else ''))
 
 
 def _stop_list(stop):

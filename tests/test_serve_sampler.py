@@ -368,6 +368,37 @@ def test_from_openai_chat():
   assert chat({'logprobs': False}).logprobs is None
 
 
+@pytest.mark.parametrize('chat,field,value', [
+    (True, 'response_format', {'type': 'json_object'}),
+    (False, 'response_format', {'type': 'json_schema', 'json_schema': {}}),
+    (True, 'tools', [{'type': 'function', 'function': {'name': 'f'}}]),
+    (True, 'tool_choice', 'required'), (True, 'functions', [{'name': 'f'}]),
+    (True, 'add_generation_prompt', False), (True, 'echo', True),
+    (False, 'suffix', 'end'), (False, 'guided_json', {}), (True, 'guided_choice', ['a']),
+    (False, 'min_tokens', 4), (False, 'include_stop_str_in_output', True),
+    (False, 'skip_special_tokens', False), (False, 'use_beam_search', True),
+    (False, 'bad_words', ['x']), (False, 'allowed_token_ids', [1]),
+    (False, 'truncate_prompt_tokens', 8)])
+def test_fields_that_change_the_output_but_are_not_implemented_are_refused(chat, field, value):
+  """Never silently ignored: a 400 naming the field, unless the value asks for nothing."""
+  with pytest.raises(SamplingParamsError, match='not supported here') as err:
+    from_openai({field: value}, VOCAB, chat=chat)
+  assert err.value.param == field
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted():
+  """Clients that send every field with its default (or null) are served."""
+  chat = {'response_format': {'type': 'text'}, 'tools': [], 'tool_choice': 'auto',
+          'functions': None, 'function_call': 'none', 'echo': False,
+          'add_generation_prompt': True, 'continue_final_message': False, 'min_tokens': 0,
+          'skip_special_tokens': True, 'include_stop_str_in_output': False,
+          'guided_json': None, 'bad_words': [], 'use_beam_search': False}
+  assert from_openai(chat, VOCAB, chat=True, default_max_tokens=16) == SamplingParams()
+  completion = {'suffix': '', 'response_format': None, 'best_of': 1, 'n': 1,
+                'prompt_logprobs': None, 'echo': True}   # completions' echo is the server's
+  assert from_openai(completion, VOCAB) == SamplingParams()
+
+
 @pytest.mark.parametrize('chat,body,field', [
     (False, {'max_tokens': '16'}, 'max_tokens'), (False, {'temperature': 'hot'}, 'temperature'),
     (False, {'stop': 5}, 'stop'), (False, {'stop': ['a', 3]}, 'stop'),
