@@ -13,7 +13,9 @@ window starts a few prompt tokens back, so the first output token's spacing is r
 Stop strings: text that could still become a stop string is held back; when one completes,
 the text before it (with it, if include_stop) is the last piece. The stop that completes
 first wins (the longest, if several end at the same character), so the result does not
-depend on how the text was split into tokens.
+depend on how the text was split into tokens. With min_tokens (vLLM's), the text decoded
+up to the min_tokens-th output token is emitted as it comes, and stop strings are looked
+for only in the text decoded after it.
 
 The pieces (and `text`, their concatenation) equal the full decode of the output cut at
 the stop, with one exception: a byte-fallback decoder (Llama-2, Mistral) turns a run of
@@ -29,8 +31,10 @@ REPLACEMENT = '\ufffd'  # what decoders put for bytes that are not (yet) a whole
 class IncrementalDetokenizer:
   """Feed output token ids one at a time; get back text safe to show."""
 
-  def __init__(self, tokenizer, prompt_ids, stop: list[str], include_stop: bool = False):
+  def __init__(self, tokenizer, prompt_ids, stop: list[str], include_stop: bool = False,
+               min_tokens: int = 0):
     self._tokenizer = tokenizer
+    self._unchecked = min_tokens        # tokens still to come whose text no stop may end
     self._ids = [int(t) for t in list(prompt_ids)[-PROMPT_CONTEXT:]]
     self._prefix, self._read = 0, len(self._ids)
     self._stop = list(stop)
@@ -45,6 +49,9 @@ class IncrementalDetokenizer:
     if self.finished:
       return '', None
     self._ids.append(int(token_id))
+    if self._unchecked > 0:
+      self._unchecked -= 1
+      return self._emit(self._decode_new(final=False)), None
     return self._scan(self._decode_new(final=False))
 
   def flush(self) -> str:

@@ -184,6 +184,14 @@ def collect(request_id: str, prompt_ids: list[int], outs: list[RequestOutput]):
       last.metrics, outs[0].prompt_logprobs)
 
 
+def _not_yet(req: Request) -> list[int]:
+  """The tokens the request may not draw now: before min_tokens, its eos and stop ids."""
+  params = req.sampling_params
+  if req.num_output_tokens >= params.min_tokens:
+    return []
+  return list(params.stop_token_ids) + ([] if req.eos_token_id is None else [req.eos_token_id])
+
+
 @dataclasses.dataclass
 class _Tracked:
   """The engine's side of a live request."""
@@ -369,7 +377,8 @@ class Engine:
       self.scheduler.add_request(request)
       self._tracked[request_id] = _Tracked(
           request, stream,
-          IncrementalDetokenizer(self.served.tokenizer, prompt_ids, list(params.stop)),
+          IncrementalDetokenizer(self.served.tokenizer, prompt_ids, list(params.stop),
+                                 params.include_stop_str_in_output, params.min_tokens),
           RequestMetrics(request.arrival_time, len(prompt_ids)),
           None if params.prompt_logprobs is None else [None])
     self._wake.set()
@@ -569,7 +578,7 @@ class Engine:
       res = self.sampler(step.logits[:len(rows)], params,
                          [t.request.num_output_tokens for t in rows], self.vocab_size,
                          [(t.request.prompt_token_ids, t.request.output_token_ids)
-                          for t in rows])
+                          for t in rows], [_not_yet(t.request) for t in rows])
     tokens, logprobs = {}, {}
     for i, t in enumerate(rows):
       rid, token = t.request.request_id, int(res.token_ids[i])

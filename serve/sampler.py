@@ -5,8 +5,9 @@ top-k, top-p and min-p rows; programs differ only by the row bucket (a power of 
 which filters some row uses and by whether any row wants top logprobs.
 
 Before them the logits are adjusted as vLLM does (`adjusted_logits`): logit_bias, then the
-repetition, frequency and presence penalties, from each row's prompt and output tokens;
-greedy rows take the argmax of the adjusted logits. Filters apply in the order Hugging
+repetition, frequency and presence penalties, from each row's prompt and output tokens,
+then the tokens a row may not draw yet (eos and stop ids before its min_tokens) go to
+-inf; greedy rows take the argmax of the adjusted logits. Filters apply in the order Hugging
 Face applies them: temperature, top-k, top-p (on the top-k survivors, renormalised), min-p
 (relative to the most likely token, so it commutes with the others). Tokens tied with the last kept one are kept. Logprobs are the "raw"
 ones (vLLM's default): log_softmax of the unmodified logits over the real vocabulary, so
@@ -43,16 +44,19 @@ class Sampler:
     self._rng = np.random.default_rng(seed)
 
   def __call__(self, logits, params: list[SamplingParams], steps: list[int],
-               vocab_size: int, history=None) -> SampleResult:
-    return sample(logits, params, steps, vocab_size, rng=self._rng, history=history)
+               vocab_size: int, history=None, banned=None) -> SampleResult:
+    return sample(logits, params, steps, vocab_size, rng=self._rng, history=history,
+                  banned=banned)
 
 
 def sample(logits: jax.Array, params: list[SamplingParams], steps: list[int], vocab_size: int,
-           rng: np.random.Generator | None = None, history=None) -> SampleResult:
+           rng: np.random.Generator | None = None, history=None,
+           banned=None) -> SampleResult:
   """One token per row of logits [N, V >= vocab_size]; ids >= vocab_size are never drawn.
 
   history: each row's (prompt token ids, output token ids so far), which the penalties
-  read; needed only when some row has one."""
+  read; needed only when some row has one. banned: each row's token ids that must not be
+  drawn this step (the engine's eos and stop ids before min_tokens), or None."""
   n = len(params)
   if logits.ndim != 2 or logits.shape[0] != n or len(steps) != n:
     raise ValueError(f'sample: logits {logits.shape} must be [len(params)={n}, vocab] and '
@@ -65,7 +69,7 @@ def sample(logits: jax.Array, params: list[SamplingParams], steps: list[int], vo
   logits = jnp.asarray(logits)
   padded = jnp.pad(logits, ((0, rows - n), (0, 0))) if rows > n else logits
   want_top = any(p.logprobs for p in params)
-  adjust = _adjust_arrays(params, history, rows, vocab_size)
+  adjust = _adjust_arrays(params, history, rows, vocab_size, banned)
   out = _sample_rows(padded, *row_args, adjust, vocab_size=vocab_size,
                      filters=_filters(params, vocab_size),
                      logprobs=any(p.logprobs is not None for p in params),
@@ -115,11 +119,12 @@ def _row_arrays(params, steps, rng, rows, vocab_size):
           keys, column(steps, 0, np.int32))
 
 
-def _adjust_arrays(params, history, rows, vocab_size) -> dict | None:
+def _adjust_arrays(params, history, rows, vocab_size, banned=None) -> dict | None:
   """adjusted_logits' arguments for the rows (None: no row adjusts its logits). Token ids
   are padded with vocab_size, which the scatters drop, to a power-of-two width (>= 16):
   one program per width, not per length."""
-  if not any(p.adjusts_logits for p in params):
+  ban = banned is not None and any(len(b) for b in banned)
+  if not ban and not any(p.adjusts_logits for p in params):
     return None
   pad = rows - len(params)
   repeat = any(p.repetition_penalty != 1 for p in params)
@@ -149,14 +154,20 @@ def _adjust_arrays(params, history, rows, vocab_size) -> dict | None:
   if any(p.logit_bias for p in params):
     adjust['bias_ids'] = padded([list(p.logit_bias) for p in params])
     adjust['bias'] = padded([list(p.logit_bias.values()) for p in params], 0.0, np.float32)
-  return adjust
+  if ban:
+    if len(banned) != len(params):
+      raise ValueError(f'sample: banned must have one list per row ({len(params)}), got '
+                       f'{len(banned)}')
+    adjust['banned'] = padded([list(b) for b in banned])
+  return adjust or None
 
 
 def adjusted_logits(logits, output=None, presence=None, frequency=None, seen=None,
-                    repetition=None, bias_ids=None, bias=None):
+                    repetition=None, bias_ids=None, bias=None, banned=None):
   """logits [N, V] after logit_bias (bias_ids, bias [N, B]), the repetition penalty over
-  the tokens in `seen` [N, S] and the frequency and presence penalties over the tokens of
-  `output` [N, O] (penalties [N]); ids >= V are padding."""
+  the tokens in `seen` [N, S], the frequency and presence penalties over the tokens of
+  `output` [N, O] (penalties [N]), and -inf for the tokens in `banned` [N, K]; ids >= V
+  are padding."""
   logits, rows = jnp.asarray(logits), jnp.arange(logits.shape[0])[:, None]
   if bias_ids is not None:
     logits = logits.at[rows, bias_ids].add(bias, mode='drop')
@@ -167,6 +178,8 @@ def adjusted_logits(logits, output=None, presence=None, frequency=None, seen=Non
   if output is not None:
     counts = jnp.zeros(logits.shape, jnp.float32).at[rows, output].add(1.0, mode='drop')
     logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+  if banned is not None:
+    logits = logits.at[rows, banned].set(-jnp.inf, mode='drop')
   return logits
 
 

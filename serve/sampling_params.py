@@ -3,9 +3,11 @@
 Ranges follow the OpenAI API where it defines one (temperature 0..2, top_p in (0, 1],
 logprobs 0..20, presence and frequency penalties -2..2, logit_bias -100..100 per token) and
 vLLM's extensions otherwise (top_k, -1 or 0 for off; min_p in [0, 1]; repetition_penalty
-> 0; stop_token_ids; ignore_eos). Logprobs are the model's own ("raw": before temperature and
-filters, as vLLM reports by default). A seed is any integer (used modulo 2**64). Errors are `SamplingParamsError`, a ValueError whose `param`
-is the OpenAI field name, so the server can put it in the error body.
+> 0; stop_token_ids; ignore_eos; min_tokens in [0, max_tokens];
+include_stop_str_in_output). Logprobs are the model's own ("raw": before temperature and
+filters, as vLLM reports by default). A seed is any integer (used modulo 2**64). Errors
+are `SamplingParamsError`, a ValueError whose `param` is the OpenAI field name, so the
+server can put it in the error body.
 """
 
 import dataclasses
@@ -41,6 +43,10 @@ class SamplingParams:
   stop: list[str] = dataclasses.field(default_factory=list)
   stop_token_ids: list[int] = dataclasses.field(default_factory=list)
   ignore_eos: bool = False
+  include_stop_str_in_output: bool = False   # a matched stop string ends the text, kept
+  # eos and the stop token ids cannot be drawn before this many output tokens, and stop
+  # strings are looked for only in the text of the tokens after them (vLLM's min_tokens).
+  min_tokens: int = 0
   logprobs: int | None = None   # None: none; 0: the sampled token's; N: plus the top N
   # The same for each prompt token after the first (vLLM's prompt_logprobs): computed for
   # the whole prompt, so such a request never takes its prompt from the prefix cache.
@@ -65,7 +71,8 @@ class SamplingParams:
 
   @property
   def adjusts_logits(self) -> bool:
-    return self.counts_output or self.repetition_penalty != 1 or bool(self.logit_bias)
+    return (self.counts_output or self.repetition_penalty != 1 or bool(self.logit_bias)
+            or self.min_tokens > 0)
 
   def validate(self, vocab_size: int) -> None:
     """Raises SamplingParamsError naming the first field out of range."""
@@ -79,6 +86,8 @@ class SamplingParams:
     _check_stop(self.stop)
     _check_token_ids('stop_token_ids', self.stop_token_ids, vocab_size)
     _check_bool('ignore_eos', self.ignore_eos)
+    _check_bool('include_stop_str_in_output', self.include_stop_str_in_output)
+    _check_int('min_tokens', self.min_tokens, 0, self.max_tokens)
     if self.logprobs is not None:
       _check_int('logprobs', self.logprobs, 0, MAX_LOGPROBS)
     if self.prompt_logprobs is not None:
@@ -170,8 +179,7 @@ _UNSUPPORTED = {
     'n': (1,), 'best_of': (1,), 'prompt_logprobs': (), 'use_beam_search': (False,),
     'guided_json': (), 'guided_regex': (), 'guided_choice': (), 'guided_grammar': (),
     'structured_outputs': (), 'logits_processors': (), 'allowed_token_ids': (),
-    'bad_words': ([],), 'min_tokens': (0,), 'include_stop_str_in_output': (False,),
-    'skip_special_tokens': (True,), 'truncate_prompt_tokens': (),
+    'bad_words': ([],), 'skip_special_tokens': (True,), 'truncate_prompt_tokens': (),
 }
 _UNSUPPORTED_CHAT = {   # with no tools, tool_choice 'none' and 'auto' both mean plain text
     'response_format': ({'type': 'text'},), 'tools': ([],), 'functions': ([],),
@@ -182,7 +190,6 @@ _UNSUPPORTED_COMPLETION = {'response_format': ({'type': 'text'},), 'suffix': (''
 _HINTS = {
     'response_format': 'structured output (JSON mode, JSON schema) is not implemented',
     'tools': 'tool calling is not implemented', 'functions': 'tool calling is not implemented',
-    'min_tokens': 'ignore_eos with max_tokens gives an exact length',
     'prompt_logprobs': 'completions with "echo": true and "logprobs" give the prompt\'s',
 }
 
@@ -210,6 +217,8 @@ def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
       top_p=get('top_p', 1.0), min_p=get('min_p', 0.0), seed=body.get('seed'),
       stop=_stop_list(get('stop', [])), stop_token_ids=get('stop_token_ids', []),
       ignore_eos=get('ignore_eos', False),
+      include_stop_str_in_output=get('include_stop_str_in_output', False),
+      min_tokens=get('min_tokens', 0),
       logprobs=_chat_logprobs(body) if chat else body.get('logprobs'),
       presence_penalty=get('presence_penalty', 0.0),
       frequency_penalty=get('frequency_penalty', 0.0),

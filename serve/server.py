@@ -229,6 +229,9 @@ def _sampling_params(state: ServerState, body: dict, prompt_len: int, chat: bool
     default = max(state.max_model_len - prompt_len, 1) if chat else 16
     fields = {k: v for k, v in body.items() if k != 'n'}   # n is the server's (_submit)
     if _prompt_only(body, chat):
+      if body.get('min_tokens'):
+        raise ApiError(400, 'min_tokens: echo with max_tokens 0 only scores the prompt and '
+                       'generates nothing; leave min_tokens out.', param='min_tokens')
       fields['max_tokens'] = 1   # one token is generated and dropped (_Req.prompt_only)
     params = sp_lib.from_openai(fields, state.vocab_size, chat=chat,
                                 default_max_tokens=default)

@@ -172,6 +172,21 @@ def test_adds_after_a_stop_are_ignored():
   assert detok.flush() == '' and detok.text == 'a' and detok.stop_matched == 'b'
 
 
+def test_min_tokens_looks_for_stops_only_after_them():
+  """The text of the first min_tokens tokens goes out as it comes, stops in it ignored; a
+  stop must lie wholly after them (one straddling the boundary does not count)."""
+  def run(text, stop, min_tokens):
+    detok = IncrementalDetokenizer(ByteTokenizer(), [], stop, min_tokens=min_tokens)
+    pieces = [detok.add(t) for t in text.encode()]
+    return [p for p, _ in pieces], detok.stop_matched, detok.text + detok.flush()
+  pieces, matched, text = run('a!b!c', ['!'], 2)
+  assert pieces == ['a', '!', 'b', '', ''] and matched == '!' and text == 'a!b'
+  assert run('a!b!c', ['!'], 0)[2] == 'a'
+  assert run('xyEND tail', ['END'], 3)[1:] == (None, 'xyEND tail')   # straddles: kept
+  assert run('xyEND tail', ['END'], 2)[1:] == ('END', 'xy')
+  assert run('xx', ['x'], 2)[1:] == (None, 'xx')   # min_tokens = every token: no stop
+
+
 def test_hf_stop_string_inside_one_token(tmp_path):
   tok = make_tokenizer(tmp_path, 'bytelevel')
   output = tok.encode(' the cat sat on the mat').tolist()

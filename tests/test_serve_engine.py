@@ -236,6 +236,48 @@ def test_stop_string_ends_text_before_it(engine, prompts, reference):
   assert out.text == bytes(reference[row][:first]).decode()
 
 
+def test_stop_string_kept_with_include_stop_str_in_output(engine, prompts, reference):
+  row, token = next((i, t) for i, r in enumerate(reference) for j, t in enumerate(r)
+                    if j >= 2 and 33 <= t < 127 and max(r[:j]) < 128)
+  params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                          stop=[chr(token)], include_stop_str_in_output=True)
+  [out] = engine.generate([prompts[row]], params)
+  first = reference[row].index(token)
+  assert out.finish_reason == 'stop' and out.token_ids == reference[row][:first + 1]
+  assert out.text == bytes(reference[row][:first + 1]).decode()
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids(engine, varied, prompts, reference):
+  """Before min_tokens, eos and the stop ids cannot be drawn; then they end the request.
+  Reference: the training forward's greedy tokens with those ids at -inf until then."""
+  eos = varied.eos_token_ids[0]
+  stops = {tuple(p): [r[0]] for p, r in zip(prompts[:4], reference)}   # each one's first
+  asks = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                         stop_token_ids=stops[tuple(p)], min_tokens=4) for p in prompts[:4]]
+  asks += [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logit_bias={eos: 100.0},
+                          min_tokens=3) for _ in prompts[4:6]]   # eos is everyone's argmax
+  unheld = [dataclasses.replace(a, min_tokens=0) for a in asks]
+  assert all(len(r.token_ids) == 1 for r in engine.generate(prompts[:6], unheld))
+
+  def held(row, prompt, out):
+    row = row.copy()
+    ask = asks[prompts.index(list(prompt))]
+    for token, bias in ask.logit_bias.items():
+      row[token] += bias
+    if len(out) < ask.min_tokens:
+      row[ask.stop_token_ids + ([] if ask.ignore_eos else [eos])] = -np.inf
+    return row
+  want = greedy_reference(varied, prompts[:6], MAX_TOKENS, min_margin=1e-4, adjust=held)
+  got = engine.generate(prompts[:6], asks)
+  for result, ask, tokens in zip(got, asks, want):
+    ends = ask.stop_token_ids + ([] if ask.ignore_eos else [eos])
+    last = next((j for j, t in enumerate(tokens) if j >= ask.min_tokens and t in ends),
+                MAX_TOKENS - 1)
+    assert result.token_ids == tokens[:last + 1]
+    assert result.finish_reason == ('stop' if tokens[last] in ends else 'length')
+  assert [len(r.token_ids) for r in got[4:]] == [4, 4]
+
+
 def test_outputs_go_out_while_the_next_step_runs_unless_stop_strings(
     engine, prompts, reference, monkeypatch):
   wait_idle(engine)

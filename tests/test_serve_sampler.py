@@ -351,11 +351,12 @@ def test_from_openai_defaults_and_mapping():
                      'seed': 3, 'stop': 'END', 'stop_token_ids': [1], 'ignore_eos': True,
                      'logprobs': 2, 'presence_penalty': 0.5, 'frequency_penalty': -1,
                      'repetition_penalty': 1.2, 'logit_bias': {'17': -100, '4': 2.5},
-                     'n': 1}, VOCAB)
+                     'n': 1, 'min_tokens': 2, 'include_stop_str_in_output': True}, VOCAB)
   assert got == SamplingParams(max_tokens=5, temperature=0, top_k=0, top_p=0.5, min_p=0.1,
                                seed=3, stop=['END'], stop_token_ids=[1], ignore_eos=True,
                                logprobs=2, presence_penalty=0.5, frequency_penalty=-1,
-                               repetition_penalty=1.2, logit_bias={17: -100, 4: 2.5})
+                               repetition_penalty=1.2, logit_bias={17: -100, 4: 2.5},
+                               min_tokens=2, include_stop_str_in_output=True)
   assert from_openai({'stop': None, 'temperature': None}, VOCAB) == SamplingParams()
 
 
@@ -375,7 +376,6 @@ def test_from_openai_chat():
     (True, 'tool_choice', 'required'), (True, 'functions', [{'name': 'f'}]),
     (True, 'add_generation_prompt', False), (True, 'echo', True),
     (False, 'suffix', 'end'), (False, 'guided_json', {}), (True, 'guided_choice', ['a']),
-    (False, 'min_tokens', 4), (False, 'include_stop_str_in_output', True),
     (False, 'skip_special_tokens', False), (False, 'use_beam_search', True),
     (False, 'bad_words', ['x']), (False, 'allowed_token_ids', [1]),
     (False, 'truncate_prompt_tokens', 8)])
@@ -390,8 +390,8 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
   """Clients that send every field with its default (or null) are served."""
   chat = {'response_format': {'type': 'text'}, 'tools': [], 'tool_choice': 'auto',
           'functions': None, 'function_call': 'none', 'echo': False,
-          'add_generation_prompt': True, 'continue_final_message': False, 'min_tokens': 0,
-          'skip_special_tokens': True, 'include_stop_str_in_output': False,
+          'add_generation_prompt': True, 'continue_final_message': False,
+          'skip_special_tokens': True,
           'guided_json': None, 'bad_words': [], 'use_beam_search': False}
   assert from_openai(chat, VOCAB, chat=True, default_max_tokens=16) == SamplingParams()
   completion = {'suffix': '', 'response_format': None, 'best_of': 1, 'n': 1,
@@ -412,7 +412,9 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
     (True, {'max_completion_tokens': 0}, 'max_completion_tokens'),
     (True, {'logprobs': 1}, 'logprobs'), (True, {'top_logprobs': 3}, 'top_logprobs'),
     (True, {'logprobs': True, 'top_logprobs': 21}, 'top_logprobs'),
-    (False, {'top_p': 2}, 'top_p')])
+    (False, {'top_p': 2}, 'top_p'), (False, {'min_tokens': 17}, 'min_tokens'),
+    (False, {'max_tokens': 4, 'min_tokens': -1}, 'min_tokens'),
+    (True, {'include_stop_str_in_output': 1}, 'include_stop_str_in_output')])
 def test_from_openai_errors_name_the_field(chat, body, field):
   with pytest.raises(SamplingParamsError) as err:
     from_openai(body, VOCAB, chat=chat)
@@ -420,3 +422,29 @@ def test_from_openai_errors_name_the_field(chat, body, field):
   assert isinstance(err.value, ValueError)
   with pytest.raises(SamplingParamsError):
     from_openai([body], VOCAB)
+
+
+def test_banned_tokens_are_never_drawn_and_logprobs_stay_raw():
+  """min_tokens' bans (the engine passes eos and stop ids): greedy takes the best allowed
+  token, sampling never draws a banned one, the reported logprobs are the model's."""
+  rng = np.random.default_rng(11)
+  logits = rng.normal(size=(3, PADDED)).astype(np.float32)
+  order = np.argsort(-logits[:, :VOCAB], axis=-1)
+  banned = [order[0, :2].tolist(), [], order[2, :1].tolist()]
+  logits[1, order[1, 0]] += 50.0     # a dominant token in the row with no ban
+  params = [SamplingParams(temperature=0.0, logprobs=0, min_tokens=1),
+            SamplingParams(temperature=0.0, logprobs=0),
+            SamplingParams(temperature=0.0, logprobs=0, min_tokens=1)]
+  got = sample(logits, params, [0] * 3, VOCAB, banned=banned)
+  assert got.token_ids.tolist() == [order[0, 2], order[1, 0], order[2, 1]]
+  x = logits[:, :VOCAB].astype(np.float64)
+  raw = x - x.max(-1, keepdims=True)
+  raw -= np.log(np.exp(raw).sum(-1, keepdims=True))
+  np.testing.assert_allclose(got.logprobs, raw[np.arange(3), got.token_ids], atol=1e-5)
+  # Sampled rows, where the banned tokens hold nearly all the mass.
+  hot = np.zeros((1, PADDED), np.float32)
+  hot[0, :3] = 20.0
+  draws = [int(sample(hot, [SamplingParams(seed=s, top_p=0.9, min_tokens=1)], [0], VOCAB,
+                      banned=[[0, 1, 2]]).token_ids[0]) for s in range(40)]
+  assert not {0, 1, 2} & set(draws) and len(set(draws)) > 10
+  assert sample(hot, [SamplingParams(seed=0)], [0], VOCAB).token_ids[0] < 3   # unbanned

@@ -297,6 +297,8 @@ BAD_INPUTS = [
     ('/v1/chat/completions', {'messages': [{'role': 'user', 'content': 'hi'}],
                               'response_format': {'type': 'json_object'}},
      'JSON mode', 'response_format'),
+    ('/v1/completions', {'prompt': 'hi', 'echo': True, 'max_tokens': 0, 'min_tokens': 2},
+     'generates nothing', 'min_tokens'),
     ('/v1/chat/completions', {'messages': 'hi'}, 'messages', 'messages'),
     ('/v1/chat/completions', {'messages': [{'content': 'hi'}]}, 'role', 'messages.0.role'),
     ('/v1/chat/completions', {'messages': []}, 'empty', 'messages'),
