@@ -74,6 +74,22 @@ class ChatBody(_Body):
   messages: list[ChatMessage]
 
 
+class TokenizeBody(pydantic.BaseModel):
+  """vLLM's /tokenize: a prompt, or chat messages under the model's template."""
+  model_config = pydantic.ConfigDict(extra='forbid', strict=True)
+  model: str | None = None
+  prompt: str | None = None
+  messages: list[ChatMessage] | None = None
+  add_generation_prompt: bool | None = True
+  return_token_strs: bool | None = False
+
+
+class DetokenizeBody(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra='forbid', strict=True)
+  model: str | None = None
+  tokens: list[int]
+
+
 MAX_N = 128   # choices per prompt (OpenAI's limit)
 
 
@@ -159,10 +175,14 @@ def _short(value) -> str:
   return text if len(text) <= 60 else text[:57] + '...'
 
 
-def _check_common(state: ServerState, body: _Body) -> None:
-  if body.model is not None and body.model != state.model_name:
-    raise ApiError(400, f'model: this server serves {state.model_name!r}, not {body.model!r} '
+def _check_model(state: ServerState, model: str | None) -> None:
+  if model is not None and model != state.model_name:
+    raise ApiError(400, f'model: this server serves {state.model_name!r}, not {model!r} '
                    '(GET /v1/models lists it).', param='model', code='model_not_found')
+
+
+def _check_common(state: ServerState, body: _Body) -> None:
+  _check_model(state, body.model)
   if body.n is not None and not 1 <= body.n <= MAX_N:
     raise ApiError(400, f'n: choices per prompt must be in [1, {MAX_N}], got {body.n}.',
                    param='n')
@@ -204,16 +224,20 @@ def _prompt_ids(state: ServerState, prompt, param: str = 'prompt') -> list[int]:
 
 
 def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
-  if not body.messages:
+  return _prompt_ids(state, _chat_text(state, body.messages), 'messages')
+
+
+def _chat_text(state: ServerState, messages: list[ChatMessage],
+               add_generation_prompt: bool = True) -> str:
+  if not messages:
     raise ApiError(400, 'messages: the list of messages is empty.', param='messages')
   from serve.chat_template import render_chat  # pylint: disable=import-outside-toplevel
-  messages = [{'role': m.role, 'content': _message_text(m.content)} for m in body.messages]
+  plain = [{'role': m.role, 'content': _message_text(m.content)} for m in messages]
   try:
-    text = render_chat(state.served, messages)
+    return render_chat(state.served, plain, add_generation_prompt)
   except Exception as e:  # pylint: disable=broad-except  (a template raising on bad roles)
     raise ApiError(400, f'messages: the chat template could not render them: {e}',
                    param='messages') from None
-  return _prompt_ids(state, text, 'messages')
 
 
 def _message_text(content) -> str:
@@ -603,6 +627,33 @@ async def _chat(state: ServerState, request: fastapi.Request):
                     _chat_events, _chat_json)
 
 
+async def _tokenize(state: ServerState, request: fastapi.Request) -> dict:
+  """The token ids the completions (prompt) or chat (messages) endpoint would run."""
+  body = _validate(TokenizeBody, await _json_body(request))
+  _check_model(state, body.model)
+  if (body.prompt is None) == (body.messages is None):
+    raise ApiError(400, 'Give exactly one of "prompt" (text, as /v1/completions takes it) '
+                   'and "messages" (as /v1/chat/completions takes them).', param='prompt')
+  text = body.prompt if body.messages is None else _chat_text(
+      state, body.messages, body.add_generation_prompt is not False)
+  tokenizer = state.served.tokenizer
+  ids = tokenizer.encode(text).tolist() if text else []
+  out = {'count': len(ids), 'max_model_len': state.max_model_len, 'tokens': ids}
+  if body.return_token_strs:
+    out['token_strs'] = [_token_text(tokenizer, t) for t in ids]
+  return out
+
+
+async def _detokenize(state: ServerState, request: fastapi.Request) -> dict:
+  body = _validate(DetokenizeBody, await _json_body(request))
+  _check_model(state, body.model)
+  bad = [i for i in body.tokens if not 0 <= i < state.vocab_size]
+  if bad:
+    raise ApiError(400, f'tokens: token ids must be in [0, {state.vocab_size - 1}] (the '
+                   f'vocabulary), got {bad[:8]}.', param='tokens')
+  return {'prompt': state.served.tokenizer.decode(body.tokens) if body.tokens else ''}
+
+
 def _models(state: ServerState) -> dict:
   card = {'id': state.model_name, 'object': 'model', 'created': state.created,
           'owned_by': 'meshlm', 'max_model_len': state.max_model_len}
@@ -610,7 +661,8 @@ def _models(state: ServerState) -> dict:
 
 
 class _Gate:
-  """ASGI middleware: 503 while draining, 401 without the API key (on /v1 only)."""
+  """ASGI middleware: 503 while draining, 401 without the API key (but on /health and
+  /metrics)."""
 
   def __init__(self, app, state: ServerState):
     self.app, self.state = app, state
@@ -628,7 +680,7 @@ def _gate_error(state: ServerState, scope) -> ApiError | None:
   if state.draining and path != '/metrics':
     return ApiError(503, 'The server is shutting down and admits no new requests.',
                     type_='server_error', code='shutting_down')
-  if state.api_key and path.startswith('/v1'):
+  if state.api_key and path not in ('/health', '/metrics'):
     header = dict(scope['headers']).get(b'authorization', b'').decode('latin-1')
     expected = f'Bearer {state.api_key}'
     if not hmac.compare_digest(header.encode(), expected.encode()):
@@ -667,6 +719,14 @@ def _add_routes(app: fastapi.FastAPI, state: ServerState) -> None:
   @app.get('/v1/models')
   async def models():
     return _models(state)
+
+  @app.post('/tokenize')
+  async def tokenize(request: fastapi.Request):
+    return await _tokenize(state, request)
+
+  @app.post('/detokenize')
+  async def detokenize(request: fastapi.Request):
+    return await _detokenize(state, request)
 
   @app.get('/health')
   async def health():

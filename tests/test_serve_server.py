@@ -333,8 +333,39 @@ def test_api_key(fake):
     assert httpx.get(server.url + '/v1/models').status_code == 401
     assert _client(server, api_key='sesame').models.list().data[0].id == 'fake'
     assert httpx.get(server.url + '/health').status_code == 200
+    assert httpx.post(server.url + '/tokenize', json={'prompt': 'a'}).status_code == 401
+    assert httpx.post(server.url + '/tokenize', json={'prompt': 'a'},
+                      headers={'Authorization': 'Bearer sesame'}).json()['tokens'] == [97]
   finally:
     server.stop()
+
+
+def test_tokenize_and_detokenize_as_the_endpoints_see_prompts(fake_server):
+  """vLLM's /tokenize: a prompt's ids as completions runs them, messages' as chat renders
+  them (with or without the generation prompt); /detokenize inverts it."""
+  from serve.chat_template import render_chat   # pylint: disable=import-outside-toplevel
+  tok, url = ByteTokenizer(), fake_server.url
+  got = httpx.post(url + '/tokenize', json={'model': 'fake', 'prompt': 'héllo',
+                                            'return_token_strs': True}).json()
+  assert got['tokens'] == tok.encode('héllo').tolist() and got['count'] == 6
+  assert got['max_model_len'] == 64 and len(got['token_strs']) == 6
+  messages = [{'role': 'user', 'content': 'hi'}]
+  for add in (True, False):
+    got = httpx.post(url + '/tokenize', json={'messages': messages,
+                                              'add_generation_prompt': add}).json()
+    assert got['tokens'] == tok.encode(render_chat(FakeServed(), messages, add)).tolist()
+    assert 'token_strs' not in got
+  assert httpx.post(url + '/tokenize', json={'prompt': ''}).json()['tokens'] == []
+  assert httpx.post(url + '/detokenize', json={'tokens': got['tokens']}).json() == {
+      'prompt': render_chat(FakeServed(), messages, False)}
+  for path, body, param in [('/tokenize', {}, 'prompt'),
+                            ('/tokenize', {'prompt': 'a', 'messages': messages}, 'prompt'),
+                            ('/tokenize', {'prompt': 'a', 'model': 'other'}, 'model'),
+                            ('/tokenize', {'prompt': 'a', 'add_special': 1}, 'add_special'),
+                            ('/detokenize', {'tokens': [1, 999]}, 'tokens'),
+                            ('/detokenize', {'tokens': 'ab'}, 'tokens')]:
+    resp = httpx.post(url + path, json=body)
+    assert resp.status_code == 400 and resp.json()['error']['param'] == param, (body, resp.text)
 
 
 def test_queue_full_is_a_429(fake):
