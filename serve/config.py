@@ -5,6 +5,7 @@ import dataclasses
 
 ATTENTION_CHOICES = ('auto', 'xla', 'pallas')
 DTYPE_CHOICES = ('auto', 'float32', 'bfloat16', 'float16')
+GENERATION_CONFIG_CHOICES = ('auto', 'none')
 
 
 @dataclasses.dataclass
@@ -22,6 +23,9 @@ class ServeConfig:
   max_waiting_requests: int = 256    # beyond it add_request raises QueueFull
   seed: int = 0                      # draws the seeds of requests that give none
   warmup: bool = False               # compile every step shape at start, not on first use
+  # auto: a request's missing sampling fields take the model's generation_config.json
+  # values (temperature, top_p, top_k, min_p, repetition_penalty); none: OpenAI's defaults
+  generation_config: str = 'auto'
 
   def validate(self) -> None:
     """Raises ValueError naming the flag and the fix."""
@@ -40,6 +44,9 @@ class ServeConfig:
       raise ValueError(f'--attention={self.attention!r}: choose one of {ATTENTION_CHOICES}.')
     if self.dtype not in DTYPE_CHOICES:
       raise ValueError(f'--dtype={self.dtype!r}: choose one of {DTYPE_CHOICES}.')
+    if self.generation_config not in GENERATION_CONFIG_CHOICES:
+      raise ValueError(f'--generation-config={self.generation_config!r}: choose one of '
+                       f'{GENERATION_CONFIG_CHOICES}.')
 
 
 def _flag(name: str) -> str:

@@ -286,6 +286,8 @@ class Engine:
     cfg.validate()
     if cfg.dtype != 'auto':   # the loaders take it too, and cast while loading
       served = with_dtype(served, cfg.dtype)
+    if cfg.generation_config == 'none' and served.sampling_defaults:
+      served = dataclasses.replace(served, sampling_defaults={})
     self.served = served
     self.vocab_size = served.tokenizer.vocab_size
     self.max_model_len = cfg.max_model_len or served.model_cfg.max_seq_len
@@ -295,6 +297,10 @@ class Engine:
     self.mesh = build_mesh(cfg)
     self.num_blocks = size_cache(served, cfg, self.mesh, self.max_model_len)
     print(describe_model(served), flush=True)
+    if served.sampling_defaults:
+      fields = ', '.join(f'{k}={v}' for k, v in served.sampling_defaults.items())
+      print(f'Sampling defaults from generation_config.json: {fields} (for the fields a '
+            'request leaves out; --generation-config none: OpenAI\'s).', flush=True)
     print(describe_cache(self.num_blocks, cfg, self.max_model_len), flush=True)
     self.scheduler, self.runner = self._build_parts()
     # The runner holds the weights now (per layer, model.paged.unstack_layers); keep the

@@ -75,7 +75,8 @@ def prepare(job: Job, served, engine, path: str) -> None:
   try:
     job.prompt_ids = _prompt_ids(body, served)
     sampling = {k: v for k, v in body.items() if k not in PROMPT_KEYS and k != 'id'}
-    job.params = from_openai(sampling, engine.vocab_size, chat='messages' in body)
+    job.params = from_openai(sampling, engine.vocab_size, chat='messages' in body,
+                             defaults=served.sampling_defaults)
     engine.check_prompt(job.prompt_ids, job.params)
   except SamplingParamsError as e:
     why = str(e).removeprefix(f'{e.param}: ')

@@ -30,12 +30,17 @@ class ServedModel:
   name: str                    # served model id (/v1/models)
   # Strings the chat template may use (bos_token, eos_token, ...), from tokenizer_config.
   special_tokens: dict = dataclasses.field(default_factory=dict)
+  # Sampling fields a request leaves out take these (generation_config.json's, as vLLM's
+  # --generation-config auto); OpenAI's defaults for the rest.
+  sampling_defaults: dict = dataclasses.field(default_factory=dict)
 
 
 # HF config field -> the value it must have for our model to compute the same thing.
 _REQUIRED = {'model_type': 'llama', 'hidden_act': 'silu', 'attention_bias': False,
              'mlp_bias': False}
 _SPECIAL_TOKENS = ('bos_token', 'eos_token', 'unk_token', 'pad_token')
+# generation_config.json fields that are sampling defaults (vLLM takes the same ones).
+SAMPLING_DEFAULT_FIELDS = ('temperature', 'top_p', 'top_k', 'min_p', 'repetition_penalty')
 # What the weights, the activations and the KV cache can be served in (--dtype).
 SERVE_DTYPES = ('float32', 'bfloat16', 'float16')
 
@@ -88,7 +93,21 @@ def load_hf_model(path: str, dtype: str = 'auto') -> ServedModel:
                      eos_token_ids=eos_ids or [tokenizer.eos_id],
                      chat_template=_chat_template(path, tok_cfg),
                      name=os.path.basename(os.path.normpath(path)),
-                     special_tokens={k: v for k, v in specials.items() if v is not None})
+                     special_tokens={k: v for k, v in specials.items() if v is not None},
+                     sampling_defaults=_sampling_defaults(path, gen_cfg, tokenizer.vocab_size))
+
+
+def _sampling_defaults(path: str, gen_cfg: dict, vocab_size: int) -> dict:
+  """The sampling fields generation_config.json sets, checked as a request's would be."""
+  from serve.sampling_params import (  # pylint: disable=import-outside-toplevel
+      SamplingParams, SamplingParamsError)
+  defaults = {k: gen_cfg[k] for k in SAMPLING_DEFAULT_FIELDS if gen_cfg.get(k) is not None}
+  try:
+    SamplingParams(**defaults).validate(vocab_size)
+  except SamplingParamsError as e:
+    raise ValueError(f'{path}/generation_config.json: {e}; fix the file, or serve with '
+                     '--generation-config none for OpenAI\'s defaults.') from None
+  return defaults
 
 
 def _read_json(path: str, required: bool = False) -> dict:

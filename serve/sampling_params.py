@@ -195,20 +195,23 @@ _HINTS = {
 
 
 def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
-                default_max_tokens: int = 16) -> SamplingParams:
+                default_max_tokens: int = 16, defaults: dict | None = None) -> SamplingParams:
   """SamplingParams from a /v1/completions (chat=False) or /v1/chat/completions body.
 
-  Missing or null fields take OpenAI's defaults; `default_max_tokens` is the server's
-  choice when the body names none (OpenAI: 16 for completions; the room left in the
-  context for chat). Raises SamplingParamsError naming the field, validated against
-  vocab_size.
+  Missing or null fields take `defaults` (the model's generation_config.json sampling
+  fields, by their SamplingParams names) where it has them, else OpenAI's;
+  `default_max_tokens` is the server's choice when the body names none (OpenAI: 16 for
+  completions; the room left in the context for chat). Raises SamplingParamsError naming
+  the field, validated against vocab_size.
   """
   if not isinstance(body, dict):
     raise SamplingParamsError('body', f'must be a JSON object, got {type(body).__name__}')
   _refuse_unsupported(body, chat)
 
+  defaults = defaults or {}
+
   def get(name, default):      # JSON null means "the default", as OpenAI reads it
-    return default if body.get(name) is None else body[name]
+    return defaults.get(name, default) if body.get(name) is None else body[name]
 
   top_k = get('top_k', 0)
   params = SamplingParams(

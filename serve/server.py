@@ -258,7 +258,8 @@ def _sampling_params(state: ServerState, body: dict, prompt_len: int, chat: bool
                        'generates nothing; leave min_tokens out.', param='min_tokens')
       fields['max_tokens'] = 1   # one token is generated and dropped (_Req.prompt_only)
     params = sp_lib.from_openai(fields, state.vocab_size, chat=chat,
-                                default_max_tokens=default)
+                                default_max_tokens=default,
+                                defaults=state.served.sampling_defaults)
     if body.get('echo') and not chat and params.logprobs is not None:
       params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     if _prompt_only(body, chat):   # the dropped token: greedy, and nothing can stop it

@@ -466,6 +466,24 @@ def test_generate_cli_bad_line_names_line_and_field(tiny_workdir, tmp_path, line
   assert not (tmp_path / 'out.jsonl').exists()
 
 
+def test_generate_cli_lines_take_the_models_sampling_defaults():
+  """A line's missing sampling fields take generation_config.json's (served.sampling_defaults)."""
+  import types  # pylint: disable=import-outside-toplevel
+  from serve import generate  # pylint: disable=import-outside-toplevel
+  from training.tokenizer import ByteTokenizer  # pylint: disable=import-outside-toplevel
+  served = types.SimpleNamespace(tokenizer=ByteTokenizer(), chat_template=None,
+                                 special_tokens={}, sampling_defaults={'temperature': 0.6,
+                                                                       'top_k': 20})
+  engine = types.SimpleNamespace(vocab_size=257, check_prompt=lambda ids, params: ids)
+  jobs = [generate.Job(1, {'prompt': 'ab'}), generate.Job(2, {'prompt': 'ab', 'top_k': 5}),
+          generate.Job(3, {'messages': [{'role': 'user', 'content': 'x'}],
+                           'temperature': 0})]
+  for job in jobs:
+    generate.prepare(job, served, engine, 'p.jsonl')
+  assert [(j.params.temperature, j.params.top_k) for j in jobs] == [(0.6, 20), (0.6, 5),
+                                                                    (0, 20)]
+
+
 def test_dtype_flag_reaches_the_loader_and_a_bad_one_is_refused(tiny_workdir, tmp_path,
                                                                 capsys):
   from serve import config as config_lib, generate  # pylint: disable=import-outside-toplevel
@@ -502,6 +520,23 @@ def test_cache_sized_from_memory_is_printed(varied, capsys):
   count = sum(x.size for x in jax.tree.leaves(varied.params))
   assert model_line == (f'Model run: {count / 1e6:.2f}M parameters, {count * 4 / 2**20:.2f} '
                         'MiB in float32; activations and KV cache in float32.')
+
+
+@pytest.mark.parametrize('choice', ['auto', 'none'])
+def test_generation_config_sampling_defaults_are_printed_or_dropped(varied, capsys, choice):
+  served = dataclasses.replace(varied, sampling_defaults={'temperature': 0.6, 'top_p': 0.9})
+  with Engine(served, ServeConfig(num_blocks=9, max_num_seqs=2, max_num_batched_tokens=32,
+                                  generation_config=choice)) as eng:
+    kept = eng.served.sampling_defaults
+  lines = capsys.readouterr().out.splitlines()
+  said = [x for x in lines if x.startswith('Sampling defaults from generation_config.json')]
+  if choice == 'auto':
+    assert kept == {'temperature': 0.6, 'top_p': 0.9}
+    assert said and 'temperature=0.6, top_p=0.9' in said[0]
+  else:
+    assert kept == {} and not said
+  with pytest.raises(ValueError, match='--generation-config=.vllm.: choose one of'):
+    ServeConfig(generation_config='vllm').validate()
 
 
 def test_throughput_benchmark_smoke(tmp_path):

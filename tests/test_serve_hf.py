@@ -181,6 +181,20 @@ def test_config_tokenizer_and_eos_come_from_the_directory(tmp_path):
   assert served.name == os.path.basename(tmp_path)
 
 
+def test_generation_config_gives_sampling_defaults_and_a_bad_one_is_named(tmp_path):
+  save_llama(tmp_path)
+  write_tokenizer(tmp_path)
+  transformers.GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, top_k=20,
+                                max_new_tokens=64, eos_token_id=2).save_pretrained(tmp_path)
+  served = load_hf_model(str(tmp_path))
+  assert served.sampling_defaults == {'temperature': 0.6, 'top_p': 0.9, 'top_k': 20}
+  gen = json.loads((tmp_path / 'generation_config.json').read_text())
+  (tmp_path / 'generation_config.json').write_text(json.dumps({**gen, 'top_p': 0}))
+  with pytest.raises(ValueError, match=r'generation_config.json: top_p: .*--generation-config '
+                     'none'):
+    load_hf_model(str(tmp_path))
+
+
 MESSAGES = [
     {'role': 'system', 'content': 'You are terse.  '},
     {'role': 'user', 'content': 'w1 w2 héllo', 'meta': {'lang': 'français'}},

@@ -39,6 +39,7 @@ class FakeServed:
   eos_token_ids: list = dataclasses.field(default_factory=lambda: [256])
   chat_template: str | None = None
   special_tokens: dict = dataclasses.field(default_factory=dict)
+  sampling_defaults: dict = dataclasses.field(default_factory=dict)
 
 
 class FakeEngine:
@@ -53,6 +54,7 @@ class FakeEngine:
     self.paused = False
     self.aborted = []
     self.seeds = []            # of every request added, in order
+    self.params = []           # the SamplingParams of every request added, in order
     self._live = {}            # request id -> [stream, prompt, params, num emitted]
     self._lock = threading.Lock()
     self._observers = []
@@ -76,6 +78,7 @@ class FakeEngine:
         raise engine_lib.QueueFull(f'{len(self._live)} requests are already waiting')
       stream = engine_lib.RequestStream(request_id, list(prompt_ids), self)
       self.seeds.append(params.seed)
+      self.params.append(params)
       self._live[request_id] = [stream, list(prompt_ids), params, 0]
     return stream
 
@@ -338,6 +341,24 @@ def test_api_key(fake):
                       headers={'Authorization': 'Bearer sesame'}).json()['tokens'] == [97]
   finally:
     server.stop()
+
+
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(fake):
+  """generation_config.json's sampling fields (ServedModel.sampling_defaults) stand in
+  for OpenAI's defaults; a request's own value, null aside, wins."""
+  served = FakeServed(sampling_defaults={'temperature': 0.6, 'top_p': 0.9, 'top_k': 20})
+  server = ServerThread(create_app(fake, served))
+  try:
+    client = _client(server)
+    client.completions.create(model='fake', prompt='ab', max_tokens=2)
+    client.chat.completions.create(model='fake', messages=[{'role': 'user', 'content': 'x'}],
+                                   max_tokens=2, temperature=0.0, top_p=None)
+    client.completions.create(model='fake', prompt='ab', max_tokens=2, top_p=1.0,
+                              extra_body={'top_k': -1})
+  finally:
+    server.stop()
+  got = [(p.temperature, p.top_p, p.top_k) for p in fake.params]
+  assert got == [(0.6, 0.9, 20), (0.0, 0.9, 20), (0.6, 1.0, 0)]
 
 
 def test_tokenize_and_detokenize_as_the_endpoints_see_prompts(fake_server):
