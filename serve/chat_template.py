@@ -51,7 +51,9 @@ class _Generation(jinja2.ext.Extension):
 
 
 @functools.lru_cache(maxsize=16)
-def compile_template(source: str) -> jinja2.Template:
+def compile_template(source: str,
+                     where: str = 'chat_template in tokenizer_config.json') -> jinja2.Template:
+  """The template, compiled; ValueError naming the line and `where` it came from."""
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                       extensions=[_Generation, jinja2.ext.loopcontrols])
   env.filters['tojson'] = _tojson
@@ -61,7 +63,7 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
   except jinja2.TemplateSyntaxError as e:
     raise ValueError(f'the chat template does not parse (line {e.lineno}: {e.message}); '
-                     'fix chat_template in tokenizer_config.json.') from e
+                     f'fix {where}.') from e
 
 
 def validate_messages(messages) -> list[dict]:

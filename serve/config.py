@@ -60,6 +60,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
   source.add_argument('--hf-model', metavar='DIR',
                       help='a Hugging Face Llama directory (config.json, *.safetensors, '
                       'tokenizer.json)')
+  parser.add_argument('--chat-template', metavar='FILE', default=None,
+                      help="a jinja2 chat template to use instead of the model's own")
   group = parser.add_argument_group('engine')
   for field in dataclasses.fields(ServeConfig):
     flag = f'--{_flag(field.name)}'
@@ -80,8 +82,24 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 def load_served_model(args: argparse.Namespace, mesh=None):
   """The ServedModel named by --checkpoint or --hf-model."""
   # pylint: disable=import-outside-toplevel
+  template = _read_chat_template(args.chat_template) if args.chat_template else None
   if args.checkpoint:
     from serve.loader import load_checkpoint
-    return load_checkpoint(args.checkpoint, mesh=mesh, dtype=args.dtype)
-  from serve.hf_llama import load_hf_model
-  return load_hf_model(args.hf_model, dtype=args.dtype)
+    served = load_checkpoint(args.checkpoint, mesh=mesh, dtype=args.dtype)
+  else:
+    from serve.hf_llama import load_hf_model
+    served = load_hf_model(args.hf_model, dtype=args.dtype)
+  return served if template is None else dataclasses.replace(served, chat_template=template)
+
+
+def _read_chat_template(path: str) -> str:
+  """--chat-template's file, checked to parse (before any weight is read)."""
+  from serve.chat_template import compile_template  # pylint: disable=import-outside-toplevel
+  try:
+    with open(path, encoding='utf-8') as f:
+      source = f.read()
+  except OSError as e:
+    raise ValueError(f'--chat-template={path!r}: cannot read it ({e.strerror}); give a '
+                     'jinja2 template file.') from None
+  compile_template(source, where=f'--chat-template {path}')
+  return source

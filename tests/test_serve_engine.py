@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -497,6 +498,27 @@ def test_dtype_flag_reaches_the_loader_and_a_bad_one_is_refused(tiny_workdir, tm
                         '--output', str(tmp_path / 'o'), '--dtype', 'int8']) == 2
   assert "--dtype='int8': choose one of ('auto', 'float32', 'bfloat16', 'float16')" in (
       capsys.readouterr().err)
+
+
+def test_chat_template_flag_replaces_the_models_and_a_bad_one_is_refused(tiny_workdir,
+                                                                         tmp_path, capsys):
+  from serve import config as config_lib, generate  # pylint: disable=import-outside-toplevel
+  from serve.chat_template import render_chat  # pylint: disable=import-outside-toplevel
+  (tmp_path / 'in.jsonl').write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+  template = tmp_path / 'chat.jinja'
+  template.write_text("{% for m in messages %}<{{ m['role'] }}|{{ m['content'] }}>"
+                      "{% endfor %}{% if add_generation_prompt %}<bot|{% endif %}")
+  flags = ['--checkpoint', tiny_workdir, '--prompts', str(tmp_path / 'in.jsonl'),
+           '--output', str(tmp_path / 'o')]
+  served = config_lib.load_served_model(generate.parse_args(
+      flags + ['--chat-template', str(template)]))
+  assert render_chat(served, [{'role': 'user', 'content': 'hi'}]) == '<user|hi><bot|'
+  template.write_text('{% for m in messages %}')
+  for path, why in [(template, r'does not parse \(line 1: .*\); fix --chat-template'),
+                    (tmp_path / 'none.jinja', 'cannot read it')]:
+    assert generate.main(flags + ['--chat-template', str(path)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(why, err) and str(path) in err, err
 
 
 def run_generate(workdir, prompts_path, output_path):
