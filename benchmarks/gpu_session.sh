@@ -79,16 +79,29 @@ train() {  # train SEQ BATCH: gpt_64k's model, pallas then cudnn attention
   done
 }
 export -f train
+
+packages() {  # the stages' Python packages: the training stack imported, the rest found
+  "$PY" - <<'PYEOF'
+import importlib, importlib.util
+for name in ('flax', 'optax', 'orbax.checkpoint', 'grain', 'ml_collections', 'rich',
+             'tensorboardX'):
+  try:
+    importlib.import_module(name)
+    print(f'{name}: imports')
+  except Exception as e:  # pylint: disable=broad-except
+    print(f'{name}: MISSING ({type(e).__name__}: {e})')
+for name in ('tokenizers', 'safetensors', 'torch', 'transformers'):
+  print(f'{name}: {"found" if importlib.util.find_spec(name) else "MISSING"}')
+PYEOF
+}
+export -f packages
 export PY
 
 run_stage() {
   case $1 in
     machine) stage machine 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,\
 clocks.max.sm,driver_version --format=csv; $PY -c 'import jax, jaxlib; print(\"jax\", \
-jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'; $PY -c 'import \
-importlib.util as u; print(\"python packages:\", {m: bool(u.find_spec(m)) for m in \
-(\"flax\", \"optax\", \"orbax\", \"grain\", \"ml_collections\", \"rich\", \"tensorboardX\", \
-\"tokenizers\", \"safetensors\", \"torch\", \"transformers\")})'" ;;
+jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'; packages" ;;
     tests) stage tests "${TEST_LIMIT:-480}" env MESHLM_TEST_GPU=1 "$PY" -m pytest -rs \
       tests/test_gpu.py tests/test_flash_attention.py ;;
     attention) stage attention "${ATTENTION_LIMIT:-420}" "$PY" -m benchmarks.attention ;;

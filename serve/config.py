@@ -88,7 +88,8 @@ def load_served_model(args: argparse.Namespace, mesh=None):
     served = load_checkpoint(args.checkpoint, mesh=mesh, dtype=args.dtype)
   else:
     from serve.hf_llama import load_hf_model
-    served = load_hf_model(args.hf_model, dtype=args.dtype)
+    served = load_hf_model(args.hf_model, dtype=args.dtype,
+                           generation_config=args.generation_config)
   return served if template is None else dataclasses.replace(served, chat_template=template)
 
 

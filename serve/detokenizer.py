@@ -13,9 +13,9 @@ window starts a few prompt tokens back, so the first output token's spacing is r
 Stop strings: text that could still become a stop string is held back; when one completes,
 the text before it (with it, if include_stop) is the last piece. The stop that completes
 first wins (the longest, if several end at the same character), so the result does not
-depend on how the text was split into tokens. With min_tokens (vLLM's), the text decoded
-up to the min_tokens-th output token is emitted as it comes, and stop strings are looked
-for only in the text decoded after it.
+depend on how the text was split into tokens. With min_tokens (vLLM's), no stop string
+may end in the text decoded up to the min_tokens-th output token; one that begins there
+and ends later counts, as in vLLM.
 
 The pieces (and `text`, their concatenation) equal the full decode of the output cut at
 the stop, with one exception: a byte-fallback decoder (Llama-2, Mistral) turns a run of
@@ -51,7 +51,7 @@ class IncrementalDetokenizer:
     self._ids.append(int(token_id))
     if self._unchecked > 0:
       self._unchecked -= 1
-      return self._emit(self._decode_new(final=False)), None
+      return self._scan(self._decode_new(final=False), match=False)
     return self._scan(self._decode_new(final=False))
 
   def flush(self) -> str:
@@ -77,9 +77,11 @@ class IncrementalDetokenizer:
     self._prefix, self._read = 0, self._read - self._prefix
     return after[len(before):]
 
-  def _scan(self, new: str) -> tuple[str, str | None]:
+  def _scan(self, new: str, match: bool = True) -> tuple[str, str | None]:
+    """Emits `new` after the held text, but for a tail that may begin a stop string; with
+    match, a completed stop string ends the output."""
     text = self._held + new
-    match = first_stop(text, self._stop)
+    match = first_stop(text, self._stop) if match else None
     if match is not None:
       start, stop = match
       self._held, self.finished, self.stop_matched = '', True, stop

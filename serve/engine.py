@@ -186,10 +186,9 @@ def collect(request_id: str, prompt_ids: list[int], outs: list[RequestOutput]):
 
 def _not_yet(req: Request) -> list[int]:
   """The tokens the request may not draw now: before min_tokens, its eos and stop ids."""
-  params = req.sampling_params
-  if req.num_output_tokens >= params.min_tokens:
+  if req.num_output_tokens >= req.sampling_params.min_tokens:
     return []
-  return list(params.stop_token_ids) + ([] if req.eos_token_id is None else [req.eos_token_id])
+  return req.end_token_ids
 
 
 @dataclasses.dataclass
@@ -577,14 +576,16 @@ class Engine:
     if not rows:
       return {}, {}
     params = [t.request.sampling_params for t in rows]
-    if all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params):
+    banned = [_not_yet(t.request) for t in rows]
+    if (all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params)
+        and not any(banned)):
       # The step's own argmax: the token the sampler would pick, without its program.
       res = sampler.SampleResult(np.asarray(step.greedy)[:len(rows)], None, [None] * len(rows))
     else:
       res = self.sampler(step.logits[:len(rows)], params,
                          [t.request.num_output_tokens for t in rows], self.vocab_size,
                          [(t.request.prompt_token_ids, t.request.output_token_ids)
-                          for t in rows], [_not_yet(t.request) for t in rows])
+                          for t in rows], banned)
     tokens, logprobs = {}, {}
     for i, t in enumerate(rows):
       rid, token = t.request.request_id, int(res.token_ids[i])
@@ -650,7 +651,8 @@ class Engine:
     t.metrics.token_times.append(now)
     self._totals['generation_tokens'] += 1
     text, stop = '', None
-    if not (finished_now and self._is_stop_token(req, token)):
+    if not (finished_now and self._is_stop_token(req, token)
+            and not req.sampling_params.include_stop_str_in_output):
       text, stop = t.detok.add(token)
     lps = None if logprob is None else [logprob]
     if stop is not None:
@@ -666,10 +668,9 @@ class Engine:
 
   @staticmethod
   def _is_stop_token(req: Request, token: int) -> bool:
-    """eos or a stop token id that ended the request: in token_ids, never in text."""
-    params = req.sampling_params
-    return token in params.stop_token_ids or (
-        token == req.eos_token_id and not params.ignore_eos)
+    """eos or a stop token id that ended the request: in token_ids, in the text only with
+    include_stop_str_in_output (eos, a special token, decodes to nothing)."""
+    return token in req.end_token_ids
 
   def _finish(self, t: _Tracked, reason=None, token_ids=(), text='', logprobs=None,
               error=None, prompt_logprobs=None) -> None:

@@ -2,11 +2,13 @@
 
   python -m serve.generate --checkpoint runs/default --prompts in.jsonl --output out.jsonl
 
-Each input line is a JSON object with one of `prompt` (text), `prompt_token_ids` or
-`messages` (a chat, rendered with the model's chat template), plus sampling fields by
-their OpenAI names (max_tokens, temperature, top_p, top_k, min_p, seed, stop,
-stop_token_ids, ignore_eos, logprobs) and an optional `id` copied to the output. Output
-lines come in input order. A bad line stops the run before any generation, with one line
+Each input line is a JSON object with one of `prompt` (text, encoded with the tokenizer's
+special tokens, a Llama's BOS), `prompt_token_ids` or `messages` (a chat, rendered with
+the model's chat template), plus sampling fields by their OpenAI and vLLM names (every
+SamplingParams field: max_tokens, temperature, top_p, top_k, min_p, seed, stop,
+stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, logprobs, the
+penalties, logit_bias; those left out take the model's generation_config.json defaults)
+and an optional `id` copied to the output. Output lines come in input order. A bad line stops the run before any generation, with one line
 naming the line and the field (exit status 2).
 """
 
@@ -96,10 +98,12 @@ def _prompt_ids(body: dict, served) -> list[int]:
     from serve.chat_template import render_chat  # pylint: disable=import-outside-toplevel
     if not isinstance(body['messages'], list):
       raise ValueError('must be a list of {"role": ..., "content": ...} objects.')
+    # No special tokens added: the chat template writes them (vLLM's chat default).
     return served.tokenizer.encode(render_chat(served, body['messages'])).tolist()
   if not isinstance(body['prompt'], str):
     raise ValueError('must be a string (use prompt_token_ids for token ids).')
-  return served.tokenizer.encode(body['prompt']).tolist()
+  # A text prompt gets the tokenizer's special tokens (a Llama's BOS), as vLLM adds them.
+  return served.tokenizer.encode(body['prompt'], add_special_tokens=True).tolist()
 
 
 def result_line(job: Job, result) -> dict:

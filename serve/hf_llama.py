@@ -39,8 +39,12 @@ class ServedModel:
 _REQUIRED = {'model_type': 'llama', 'hidden_act': 'silu', 'attention_bias': False,
              'mlp_bias': False}
 _SPECIAL_TOKENS = ('bos_token', 'eos_token', 'unk_token', 'pad_token')
-# generation_config.json fields that are sampling defaults (vLLM takes the same ones).
+# generation_config.json fields that are sampling defaults (vLLM takes the same ones), and
+# transformers' own defaults for them: a file that only restates one sets nothing (vLLM
+# reads the file's differences from transformers' defaults).
 SAMPLING_DEFAULT_FIELDS = ('temperature', 'top_p', 'top_k', 'min_p', 'repetition_penalty')
+_HF_GENERATION_DEFAULTS = {'temperature': 1.0, 'top_p': 1.0, 'top_k': 50,
+                           'repetition_penalty': 1.0}
 # What the weights, the activations and the KV cache can be served in (--dtype).
 SERVE_DTYPES = ('float32', 'bfloat16', 'float16')
 
@@ -69,9 +73,11 @@ def with_dtype(served: ServedModel, dtype: str) -> ServedModel:
       model_cfg=dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype))
 
 
-def load_hf_model(path: str, dtype: str = 'auto') -> ServedModel:
+def load_hf_model(path: str, dtype: str = 'auto',
+                  generation_config: str = 'auto') -> ServedModel:
   """The Llama model in a local Hugging Face directory, weights cast to `dtype` ('auto':
-  the dtype config.json names, float32 where it names none)."""
+  the dtype config.json names, float32 where it names none); its sampling defaults from
+  generation_config.json unless generation_config is 'none'."""
   path = os.path.expanduser(path)
   hf = _read_json(os.path.join(path, 'config.json'), required=True)
   if dtype == 'auto':
@@ -94,14 +100,17 @@ def load_hf_model(path: str, dtype: str = 'auto') -> ServedModel:
                      chat_template=_chat_template(path, tok_cfg),
                      name=os.path.basename(os.path.normpath(path)),
                      special_tokens={k: v for k, v in specials.items() if v is not None},
-                     sampling_defaults=_sampling_defaults(path, gen_cfg, tokenizer.vocab_size))
+                     sampling_defaults=({} if generation_config == 'none' else
+                                        _sampling_defaults(path, gen_cfg,
+                                                           tokenizer.vocab_size)))
 
 
 def _sampling_defaults(path: str, gen_cfg: dict, vocab_size: int) -> dict:
   """The sampling fields generation_config.json sets, checked as a request's would be."""
   from serve.sampling_params import (  # pylint: disable=import-outside-toplevel
       SamplingParams, SamplingParamsError)
-  defaults = {k: gen_cfg[k] for k in SAMPLING_DEFAULT_FIELDS if gen_cfg.get(k) is not None}
+  defaults = {k: gen_cfg[k] for k in SAMPLING_DEFAULT_FIELDS
+              if gen_cfg.get(k) is not None and gen_cfg[k] != _HF_GENERATION_DEFAULTS.get(k)}
   try:
     SamplingParams(**defaults).validate(vocab_size)
   except SamplingParamsError as e:

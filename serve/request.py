@@ -64,6 +64,14 @@ class Request:
     return self.status.is_finished
 
   @property
+  def end_token_ids(self) -> list[int]:
+    """The ids that end the request when drawn: its stop token ids, and eos unless
+    ignore_eos."""
+    params = self.sampling_params
+    eos = [] if self.eos_token_id is None or params.ignore_eos else [self.eos_token_id]
+    return list(params.stop_token_ids) + eos
+
+  @property
   def needs_prompt_logits(self) -> bool:
     """Prompt logprobs need every prompt token's logits: no prefix is taken from the cache."""
     return self.sampling_params.prompt_logprobs is not None

@@ -71,8 +71,9 @@ class SamplingParams:
 
   @property
   def adjusts_logits(self) -> bool:
-    return (self.counts_output or self.repetition_penalty != 1 or bool(self.logit_bias)
-            or self.min_tokens > 0)
+    """Whether the penalties or logit_bias change the logits (min_tokens' bans, which the
+    engine passes per step, are not counted)."""
+    return self.counts_output or self.repetition_penalty != 1 or bool(self.logit_bias)
 
   def validate(self, vocab_size: int) -> None:
     """Raises SamplingParamsError naming the first field out of range."""
@@ -184,12 +185,14 @@ _UNSUPPORTED = {
 _UNSUPPORTED_CHAT = {   # with no tools, tool_choice 'none' and 'auto' both mean plain text
     'response_format': ({'type': 'text'},), 'tools': ([],), 'functions': ([],),
     'tool_choice': ('none', 'auto'), 'function_call': ('none', 'auto'),
-    'echo': (False,), 'add_generation_prompt': (True,), 'continue_final_message': (False,),
+    'echo': (False,), 'continue_final_message': (False,), 'chat_template': (),
+    'chat_template_kwargs': ({},),
 }
 _UNSUPPORTED_COMPLETION = {'response_format': ({'type': 'text'},), 'suffix': ('',)}
 _HINTS = {
     'response_format': 'structured output (JSON mode, JSON schema) is not implemented',
     'tools': 'tool calling is not implemented', 'functions': 'tool calling is not implemented',
+    'chat_template': 'the server renders with its model\'s template (or --chat-template)',
     'prompt_logprobs': 'completions with "echo": true and "logprobs" give the prompt\'s',
 }
 
@@ -243,7 +246,7 @@ def _refuse_unsupported(body: dict, chat: bool):
   fields = {**_UNSUPPORTED, **(_UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETION)}
   for name, neutral in fields.items():
     value = body.get(name)
-    if value is None or value in neutral:
+    if value is None or any(type(value) is type(v) and value == v for v in neutral):
       continue
     hint = f' ({_HINTS[name]})' if name in _HINTS else ''
     allowed = ' or '.join(json.dumps(v) for v in neutral)

@@ -57,6 +57,8 @@ class CompletionBody(_Body):
   prompt: str | list[str] | list[int] | list[list[int]]
   echo: bool | None = False
   best_of: int | None = None
+  # vLLM's: a text prompt gets the tokenizer's special tokens (a Llama's BOS)
+  add_special_tokens: bool | None = True
 
 
 class _TextPart(pydantic.BaseModel):
@@ -72,6 +74,8 @@ class ChatMessage(pydantic.BaseModel):
 
 class ChatBody(_Body):
   messages: list[ChatMessage]
+  add_generation_prompt: bool | None = True   # vLLM's: false continues no assistant turn
+  add_special_tokens: bool | None = False     # vLLM's: the template writes them itself
 
 
 class TokenizeBody(pydantic.BaseModel):
@@ -81,6 +85,7 @@ class TokenizeBody(pydantic.BaseModel):
   prompt: str | None = None
   messages: list[ChatMessage] | None = None
   add_generation_prompt: bool | None = True
+  add_special_tokens: bool | None = None   # None: as the endpoint would (prompt yes, chat no)
   return_token_strs: bool | None = False
 
 
@@ -204,7 +209,8 @@ def _completion_prompts(state: ServerState,
     prompts = list(prompt)
   if not prompts:
     raise ApiError(400, 'prompt: the list of prompts is empty.', param='prompt')
-  ids = [_prompt_ids(state, p) for p in prompts]
+  ids = [_prompt_ids(state, p, add_special_tokens=body.add_special_tokens is not False)
+         for p in prompts]
   if not body.echo:
     return ids, None
   # echo repeats a text prompt as given, a token prompt decoded
@@ -212,10 +218,16 @@ def _completion_prompts(state: ServerState,
                for p, i in zip(prompts, ids)]
 
 
-def _prompt_ids(state: ServerState, prompt, param: str = 'prompt') -> list[int]:
-  ids = state.served.tokenizer.encode(prompt).tolist() if isinstance(prompt, str) else prompt
+def _prompt_ids(state: ServerState, prompt, param: str = 'prompt',
+                add_special_tokens: bool = False) -> list[int]:
+  ids = (state.served.tokenizer.encode(prompt, add_special_tokens).tolist()
+         if isinstance(prompt, str) else prompt)
   if not ids:
     raise ApiError(400, f'{param}: the prompt is empty; give at least one token.', param=param)
+  return _in_vocabulary(state, ids, param)
+
+
+def _in_vocabulary(state: ServerState, ids: list[int], param: str) -> list[int]:
   bad = [i for i in ids if not 0 <= i < state.vocab_size]
   if bad:
     raise ApiError(400, f'{param}: token ids must be in [0, {state.vocab_size - 1}] (the '
@@ -224,7 +236,8 @@ def _prompt_ids(state: ServerState, prompt, param: str = 'prompt') -> list[int]:
 
 
 def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
-  return _prompt_ids(state, _chat_text(state, body.messages), 'messages')
+  text = _chat_text(state, body.messages, body.add_generation_prompt is not False)
+  return _prompt_ids(state, text, 'messages', add_special_tokens=bool(body.add_special_tokens))
 
 
 def _chat_text(state: ServerState, messages: list[ChatMessage],
@@ -635,10 +648,12 @@ async def _tokenize(state: ServerState, request: fastapi.Request) -> dict:
   if (body.prompt is None) == (body.messages is None):
     raise ApiError(400, 'Give exactly one of "prompt" (text, as /v1/completions takes it) '
                    'and "messages" (as /v1/chat/completions takes them).', param='prompt')
-  text = body.prompt if body.messages is None else _chat_text(
-      state, body.messages, body.add_generation_prompt is not False)
+  chat = body.messages is not None
+  text = _chat_text(state, body.messages, body.add_generation_prompt is not False) if chat \
+      else body.prompt
+  specials = not chat if body.add_special_tokens is None else body.add_special_tokens
   tokenizer = state.served.tokenizer
-  ids = tokenizer.encode(text).tolist() if text else []
+  ids = tokenizer.encode(text, specials).tolist()
   out = {'count': len(ids), 'max_model_len': state.max_model_len, 'tokens': ids}
   if body.return_token_strs:
     out['token_strs'] = [_token_text(tokenizer, t) for t in ids]
@@ -648,11 +663,8 @@ async def _tokenize(state: ServerState, request: fastapi.Request) -> dict:
 async def _detokenize(state: ServerState, request: fastapi.Request) -> dict:
   body = _validate(DetokenizeBody, await _json_body(request))
   _check_model(state, body.model)
-  bad = [i for i in body.tokens if not 0 <= i < state.vocab_size]
-  if bad:
-    raise ApiError(400, f'tokens: token ids must be in [0, {state.vocab_size - 1}] (the '
-                   f'vocabulary), got {bad[:8]}.', param='tokens')
-  return {'prompt': state.served.tokenizer.decode(body.tokens) if body.tokens else ''}
+  tokens = _in_vocabulary(state, body.tokens, 'tokens')
+  return {'prompt': state.served.tokenizer.decode(tokens) if tokens else ''}
 
 
 def _models(state: ServerState) -> dict:

@@ -173,8 +173,8 @@ def test_adds_after_a_stop_are_ignored():
 
 
 def test_min_tokens_looks_for_stops_only_after_them():
-  """The text of the first min_tokens tokens goes out as it comes, stops in it ignored; a
-  stop must lie wholly after them (one straddling the boundary does not count)."""
+  """No stop may end in the text of the first min_tokens tokens; one that begins there and
+  ends later counts (vLLM's window)."""
   def run(text, stop, min_tokens):
     detok = IncrementalDetokenizer(ByteTokenizer(), [], stop, min_tokens=min_tokens)
     pieces = [detok.add(t) for t in text.encode()]
@@ -182,8 +182,10 @@ def test_min_tokens_looks_for_stops_only_after_them():
   pieces, matched, text = run('a!b!c', ['!'], 2)
   assert pieces == ['a', '!', 'b', '', ''] and matched == '!' and text == 'a!b'
   assert run('a!b!c', ['!'], 0)[2] == 'a'
-  assert run('xyEND tail', ['END'], 3)[1:] == (None, 'xyEND tail')   # straddles: kept
+  assert run('xyEND tail', ['END'], 4)[1:] == ('END', 'xy')   # straddles: it counts
+  assert run('xyEND tail', ['END'], 5)[1:] == (None, 'xyEND tail')   # ends inside: not
   assert run('xyEND tail', ['END'], 2)[1:] == ('END', 'xy')
+  assert run('aENDbEND', ['END'], 4)[1:] == ('END', 'aENDb')   # the first one ended early
   assert run('xx', ['x'], 2)[1:] == (None, 'xx')   # min_tokens = every token: no stop
 
 

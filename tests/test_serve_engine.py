@@ -246,6 +246,13 @@ def test_stop_string_kept_with_include_stop_str_in_output(engine, prompts, refer
   first = reference[row].index(token)
   assert out.finish_reason == 'stop' and out.token_ids == reference[row][:first + 1]
   assert out.text == bytes(reference[row][:first + 1]).decode()
+  # A stop token id's text too (vLLM's include_stop_str_in_output), and not without it.
+  for include in (True, False):
+    ask = dataclasses.replace(params, stop=[], stop_token_ids=[token],
+                              include_stop_str_in_output=include)
+    [out] = engine.generate([prompts[row]], ask)
+    assert out.token_ids == reference[row][:first + 1]
+    assert out.text == bytes(reference[row][:first + include]).decode()
 
 
 def test_min_tokens_holds_back_eos_and_stop_ids(engine, varied, prompts, reference):

@@ -189,10 +189,16 @@ def test_generation_config_gives_sampling_defaults_and_a_bad_one_is_named(tmp_pa
   served = load_hf_model(str(tmp_path))
   assert served.sampling_defaults == {'temperature': 0.6, 'top_p': 0.9, 'top_k': 20}
   gen = json.loads((tmp_path / 'generation_config.json').read_text())
+  # transformers' own defaults, written out, set nothing (as vLLM reads the file)
+  (tmp_path / 'generation_config.json').write_text(json.dumps(
+      {**gen, 'top_k': 50, 'repetition_penalty': 1.0, 'min_p': 0.05}))
+  assert load_hf_model(str(tmp_path)).sampling_defaults == {'temperature': 0.6,
+                                                            'top_p': 0.9, 'min_p': 0.05}
   (tmp_path / 'generation_config.json').write_text(json.dumps({**gen, 'top_p': 0}))
   with pytest.raises(ValueError, match=r'generation_config.json: top_p: .*--generation-config '
                      'none'):
     load_hf_model(str(tmp_path))
+  assert load_hf_model(str(tmp_path), generation_config='none').sampling_defaults == {}
 
 
 MESSAGES = [

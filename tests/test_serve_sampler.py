@@ -374,7 +374,9 @@ def test_from_openai_chat():
     (False, 'response_format', {'type': 'json_schema', 'json_schema': {}}),
     (True, 'tools', [{'type': 'function', 'function': {'name': 'f'}}]),
     (True, 'tool_choice', 'required'), (True, 'functions', [{'name': 'f'}]),
-    (True, 'add_generation_prompt', False), (True, 'echo', True),
+    (True, 'chat_template', '{{ messages }}'), (True, 'echo', True),
+    (True, 'chat_template_kwargs', {'enable_thinking': True}),
+    (False, 'n', True), (False, 'use_beam_search', 0),   # true is not 1, 0 not false
     (False, 'suffix', 'end'), (False, 'guided_json', {}), (True, 'guided_choice', ['a']),
     (False, 'skip_special_tokens', False), (False, 'use_beam_search', True),
     (False, 'bad_words', ['x']), (False, 'allowed_token_ids', [1]),
@@ -390,7 +392,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
   """Clients that send every field with its default (or null) are served."""
   chat = {'response_format': {'type': 'text'}, 'tools': [], 'tool_choice': 'auto',
           'functions': None, 'function_call': 'none', 'echo': False,
-          'add_generation_prompt': True, 'continue_final_message': False,
+          'chat_template_kwargs': {}, 'continue_final_message': False,
           'skip_special_tokens': True,
           'guided_json': None, 'bad_words': [], 'use_beam_search': False}
   assert from_openai(chat, VOCAB, chat=True, default_max_tokens=16) == SamplingParams()

@@ -25,7 +25,8 @@ import uvicorn
 from serve import engine as engine_lib
 from serve import sampling_params as sp_lib
 from serve.server import create_app
-from training.tokenizer import ByteTokenizer
+from serve.chat_template import render_chat
+from training.tokenizer import ByteTokenizer, HFTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,6 +56,7 @@ class FakeEngine:
     self.aborted = []
     self.seeds = []            # of every request added, in order
     self.params = []           # the SamplingParams of every request added, in order
+    self.prompts = []          # and their prompt ids
     self._live = {}            # request id -> [stream, prompt, params, num emitted]
     self._lock = threading.Lock()
     self._observers = []
@@ -79,6 +81,7 @@ class FakeEngine:
       stream = engine_lib.RequestStream(request_id, list(prompt_ids), self)
       self.seeds.append(params.seed)
       self.params.append(params)
+      self.prompts.append(list(prompt_ids))
       self._live[request_id] = [stream, list(prompt_ids), params, 0]
     return stream
 
@@ -336,6 +339,7 @@ def test_api_key(fake):
     assert httpx.get(server.url + '/v1/models').status_code == 401
     assert _client(server, api_key='sesame').models.list().data[0].id == 'fake'
     assert httpx.get(server.url + '/health').status_code == 200
+    assert httpx.get(server.url + '/metrics').status_code == 200
     assert httpx.post(server.url + '/tokenize', json={'prompt': 'a'}).status_code == 401
     assert httpx.post(server.url + '/tokenize', json={'prompt': 'a'},
                       headers={'Authorization': 'Bearer sesame'}).json()['tokens'] == [97]
@@ -361,10 +365,62 @@ def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(fake):
   assert got == [(0.6, 0.9, 20), (0.0, 0.9, 20), (0.6, 1.0, 0)]
 
 
+def test_chat_without_the_generation_prompt(fake_server, fake):
+  """add_generation_prompt false (vLLM's): the template renders no assistant opening."""
+  messages = [{'role': 'user', 'content': 'hi'}]
+  client = _client(fake_server)
+  for add in (True, False, None):
+    want = render_chat(FakeServed(), messages, add is not False)
+    out = client.chat.completions.create(model='fake', messages=messages,
+                                         max_tokens=len(want),
+                                         extra_body={'add_generation_prompt': add})
+    assert out.choices[0].message.content == want   # the fake engine echoes its prompt
+  assert render_chat(FakeServed(), messages, True) != render_chat(FakeServed(), messages,
+                                                                   False)
+
+
+def test_text_prompts_get_the_tokenizers_special_tokens_chat_prompts_do_not(fake, tmp_path):
+  """As vLLM: a completion's text prompt is encoded with the tokenizer.json's special
+  tokens (a Llama's BOS), chat's rendered template without (it writes them itself); each
+  endpoint's add_special_tokens overrides, and /tokenize follows the same rules."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  from tokenizers import models, pre_tokenizers, processors  # pylint: disable=import-outside-toplevel
+  vocab = {t: i for i, t in enumerate(['<unk>', '<s>', '</s>', 'w1', 'w2', ':', 'user'])}
+  tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.add_special_tokens(['<unk>', '<s>', '</s>'])
+  bos = vocab['<s>']
+  tok.post_processor = processors.TemplateProcessing(single='<s> $A', special_tokens=[
+      ('<s>', bos)])
+  tok.save(str(tmp_path / 'tokenizer.json'))
+  hf = HFTokenizer(str(tmp_path / 'tokenizer.json'))
+  words = hf.encode('w1 w2').tolist()
+  assert len(words) == 2 and bos not in words
+  served = FakeServed(tokenizer=hf)
+  server = ServerThread(create_app(fake, served))
+  try:
+    client, url = _client(server), server.url
+    messages = [{'role': 'user', 'content': 'w1 w2'}]
+    rendered = hf.encode(render_chat(served, messages)).tolist()
+    client.completions.create(model='fake', prompt='w1 w2', max_tokens=1)
+    client.completions.create(model='fake', prompt='w1 w2', max_tokens=1,
+                              extra_body={'add_special_tokens': False})
+    client.completions.create(model='fake', prompt=words, max_tokens=1)   # ids: as given
+    client.chat.completions.create(model='fake', messages=messages, max_tokens=1)
+    client.chat.completions.create(model='fake', messages=messages, max_tokens=1,
+                                   extra_body={'add_special_tokens': True})
+    assert fake.prompts == [[bos] + words, words, words, rendered, [bos] + rendered]
+    tokenize = lambda **body: httpx.post(url + '/tokenize', json=body).json()['tokens']  # noqa
+    assert tokenize(prompt='w1 w2') == [bos] + words
+    assert tokenize(prompt='w1 w2', add_special_tokens=False) == words
+    assert tokenize(messages=messages) == rendered
+  finally:
+    server.stop()
+
+
 def test_tokenize_and_detokenize_as_the_endpoints_see_prompts(fake_server):
   """vLLM's /tokenize: a prompt's ids as completions runs them, messages' as chat renders
   them (with or without the generation prompt); /detokenize inverts it."""
-  from serve.chat_template import render_chat   # pylint: disable=import-outside-toplevel
   tok, url = ByteTokenizer(), fake_server.url
   got = httpx.post(url + '/tokenize', json={'model': 'fake', 'prompt': 'héllo',
                                             'return_token_strs': True}).json()

@@ -1,6 +1,8 @@
 """Tokenizers: raw UTF-8 bytes, or a local Hugging Face `tokenizer.json`.
 
-Both give `encode(text) -> int32 ids`, `decode(ids) -> str`, `vocab_size`, `eos_id` and a
+Both give `encode(text, add_special_tokens=False) -> int32 ids` (special tokens: what a
+Hugging Face tokenizer.json's post-processor adds, a BOS for Llama; the byte tokenizer adds
+none), `decode(ids) -> str`, `vocab_size`, `eos_id` and a
 `name` that is stable across runs; token files record the name so that training refuses
 tokens written by a different tokenizer.
 """
@@ -22,7 +24,8 @@ class ByteTokenizer:
   eos_id = 256
   vocab_size = 257
 
-  def encode(self, text: str) -> np.ndarray:
+  def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+    del add_special_tokens   # none to add
     return np.frombuffer(text.encode('utf-8'), np.uint8).astype(np.int32)
 
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
@@ -70,9 +73,10 @@ class HFTokenizer:
         f'{self.path} has none of the end-of-document tokens {EOS_CANDIDATES}: documents '
         'could not be separated. Add one of them to the tokenizer as a special token.')
 
-  def encode(self, text: str) -> np.ndarray:
-    # No special tokens: documents are delimited by the eos the token file adds.
-    ids = self._tok.encode(text, add_special_tokens=False).ids
+  def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+    # Training wants none: documents are delimited by the eos the token file adds. A
+    # served completion prompt wants them (a Llama's BOS), as transformers and vLLM add.
+    ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
     return np.asarray(ids, np.int32)
 
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
