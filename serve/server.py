@@ -721,25 +721,19 @@ def _add_error_handlers(app: fastapi.FastAPI) -> None:
 
 
 def _add_routes(app: fastapi.FastAPI, state: ServerState) -> None:
-  @app.post('/v1/completions')
-  async def completions(request: fastapi.Request):
-    return await _completions(state, request)
+  def post(path, handler):   # handler(state, request), awaited
+    async def endpoint(request: fastapi.Request):
+      return await handler(state, request)
+    app.add_api_route(path, endpoint, methods=['POST'], name=handler.__name__.strip('_'))
 
-  @app.post('/v1/chat/completions')
-  async def chat(request: fastapi.Request):
-    return await _chat(state, request)
+  post('/v1/completions', _completions)
+  post('/v1/chat/completions', _chat)
+  post('/tokenize', _tokenize)      # vLLM's
+  post('/detokenize', _detokenize)
 
   @app.get('/v1/models')
   async def models():
     return _models(state)
-
-  @app.post('/tokenize')
-  async def tokenize(request: fastapi.Request):
-    return await _tokenize(state, request)
-
-  @app.post('/detokenize')
-  async def detokenize(request: fastapi.Request):
-    return await _detokenize(state, request)
 
   @app.get('/health')
   async def health():
