@@ -13,6 +13,7 @@ import sys
 import uvicorn
 
 from serve import config as config_lib
+from serve import metrics
 from serve.engine import Engine
 from serve.server import create_app
 
@@ -27,13 +28,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help='address to bind (0.0.0.0 exposes the server to the network)')
   http.add_argument('--port', type=int, default=8000)
   http.add_argument('--api-key', default=os.environ.get(API_KEY_ENV),
-                    help=f'require "Authorization: Bearer KEY" on /v1 (or set {API_KEY_ENV})')
+                    help='require "Authorization: Bearer KEY" on every route but /health '
+                    f'and /metrics (or set {API_KEY_ENV})')
   http.add_argument('--served-model-name', default=None,
                     help='the model id clients send (default: the model\'s own name)')
   http.add_argument('--shutdown-grace', type=float, default=30.0, metavar='SECONDS',
                     help='on SIGTERM, how long running requests may take to finish')
   http.add_argument('--log-level', default='info',
                     choices=('critical', 'error', 'warning', 'info', 'debug'))
+  http.add_argument('--log-stats-interval', type=float, default=10.0, metavar='SECONDS',
+                    help='print throughput, batch and cache use this often while busy '
+                    '(0: never)')
   return parser.parse_args(argv)
 
 
@@ -69,14 +74,18 @@ class GracefulServer(uvicorn.Server):
 
 
 def run(app, engine, *, host: str, port: int, grace_s: float, log_level: str = 'info',
-        sockets=None) -> None:
-  """Serves app until a signal (or should_exit); then stops the engine."""
+        sockets=None, stats_interval_s: float = 0.0) -> None:
+  """Serves app until a signal (or should_exit); then stops the engine. Every
+  stats_interval_s seconds (0: never) while busy, prints the engine's stats line."""
   config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan='off',
                           timeout_graceful_shutdown=5)
   server = GracefulServer(config, grace_s)
+  stats = metrics.StatsLogger(engine).start(stats_interval_s) if stats_interval_s > 0 else None
   try:
     server.run(sockets=sockets)
   finally:
+    if stats is not None:
+      stats.set()
     engine.shutdown()
 
 
@@ -94,7 +103,7 @@ def main(argv=None) -> int:
   print(f'Serving {app.state.meshlm.model_name!r} on http://{args.host}:{args.port}/v1',
         flush=True)
   run(app, engine, host=args.host, port=args.port, grace_s=args.shutdown_grace,
-      log_level=args.log_level)
+      log_level=args.log_level, stats_interval_s=args.log_stats_interval)
   return 0
 
 

@@ -6,6 +6,9 @@ reasons) are the engine's own, read when scraped; the latency histograms are fed
 engine's observer hook with each finished request's timestamps (engine time, HTTP excluded).
 """
 
+import threading
+import time
+
 import prometheus_client as prom
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -80,3 +83,46 @@ class ServerMetrics:
 
   def render(self) -> bytes:
     return prom.generate_latest(self.registry)
+
+
+class StatsLogger:
+  """vLLM's periodic engine line, for whoever watches the server's output: prompt and
+  generation throughput since the last line, the batch, KV cache use and the prefix
+  cache's hit rate over the prompt tokens looked up since then. Quiet while idle."""
+
+  def __init__(self, engine, clock=time.monotonic):
+    self._engine, self._clock = engine, clock
+    self._last = engine.stats()
+    self._last_time = clock()
+
+  def line(self) -> str | None:
+    """The line for the time since the last call; None when nothing ran in it."""
+    now, stats = self._clock(), self._engine.stats()
+    last, seconds = self._last, max(now - self._last_time, 1e-9)
+    self._last, self._last_time = stats, now
+    prompt = stats.prompt_tokens - last.prompt_tokens
+    generated = stats.generation_tokens - last.generation_tokens
+    busy = stats.num_running or stats.num_waiting or last.num_running or last.num_waiting
+    if not (prompt or generated or busy):
+      return None
+    text = (f'Engine: prompt {prompt / seconds:.1f} tokens/s, generation '
+            f'{generated / seconds:.1f} tokens/s; {stats.num_running} running, '
+            f'{stats.num_waiting} waiting; KV cache {stats.kv_cache_usage:.1%} used')
+    queries = stats.prefix_cache_queries - last.prefix_cache_queries
+    if queries:
+      hits = stats.prefix_cache_hits - last.prefix_cache_hits
+      text += f'; prefix cache hits {hits / queries:.1%} of {queries} prompt tokens'
+    return text + '.'
+
+  def start(self, interval_s: float, out=print) -> threading.Event:
+    """Prints line() every interval_s seconds on a daemon thread until the event is set."""
+    stop = threading.Event()
+
+    def loop():
+      while not stop.wait(interval_s):
+        text = self.line()
+        if text:
+          out(text, flush=True)
+
+    threading.Thread(target=loop, daemon=True, name='meshlm-stats').start()
+    return stop

@@ -9,6 +9,7 @@ and is stopped by its fixture.
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -796,6 +797,26 @@ def _metric_values(server) -> dict:
           for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def test_stats_line_reports_rates_since_the_last_one_and_is_quiet_when_idle():
+  from serve.metrics import StatsLogger  # pylint: disable=import-outside-toplevel
+  snapshots = iter([
+      engine_lib.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}),
+      engine_lib.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}),            # idle: no line
+      engine_lib.EngineStats(3, 1, 0.25, 200, 50, 200, 40, {}),     # 2 s later
+      engine_lib.EngineStats(0, 0, 0.0, 200, 50, 200, 60, {}),      # 4 s later
+      engine_lib.EngineStats(0, 0, 0.0, 200, 50, 200, 60, {})])     # idle again
+  times = iter([0.0, 1.0, 3.0, 7.0, 9.0])
+  fake = type('E', (), {'stats': lambda self: next(snapshots)})()
+  logger = StatsLogger(fake, clock=lambda: next(times))
+  assert logger.line() is None
+  assert logger.line() == ('Engine: prompt 100.0 tokens/s, generation 20.0 tokens/s; '
+                           '3 running, 1 waiting; KV cache 25.0% used; prefix cache hits '
+                           '25.0% of 200 prompt tokens.')
+  assert logger.line() == ('Engine: prompt 0.0 tokens/s, generation 5.0 tokens/s; 0 '
+                           'running, 0 waiting; KV cache 0.0% used.')
+  assert logger.line() is None
+
+
 def test_metrics_count_what_was_served(real_server, real_engine):
   before = _metric_values(real_server)
   client = _client(real_server)
@@ -927,13 +948,15 @@ def test_sigterm_drains_then_exits_cleanly():
   assert long[-1] == '[DONE]' and 'grace period' in json.loads(long[-2])['error']['message']
 
 
-def test_cli_serves_a_checkpoint_with_the_key_from_the_environment(tiny_workdir):
+def test_cli_serves_a_checkpoint_with_the_key_from_the_environment(tiny_workdir, tmp_path):
   port = _free_port()
   url = f'http://127.0.0.1:{port}'
   env = {**os.environ, 'MESHLM_API_KEY': 'sesame', 'JAX_PLATFORMS': 'cpu'}
+  log = tmp_path / 'serve.log'
   proc = subprocess.Popen([sys.executable, '-m', 'serve', '--checkpoint', tiny_workdir,
                            '--port', str(port), '--num-blocks', '16', '--max-num-seqs', '2',
-                           '--log-level', 'warning'], cwd=ROOT, env=env)
+                           '--log-level', 'warning', '--log-stats-interval', '0.2'],
+                          cwd=ROOT, env=env, stdout=log.open('w'))
   try:
     _wait_for(lambda: proc.poll() is not None or _health(url) == 200, timeout=120)
     assert proc.poll() is None, 'the server process died at start'
@@ -943,6 +966,12 @@ def test_cli_serves_a_checkpoint_with_the_key_from_the_environment(tiny_workdir)
     out = client.completions.create(model=model, prompt='def ', max_tokens=4,
                                     extra_body={'ignore_eos': True})
     assert out.usage.completion_tokens == 4
+    # --log-stats-interval: a line covering the 4 tokens' interval (and none while idle)
+    stats_line = r'Engine: prompt [\d.]+ tokens/s, generation [1-9][\d.]* tokens/s; '
+    _wait_for(lambda: re.search(stats_line, log.read_text()), timeout=10)
+    count = log.read_text().count('Engine: ')
+    time.sleep(1.0)   # five idle intervals: at most the one still covering the request
+    assert log.read_text().count('Engine: ') <= count + 1
     proc.send_signal(signal.SIGINT)   # Ctrl-C: the same drain as SIGTERM
     assert proc.wait(timeout=60) == 0
   finally:
