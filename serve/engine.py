@@ -118,6 +118,7 @@ class EngineStats:
   prompt_tokens: int             # prefilled, summed over requests
   generation_tokens: int         # sampled, summed over requests
   finished: dict[str, int]       # finished requests by finish reason
+  num_preemptions: int = 0       # requests preempted (blocks freed, recomputed later)
 
 
 # ------------------------------------------------------------------------ streams
@@ -435,7 +436,7 @@ class Engine:
           prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
           prompt_tokens=self._totals['prompt_tokens'],
           generation_tokens=self._totals['generation_tokens'],
-          finished=dict(self._finished_by_reason))
+          finished=dict(self._finished_by_reason), num_preemptions=s.num_preemptions)
 
   @property
   def max_waiting_requests(self) -> int:

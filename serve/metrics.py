@@ -44,7 +44,9 @@ class _EngineCollector:
                 ('prefix_cache_hits', 'Prompt tokens found in the prefix cache.',
                  stats.prefix_cache_hits),
                 ('prompt_tokens', 'Prompt tokens prefilled.', stats.prompt_tokens),
-                ('generation_tokens', 'Tokens generated.', stats.generation_tokens))
+                ('generation_tokens', 'Tokens generated.', stats.generation_tokens),
+                ('num_preemptions', 'Requests preempted: their KV blocks freed, their '
+                 'tokens recomputed when they run again.', stats.num_preemptions))
     for name, doc, value in counters:
       yield CounterMetricFamily(PREFIX + name, doc, value=float(value))
     success = CounterMetricFamily(PREFIX + 'request_success', 'Finished requests by reason.',
@@ -112,6 +114,9 @@ class StatsLogger:
     if queries:
       hits = stats.prefix_cache_hits - last.prefix_cache_hits
       text += f'; prefix cache hits {hits / queries:.1%} of {queries} prompt tokens'
+    preempted = stats.num_preemptions - last.num_preemptions
+    if preempted:
+      text += f'; {preempted} preempted (KV cache full)'
     return text + '.'
 
   def start(self, interval_s: float, out=print) -> threading.Event:

@@ -1,9 +1,10 @@
 """OpenAI-compatible HTTP server over the Engine (FastAPI; run by `python -m serve`).
 
 /v1/completions and /v1/chat/completions, streamed as server-sent events when asked,
-/v1/models, /health and /metrics. The server owns the HTTP side only: turning bodies into
-token ids and SamplingParams (`sampling_params.from_openai`), errors in OpenAI's shape, aborting the
-requests of clients that went away, refusing work while draining, and the metrics.
+/v1/models, /tokenize, /detokenize, /health, /version and /metrics. The server owns the HTTP side
+only: turning bodies into token ids and SamplingParams (`sampling_params.from_openai`),
+errors in OpenAI's shape, aborting the requests of clients that went away, refusing work
+while draining, and the metrics.
 
   client ──POST──> validate ──> engine.add_request ──> RequestStream ──> SSE chunks / JSON
                      │ 400/401/429/503                     │ disconnect, shutdown: abort
@@ -12,6 +13,7 @@ requests of clients that went away, refusing work while draining, and the metric
 import asyncio
 import dataclasses
 import hmac
+import importlib.metadata
 import json
 import time
 import uuid
@@ -738,6 +740,10 @@ def _add_routes(app: fastapi.FastAPI, state: ServerState) -> None:
   @app.get('/health')
   async def health():
     return {}
+
+  @app.get('/version')
+  async def version():
+    return {'version': importlib.metadata.version('meshlm')}
 
   @app.get('/metrics')
   async def metrics():

@@ -7,6 +7,7 @@ and is stopped by its fixture.
 """
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 import re
@@ -185,6 +186,8 @@ def test_models_health_and_completion_stream(fake_server, fake):
   client = _client(fake_server)
   assert [m.id for m in client.models.list().data] == ['fake']
   assert httpx.get(fake_server.url + '/health').status_code == 200
+  assert httpx.get(fake_server.url + '/version').json() == {
+      'version': importlib.metadata.version('meshlm')}
   full = client.completions.create(model='fake', prompt='abc', max_tokens=7)
   assert full.choices[0].text == 'abcabca'
   assert full.choices[0].finish_reason == 'length'
@@ -803,8 +806,8 @@ def test_stats_line_reports_rates_since_the_last_one_and_is_quiet_when_idle():
       engine_lib.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}),
       engine_lib.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}),            # idle: no line
       engine_lib.EngineStats(3, 1, 0.25, 200, 50, 200, 40, {}),     # 2 s later
-      engine_lib.EngineStats(0, 0, 0.0, 200, 50, 200, 60, {}),      # 4 s later
-      engine_lib.EngineStats(0, 0, 0.0, 200, 50, 200, 60, {})])     # idle again
+      engine_lib.EngineStats(0, 0, 0.0, 200, 50, 200, 60, {}, 2),   # 4 s later
+      engine_lib.EngineStats(0, 0, 0.0, 200, 50, 200, 60, {}, 2)])  # idle again
   times = iter([0.0, 1.0, 3.0, 7.0, 9.0])
   fake = type('E', (), {'stats': lambda self: next(snapshots)})()
   logger = StatsLogger(fake, clock=lambda: next(times))
@@ -813,8 +816,17 @@ def test_stats_line_reports_rates_since_the_last_one_and_is_quiet_when_idle():
                            '3 running, 1 waiting; KV cache 25.0% used; prefix cache hits '
                            '25.0% of 200 prompt tokens.')
   assert logger.line() == ('Engine: prompt 0.0 tokens/s, generation 5.0 tokens/s; 0 '
-                           'running, 0 waiting; KV cache 0.0% used.')
+                           'running, 0 waiting; KV cache 0.0% used; 2 preempted (KV cache '
+                           'full).')
   assert logger.line() is None
+
+
+def test_preemptions_are_a_counter(fake, monkeypatch):
+  from serve.metrics import ServerMetrics  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(fake, 'stats',
+                      lambda: engine_lib.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}, 7))
+  text = ServerMetrics(fake).render().decode()
+  assert 'meshlm:num_preemptions_total 7.0' in text.splitlines()
 
 
 def test_metrics_count_what_was_served(real_server, real_engine):
@@ -835,6 +847,7 @@ def test_metrics_count_what_was_served(real_server, real_engine):
   assert delta('meshlm:e2e_request_latency_seconds_sum') > delta(
       'meshlm:time_to_first_token_seconds_sum') > 0
   assert after[('meshlm:num_requests_running', ())] == 0
+  assert after[('meshlm:num_preemptions_total', ())] == real_engine.scheduler.num_preemptions
   assert after[('meshlm:num_requests_waiting', ())] == 0
   assert after[('meshlm:kv_cache_usage_perc', ())] == 0
   assert after[('meshlm:prefix_cache_queries_total', ())] >= after[
