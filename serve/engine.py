@@ -201,6 +201,7 @@ class _Tracked:
   metrics: RequestMetrics
   # Asked-for prompt logprobs gathered so far, [None] + one per prompt token scored.
   prompt_logprobs: list | None = None
+  guide: object = None   # guided.RequestGuide of a structured-output request
 
 
 # ------------------------------------------------------------------------ set-up
@@ -311,6 +312,7 @@ class Engine:
     self._aborts: dict[str, str] = {}   # request id -> why
     self._observers = []
     self._totals = {'prompt_tokens': 0, 'generation_tokens': 0}
+    self._guided = None   # guided.GuidedDecoding, built at the first guided request
     self._finished_by_reason = {r: 0 for r in ('stop', 'length', 'abort', 'error')}
     self._pending_outputs = None   # (tokens, logprobs, finished) of the last step
     self._lock = threading.RLock()
@@ -377,6 +379,7 @@ class Engine:
     request = Request(request_id=request_id, prompt_token_ids=prompt_ids,
                       sampling_params=params, eos_token_id=eos, arrival_time=time.monotonic(),
                       output_token_ids=[])
+    guide = self._guide(params.guided_regex) if params.guided_regex else None
     stream = RequestStream(request_id, prompt_ids, self)
     with self._lock:
       self._admit(request_id, bounded)
@@ -386,9 +389,18 @@ class Engine:
           IncrementalDetokenizer(self.served.tokenizer, prompt_ids, list(params.stop),
                                  params.include_stop_str_in_output, params.min_tokens),
           RequestMetrics(request.arrival_time, len(prompt_ids)),
-          None if params.prompt_logprobs is None else [None])
+          None if params.prompt_logprobs is None else [None], guide)
     self._wake.set()
     return stream
+
+  def _guide(self, regex: str):
+    """A guide through `regex` (compiled once per expression; ValueError if it cannot be
+    followed with this vocabulary)."""
+    if self._guided is None:
+      from serve import guided  # pylint: disable=import-outside-toplevel
+      self._guided = guided.GuidedDecoding(self.served.tokenizer,
+                                           self.served.eos_token_ids[0])
+    return self._guided.guide(regex)
 
   def abort(self, request_id: str) -> None:
     """Ends the request (finish_reason 'abort') and frees its blocks after this step."""
@@ -578,15 +590,16 @@ class Engine:
       return {}, {}
     params = [t.request.sampling_params for t in rows]
     banned = [_not_yet(t.request) for t in rows]
+    allowed = [None if t.guide is None else t.guide.allowed() for t in rows]
     if (all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params)
-        and not any(banned)):
+        and not any(banned) and all(a is None for a in allowed)):
       # The step's own argmax: the token the sampler would pick, without its program.
       res = sampler.SampleResult(np.asarray(step.greedy)[:len(rows)], None, [None] * len(rows))
     else:
       res = self.sampler(step.logits[:len(rows)], params,
                          [t.request.num_output_tokens for t in rows], self.vocab_size,
                          [(t.request.prompt_token_ids, t.request.output_token_ids)
-                          for t in rows], banned)
+                          for t in rows], banned, allowed)
     tokens, logprobs = {}, {}
     for i, t in enumerate(rows):
       rid, token = t.request.request_id, int(res.token_ids[i])
@@ -651,6 +664,8 @@ class Engine:
       prompt_lps = t.prompt_logprobs
     t.metrics.token_times.append(now)
     self._totals['generation_tokens'] += 1
+    if t.guide is not None and not finished_now:
+      t.guide.advance(token)
     text, stop = '', None
     if not (finished_now and self._is_stop_token(req, token)
             and not req.sampling_params.include_stop_str_in_output):

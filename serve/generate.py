@@ -7,8 +7,9 @@ special tokens, a Llama's BOS), `prompt_token_ids` or `messages` (a chat, render
 the model's chat template), plus sampling fields by their OpenAI and vLLM names (every
 SamplingParams field: max_tokens, temperature, top_p, top_k, min_p, seed, stop,
 stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, logprobs, the
-penalties, logit_bias; those left out take the model's generation_config.json defaults)
-and an optional `id` copied to the output. Output lines come in input order. A bad line stops the run before any generation, with one line
+penalties, logit_bias, guided_regex; response_format, guided_json and guided_choice for
+structured output; those left out take the model's generation_config.json defaults) and
+an optional `id` copied to the output. Output lines come in input order. A bad line stops the run before any generation, with one line
 naming the line and the field (exit status 2).
 """
 
@@ -23,7 +24,8 @@ from serve import config as config_lib
 from serve.sampling_params import SamplingParams, SamplingParamsError, from_openai
 
 PROMPT_KEYS = ('prompt', 'prompt_token_ids', 'messages')
-OPENAI_EXTRA = ('max_completion_tokens', 'top_logprobs', 'n', 'best_of')
+OPENAI_EXTRA = ('max_completion_tokens', 'top_logprobs', 'n', 'best_of', 'response_format',
+                'guided_json', 'guided_choice')
 KNOWN = {'id', *PROMPT_KEYS, *OPENAI_EXTRA,
          *(f.name for f in dataclasses.fields(SamplingParams))}
 

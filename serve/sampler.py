@@ -6,8 +6,9 @@ which filters some row uses and by whether any row wants top logprobs.
 
 Before them the logits are adjusted as vLLM does (`adjusted_logits`): logit_bias, then the
 repetition, frequency and presence penalties, from each row's prompt and output tokens,
-then the tokens a row may not draw yet (eos and stop ids before its min_tokens) go to
--inf; greedy rows take the argmax of the adjusted logits. Filters apply in the order Hugging
+then the tokens a row may not draw (eos and stop ids before its min_tokens; those outside
+its guided output's allowed set) go to -inf; greedy rows take the argmax of the adjusted
+logits. Filters apply in the order Hugging
 Face applies them: temperature, top-k, top-p (on the top-k survivors, renormalised), min-p
 (relative to the most likely token, so it commutes with the others). Tokens tied with the last kept one are kept. Logprobs are the "raw"
 ones (vLLM's default): log_softmax of the unmodified logits over the real vocabulary, so
@@ -44,19 +45,20 @@ class Sampler:
     self._rng = np.random.default_rng(seed)
 
   def __call__(self, logits, params: list[SamplingParams], steps: list[int],
-               vocab_size: int, history=None, banned=None) -> SampleResult:
+               vocab_size: int, history=None, banned=None, allowed=None) -> SampleResult:
     return sample(logits, params, steps, vocab_size, rng=self._rng, history=history,
-                  banned=banned)
+                  banned=banned, allowed=allowed)
 
 
 def sample(logits: jax.Array, params: list[SamplingParams], steps: list[int], vocab_size: int,
-           rng: np.random.Generator | None = None, history=None,
-           banned=None) -> SampleResult:
+           rng: np.random.Generator | None = None, history=None, banned=None,
+           allowed=None) -> SampleResult:
   """One token per row of logits [N, V >= vocab_size]; ids >= vocab_size are never drawn.
 
   history: each row's (prompt token ids, output token ids so far), which the penalties
   read; needed only when some row has one. banned: each row's token ids that must not be
-  drawn this step (the engine's eos and stop ids before min_tokens), or None."""
+  drawn this step (the engine's eos and stop ids before min_tokens), or None. allowed: each
+  row's [vocab_size] bool mask of the tokens it may draw (guided output), or None (any)."""
   n = len(params)
   if logits.ndim != 2 or logits.shape[0] != n or len(steps) != n:
     raise ValueError(f'sample: logits {logits.shape} must be [len(params)={n}, vocab] and '
@@ -69,7 +71,7 @@ def sample(logits: jax.Array, params: list[SamplingParams], steps: list[int], vo
   logits = jnp.asarray(logits)
   padded = jnp.pad(logits, ((0, rows - n), (0, 0))) if rows > n else logits
   want_top = any(p.logprobs for p in params)
-  adjust = _adjust_arrays(params, history, rows, vocab_size, banned)
+  adjust = _adjust_arrays(params, history, rows, vocab_size, banned, allowed)
   out = _sample_rows(padded, *row_args, adjust, vocab_size=vocab_size,
                      filters=_filters(params, vocab_size),
                      logprobs=any(p.logprobs is not None for p in params),
@@ -119,12 +121,14 @@ def _row_arrays(params, steps, rng, rows, vocab_size):
           keys, column(steps, 0, np.int32))
 
 
-def _adjust_arrays(params, history, rows, vocab_size, banned=None) -> dict | None:
+def _adjust_arrays(params, history, rows, vocab_size, banned=None,
+                   allowed=None) -> dict | None:
   """adjusted_logits' arguments for the rows (None: no row adjusts its logits). Token ids
   are padded with vocab_size, which the scatters drop, to a power-of-two width (>= 16):
   one program per width, not per length."""
   ban = banned is not None and any(len(b) for b in banned)
-  if not ban and not any(p.adjusts_logits for p in params):
+  guide = allowed is not None and any(a is not None for a in allowed)
+  if not ban and not guide and not any(p.adjusts_logits for p in params):
     return None
   pad = rows - len(params)
   repeat = any(p.repetition_penalty != 1 for p in params)
@@ -159,15 +163,21 @@ def _adjust_arrays(params, history, rows, vocab_size, banned=None) -> dict | Non
       raise ValueError(f'sample: banned must have one list per row ({len(params)}), got '
                        f'{len(banned)}')
     adjust['banned'] = padded([list(b) for b in banned])
+  if guide:
+    mask = np.ones((rows, vocab_size), bool)
+    for i, a in enumerate(allowed):
+      if a is not None:
+        mask[i] = a
+    adjust['allowed'] = mask
   return adjust or None
 
 
 def adjusted_logits(logits, output=None, presence=None, frequency=None, seen=None,
-                    repetition=None, bias_ids=None, bias=None, banned=None):
+                    repetition=None, bias_ids=None, bias=None, banned=None, allowed=None):
   """logits [N, V] after logit_bias (bias_ids, bias [N, B]), the repetition penalty over
   the tokens in `seen` [N, S], the frequency and presence penalties over the tokens of
-  `output` [N, O] (penalties [N]), and -inf for the tokens in `banned` [N, K]; ids >= V
-  are padding."""
+  `output` [N, O] (penalties [N]), and -inf for the tokens in `banned` [N, K] and where
+  `allowed` [N, V] is False; ids >= V are padding."""
   logits, rows = jnp.asarray(logits), jnp.arange(logits.shape[0])[:, None]
   if bias_ids is not None:
     logits = logits.at[rows, bias_ids].add(bias, mode='drop')
@@ -180,6 +190,8 @@ def adjusted_logits(logits, output=None, presence=None, frequency=None, seen=Non
     logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
   if banned is not None:
     logits = logits.at[rows, banned].set(-jnp.inf, mode='drop')
+  if allowed is not None:
+    logits = jnp.where(allowed, logits, -jnp.inf)
   return logits
 
 

@@ -59,6 +59,9 @@ class SamplingParams:
   frequency_penalty: float = 0.0
   repetition_penalty: float = 1.0
   logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+  # Structured output: the output must match this regular expression (serve/guided.py;
+  # from_openai turns JSON schemas and choices into one). Needs eos, and no min_tokens.
+  guided_regex: str | None = None
 
   @property
   def greedy(self) -> bool:
@@ -97,6 +100,14 @@ class SamplingParams:
     _check_float('frequency_penalty', self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
     _check_float('repetition_penalty', self.repetition_penalty, 0.0, math.inf, low_open=True)
     _check_logit_bias(self.logit_bias, vocab_size)
+    if self.guided_regex is not None:
+      if not isinstance(self.guided_regex, str) or not self.guided_regex:
+        raise SamplingParamsError('guided_regex', f'must be a non-empty regular expression, '
+                                  f'got {self.guided_regex!r}')
+      if self.ignore_eos or self.min_tokens:
+        raise SamplingParamsError('ignore_eos' if self.ignore_eos else 'min_tokens',
+                                  'cannot be combined with guided output, which ends with '
+                                  'eos as soon as the output matches')
 
 
 def _is_int(value) -> bool:
@@ -178,19 +189,18 @@ def _logit_bias(bias) -> dict:
 # Prompt logprobs come with completions' echo and logprobs, in OpenAI's shape.
 _UNSUPPORTED = {
     'n': (1,), 'best_of': (1,), 'prompt_logprobs': (), 'use_beam_search': (False,),
-    'guided_json': (), 'guided_regex': (), 'guided_choice': (), 'guided_grammar': (),
-    'structured_outputs': (), 'logits_processors': (), 'allowed_token_ids': (),
+    'guided_grammar': (), 'structured_outputs': (), 'guided_whitespace_pattern': (), 'logits_processors': (), 'allowed_token_ids': (),
     'bad_words': ([],), 'skip_special_tokens': (True,), 'truncate_prompt_tokens': (),
 }
 _UNSUPPORTED_CHAT = {   # with no tools, tool_choice 'none' and 'auto' both mean plain text
-    'response_format': ({'type': 'text'},), 'tools': ([],), 'functions': ([],),
+    'tools': ([],), 'functions': ([],),
     'tool_choice': ('none', 'auto'), 'function_call': ('none', 'auto'),
     'echo': (False,), 'continue_final_message': (False,), 'chat_template': (),
     'chat_template_kwargs': ({},),
 }
-_UNSUPPORTED_COMPLETION = {'response_format': ({'type': 'text'},), 'suffix': ('',)}
+_UNSUPPORTED_COMPLETION = {'suffix': ('',)}
 _HINTS = {
-    'response_format': 'structured output (JSON mode, JSON schema) is not implemented',
+    'guided_grammar': 'use guided_json, guided_regex or guided_choice',
     'tools': 'tool calling is not implemented', 'functions': 'tool calling is not implemented',
     'chat_template': 'the server renders with its model\'s template (or --chat-template)',
     'prompt_logprobs': 'completions with "echo": true and "logprobs" give the prompt\'s',
@@ -229,9 +239,34 @@ def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
       presence_penalty=get('presence_penalty', 0.0),
       frequency_penalty=get('frequency_penalty', 0.0),
       repetition_penalty=get('repetition_penalty', 1.0),
-      logit_bias=_logit_bias(get('logit_bias', {})))
+      logit_bias=_logit_bias(get('logit_bias', {})), guided_regex=_guided_regex(body))
   params.validate(vocab_size)
   return params
+
+
+_GUIDED = ('response_format', 'guided_json', 'guided_regex', 'guided_choice')
+
+
+def _guided_regex(body: dict) -> str | None:
+  """The regular expression of the structured output asked for, if any (one way only)."""
+  from serve import guided  # pylint: disable=import-outside-toplevel
+  given = [k for k in _GUIDED if body.get(k) is not None]
+  if len(given) > 1:
+    raise SamplingParamsError(given[1], f'give one of {", ".join(_GUIDED)}, not {given}')
+  if not given:
+    return None
+  name, value = given[0], body[given[0]]
+  if name == 'response_format':
+    return guided.response_format_regex(value)
+  if name == 'guided_json':
+    if not isinstance(value, (dict, str)):
+      raise SamplingParamsError(name, f'must be a JSON schema (an object), got {value!r}')
+    return guided.json_schema_regex(value, name)
+  if name == 'guided_choice':
+    return guided.choice_regex(value)
+  if not isinstance(value, str) or not value:
+    raise SamplingParamsError(name, f'must be a non-empty regular expression, got {value!r}')
+  return value
 
 
 def _max_tokens(body: dict, chat: bool, default: int):

@@ -186,6 +186,69 @@ def test_penalties_and_logit_bias_equal_the_reference_applied_to_the_training_fo
   assert got == want + reference[8:9]
 
 
+GUIDED = {   # a regular expression, and the request fields that ask for it
+    'choice': {'guided_choice': ['yes', 'no', 'maybe']},
+    'regex': {'guided_regex': '[a-c]{2,4}-[0-9]{2}'},
+    'json': {'response_format': {'type': 'json_schema', 'json_schema': {
+        'name': 'flag', 'schema': {'type': 'object', 'properties': {
+            'ok': {'type': 'boolean'}, 'tag': {'enum': ['x', 'yz']}},
+            'required': ['ok', 'tag']}}}},
+}
+
+
+def test_guided_output_is_the_training_forwards_greedy_within_the_allowed_tokens(
+    engine, varied, prompts):
+  """Greedy structured output equals the training forward's argmax over the tokens an
+  independent guide allows after each prefix (then eos), and the text matches; sampled
+  outputs (any seed) match too."""
+  from serve import guided  # pylint: disable=import-outside-toplevel
+  from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
+  eos, vocab = varied.eos_token_ids[0], varied.tokenizer.vocab_size
+  reference_guides = guided.GuidedDecoding(varied.tokenizer, eos)
+  n = 32
+  short = [p for p in prompts if len(p) <= 64 - n][:4]   # the reference's buffer is 64
+  for name, fields in GUIDED.items():
+    ask = from_openai({**fields, 'max_tokens': n, 'temperature': 0}, vocab)
+    regex = ask.guided_regex
+
+    def masked(row, prompt, out, regex=regex):
+      g = reference_guides.guide(regex)
+      for t in out:
+        if t == eos:
+          return row
+        g.advance(t)
+      return np.where(g.allowed(), row, -np.inf)
+    want = greedy_reference(varied, short, n, adjust=masked)
+    got = engine.generate(short, ask)
+    for result, tokens in zip(got, want):
+      end = tokens.index(eos) + 1 if eos in tokens else n
+      assert result.token_ids == tokens[:end], name
+      assert result.finish_reason == 'stop' and re.fullmatch(regex, result.text), (
+          name, result.text)
+    if name == 'json':
+      assert all(set(json.loads(r.text)) == {'ok', 'tag'} for r in got)
+    sampled = engine.generate(short[:1] * 6, [dataclasses.replace(ask, temperature=1.0,
+                                                                  seed=s) for s in range(6)])
+    assert all(r.finish_reason == 'stop' and re.fullmatch(regex, r.text) for r in sampled), [
+        r.text for r in sampled]
+
+
+def test_guided_requests_refused_with_the_field(engine):
+  from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match='cannot be followed'):
+    engine.add_request([1, 2], SamplingParams(guided_regex='(unclosed'))
+  for body, field in [({'guided_regex': 'a', 'guided_choice': ['b']}, 'guided_choice'),
+                      ({'guided_choice': []}, 'guided_choice'),
+                      ({'guided_json': {'type': 'frob'}}, 'guided_json'),
+                      ({'response_format': {'type': 'json_schema'}}, 'response_format'),
+                      ({'guided_regex': 'a', 'ignore_eos': True}, 'ignore_eos'),
+                      ({'guided_regex': 'a', 'min_tokens': 1}, 'min_tokens')]:
+    with pytest.raises(ValueError) as err:
+      from_openai(body, engine.vocab_size)
+    assert err.value.param == field, body
+  assert engine.num_unfinished == 0
+
+
 def test_prompt_logprobs_equal_the_training_forwards_over_chunks_and_cached_prefixes(
     varied, prompts):
   """prompt_logprobs=N: each prompt token's log p and top N under the training forward,

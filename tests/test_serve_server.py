@@ -305,8 +305,8 @@ BAD_INPUTS = [
     ('/v1/completions', {'prompt': 'hi', 'prompt_logprobs': 1}, 'prompt_logprobs',
      'prompt_logprobs'),
     ('/v1/chat/completions', {'messages': [{'role': 'user', 'content': 'hi'}],
-                              'response_format': {'type': 'json_object'}},
-     'JSON mode', 'response_format'),
+                              'response_format': {'type': 'xml'}},
+     'json_schema', 'response_format'),
     ('/v1/completions', {'prompt': 'hi', 'echo': True, 'max_tokens': 0, 'min_tokens': 2},
      'generates nothing', 'min_tokens'),
     ('/v1/chat/completions', {'messages': 'hi'}, 'messages', 'messages'),
@@ -783,6 +783,32 @@ def test_disconnect_aborts_the_engine_request_early(real_server, real_engine):
   after = real_engine.stats()
   assert after.finished['abort'] - before.finished['abort'] == 1
   assert after.generation_tokens - before.generation_tokens < 60
+
+
+def test_structured_output_through_the_openai_client(real_server, real_engine):
+  """response_format json_schema (chat, streamed and not, n=2) and vLLM's guided_choice:
+  every choice parses and fits; an expression the vocabulary cannot spell is a 400."""
+  client = _client(real_server)
+  schema = {'type': 'object', 'properties': {'ok': {'type': 'boolean'}}, 'required': ['ok']}
+  fmt = {'type': 'json_schema', 'json_schema': {'name': 'flag', 'schema': schema}}
+  kw = dict(model='tiny', messages=[{'role': 'user', 'content': 'hi'}], max_tokens=30,
+            response_format=fmt, n=2, seed=3)
+  whole = client.chat.completions.create(**kw)
+  texts = [c.message.content for c in whole.choices]
+  assert all(isinstance(json.loads(t)['ok'], bool) for t in texts), texts
+  assert {c.finish_reason for c in whole.choices} == {'stop'}
+  pieces = ['', '']
+  for chunk in client.chat.completions.create(stream=True, **kw):
+    for c in chunk.choices:
+      pieces[c.index] += c.delta.content or ''
+  assert pieces == texts   # seeded: the same choices streamed
+  out = client.completions.create(model='tiny', prompt='pick: ', max_tokens=10,
+                                  extra_body={'guided_choice': ['red', 'green', 'blue']})
+  assert out.choices[0].text in ('red', 'green', 'blue')
+  resp = httpx.post(real_server.url + '/v1/completions',
+                    json={'prompt': 'x', 'guided_regex': '(unclosed'})
+  assert resp.status_code == 400 and 'cannot be followed' in resp.json()['error']['message']
+  _assert_at_rest(real_engine)
 
 
 def test_bad_inputs_on_the_real_engine_leave_nothing_behind(real_server, real_engine):
