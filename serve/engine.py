@@ -313,6 +313,7 @@ class Engine:
     self._observers = []
     self._totals = {'prompt_tokens': 0, 'generation_tokens': 0}
     self._guided = None   # guided.GuidedDecoding, built at the first guided request
+    self._guided_lock = threading.Lock()
     self._finished_by_reason = {r: 0 for r in ('stop', 'length', 'abort', 'error')}
     self._pending_outputs = None   # (tokens, logprobs, finished) of the last step
     self._lock = threading.RLock()
@@ -396,11 +397,20 @@ class Engine:
   def _guide(self, regex: str):
     """A guide through `regex` (compiled once per expression; ValueError if it cannot be
     followed with this vocabulary)."""
-    if self._guided is None:
-      from serve import guided  # pylint: disable=import-outside-toplevel
-      self._guided = guided.GuidedDecoding(self.served.tokenizer,
-                                           self.served.eos_token_ids[0])
-    return self._guided.guide(regex)
+    return self._guided_decoding().guide(regex)
+
+  def compile_guided(self, regex: str) -> None:
+    """Compiles (and caches) a guided output's expression ahead of add_request: seconds
+    for a large vocabulary, so the server runs it in a thread. ValueError if it cannot be
+    followed with this vocabulary."""
+    self._guided_decoding().compile(regex)
+
+  def _guided_decoding(self):
+    with self._guided_lock:
+      if self._guided is None:
+        from serve import guided  # pylint: disable=import-outside-toplevel
+        self._guided = guided.GuidedDecoding(self.served.tokenizer, self.served.eos_token_ids)
+      return self._guided
 
   def abort(self, request_id: str) -> None:
     """Ends the request (finish_reason 'abort') and frees its blocks after this step."""
@@ -590,7 +600,7 @@ class Engine:
       return {}, {}
     params = [t.request.sampling_params for t in rows]
     banned = [_not_yet(t.request) for t in rows]
-    allowed = [None if t.guide is None else t.guide.allowed() for t in rows]
+    allowed = [None if t.guide is None else t.guide.words() for t in rows]
     if (all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params)
         and not any(banned) and all(a is None for a in allowed)):
       # The step's own argmax: the token the sampler would pick, without its program.

@@ -21,7 +21,8 @@ import sys
 from rich import progress
 
 from serve import config as config_lib
-from serve.sampling_params import SamplingParams, SamplingParamsError, from_openai
+from serve.sampling_params import (SamplingParams, SamplingParamsError, from_openai,
+                                   guided_field)
 
 PROMPT_KEYS = ('prompt', 'prompt_token_ids', 'messages')
 OPENAI_EXTRA = ('max_completion_tokens', 'top_logprobs', 'n', 'best_of', 'response_format',
@@ -82,6 +83,11 @@ def prepare(job: Job, served, engine, path: str) -> None:
     job.params = from_openai(sampling, engine.vocab_size, chat='messages' in body,
                              defaults=served.sampling_defaults)
     engine.check_prompt(job.prompt_ids, job.params)
+    if job.params.guided_regex is not None:
+      try:
+        engine.compile_guided(job.params.guided_regex)
+      except ValueError as e:
+        raise SamplingParamsError(guided_field(body), str(e)) from None
   except SamplingParamsError as e:
     why = str(e).removeprefix(f'{e.param}: ')
     raise BadLine(f'{where}: field {e.param!r}: {why}') from None

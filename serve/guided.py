@@ -19,20 +19,24 @@ tokens are never allowed (eos only at the end).
 import functools
 import json
 import re
+import threading
 
 import numpy as np
 
+from serve.sampler import unpack_bits
 from serve.sampling_params import SamplingParamsError
 
-INDEX_CACHE = 32   # compiled expressions kept per engine
+# Compiled expressions kept per engine: json_object's takes ~170 MB at a 128K vocabulary.
+INDEX_CACHE = 16
 
 
-def json_schema_regex(schema, param: str) -> str:
-  """The regular expression of the JSON texts `schema` (a dict or its JSON) accepts."""
+def json_schema_regex(schema, param: str, whitespace: str | None = None) -> str:
+  """The regular expression of the JSON texts `schema` (a dict or its JSON) accepts;
+  between tokens `whitespace` (a regular expression; default one optional space)."""
   from outlines_core import json_schema  # pylint: disable=import-outside-toplevel
   text = schema if isinstance(schema, str) else json.dumps(schema)
   try:
-    return json_schema.build_regex_from_schema(text)
+    return json_schema.build_regex_from_schema(text, whitespace)
   except (ValueError, TypeError) as e:
     raise SamplingParamsError(param, f'is not a JSON schema this server can follow ({e})') \
         from None
@@ -46,20 +50,20 @@ def choice_regex(choices, param: str = 'guided_choice') -> str:
   return '(' + '|'.join(re.escape(c) for c in choices) + ')'
 
 
-def response_format_regex(value) -> str | None:
+def response_format_regex(value, whitespace: str | None = None) -> str | None:
   """OpenAI's response_format: None for plain text, else the regular expression."""
   param = 'response_format'
   kind = value.get('type') if isinstance(value, dict) else None
   if kind == 'text':
     return None
   if kind == 'json_object':
-    return json_schema_regex({'type': 'object'}, param)
+    return json_schema_regex({'type': 'object'}, param, whitespace)
   if kind == 'json_schema':
     spec = value.get('json_schema')
     if not isinstance(spec, dict) or not isinstance(spec.get('schema'), dict):
       raise SamplingParamsError(param, 'json_schema needs {"name": ..., "schema": {...}}, '
                                 f'got {spec!r}')
-    return json_schema_regex(spec['schema'], param)
+    return json_schema_regex(spec['schema'], param, whitespace)
   raise SamplingParamsError(param, 'must be {"type": "text"}, {"type": "json_object"} or '
                             f'{{"type": "json_schema", "json_schema": {{...}}}}, got {value!r}')
 
@@ -69,15 +73,17 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
   if getattr(tokenizer, 'name', '') == 'byte':
     return {b: bytes([b]) for b in range(256)}
   tok = tokenizer._tok  # pylint: disable=protected-access
-  special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+  added = tok.get_added_tokens_decoder()
   decoder = json.loads(tok.to_str()).get('decoder') or {}
   kinds = {d.get('type') for d in decoder.get('decoders', [decoder])}
   unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
   out = {}
   for piece, i in tok.get_vocab(with_added_tokens=True).items():
-    if i in special or i >= tokenizer.vocab_size:
+    if i >= tokenizer.vocab_size or (i in added and added[i].special):
       continue
-    if 'ByteLevel' in kinds:
+    if i in added:   # an added token holds its text as it is, whatever the decoder
+      out[i] = added[i].content.encode('utf-8')
+    elif 'ByteLevel' in kinds:
       out[i] = bytes(unicode_to_byte[c] for c in piece)
     elif 'ByteFallback' in kinds and re.fullmatch(r'<0x[0-9A-Fa-f]{2}>', piece):
       out[i] = bytes([int(piece[3:5], 16)])
@@ -102,45 +108,64 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 class GuidedDecoding:
-  """One engine's vocabulary for outlines-core and its cache of compiled expressions."""
+  """One engine's vocabulary for outlines-core and its cache of compiled expressions.
 
-  def __init__(self, tokenizer, eos_id: int):
+  eos_ids: the model's end tokens, the first the one outlines-core allows at a match's
+  end; wherever it is allowed, so are the others (Llama-3.1 chat ends with <|eot_id|>)."""
+
+  def __init__(self, tokenizer, eos_ids: list[int]):
     from outlines_core import Vocabulary  # pylint: disable=import-outside-toplevel
     by_bytes: dict[bytes, list[int]] = {}
     for i, b in token_bytes(tokenizer).items():
-      if i != eos_id and b:
+      if i not in eos_ids and b:
         by_bytes.setdefault(b, []).append(i)
     self.vocab_size = tokenizer.vocab_size
-    self._vocabulary = Vocabulary(eos_id, by_bytes)
+    self.eos_ids = [int(e) for e in eos_ids]
+    self._vocabulary = Vocabulary(self.eos_ids[0], by_bytes)
     self._index = functools.lru_cache(maxsize=INDEX_CACHE)(self._compile)
+    self._lock = threading.Lock()
 
   def _compile(self, regex: str):
     from outlines_core import Index  # pylint: disable=import-outside-toplevel
     try:
       return Index(regex, self._vocabulary)
     except ValueError as e:
-      raise ValueError(f'the guided output\'s regular expression cannot be followed with '
-                       f'this vocabulary ({e}): {regex[:80]!r}') from None
+      raise ValueError(f'this regular expression cannot be compiled for the model\'s '
+                       f'vocabulary ({e}). Anchors (^, $), lookarounds and backreferences '
+                       'are not supported, and every character must be one the tokenizer '
+                       'can spell.') from None
+
+  def compile(self, regex: str):
+    """The expression's index (cached; ValueError if it cannot be followed). Seconds for
+    a large vocabulary: callers on an event loop run it in a thread."""
+    return self._index(regex)
 
   def guide(self, regex: str) -> 'RequestGuide':
-    return RequestGuide(self._index(regex), self.vocab_size)
+    return RequestGuide(self._index(regex), self.vocab_size, self.eos_ids)
 
 
 class RequestGuide:
   """One request's place in its expression: the tokens allowed next, advanced per token."""
 
-  def __init__(self, index, vocab_size: int):
+  def __init__(self, index, vocab_size: int, eos_ids: list[int]):
     from outlines_core import Guide  # pylint: disable=import-outside-toplevel
     self._guide = Guide(index)
     self._vocab_size = vocab_size
-    self._words = np.zeros(-(-vocab_size // 32), np.int32)
+    self._eos, self._more_eos = eos_ids[0], eos_ids[1:]
+
+  def words(self) -> np.ndarray:
+    """The allowed tokens as bits: [ceil(vocab_size / 32)] uint32, token i is bit i % 32
+    of word i // 32 (the sampler unpacks them on the device)."""
+    words = np.zeros(-(-self._vocab_size // 32), np.uint32)
+    self._guide.write_mask_into(words.ctypes.data, words.size, 4)
+    if self._more_eos and words[self._eos // 32] >> np.uint32(self._eos % 32) & 1:
+      for e in self._more_eos:
+        words[e // 32] |= np.uint32(1 << (e % 32))
+    return words
 
   def allowed(self) -> np.ndarray:
     """[vocab_size] bool: the tokens that keep the output a prefix of a match."""
-    self._words[:] = 0
-    self._guide.write_mask_into(self._words.ctypes.data, self._words.size, 4)
-    bits = np.unpackbits(self._words.view(np.uint8), bitorder='little')
-    return bits[:self._vocab_size].astype(bool)
+    return unpack_bits(self.words(), self._vocab_size)
 
   def advance(self, token: int) -> None:
     self._guide.advance(int(token), return_tokens=False)
@@ -148,3 +173,4 @@ class RequestGuide:
   @property
   def is_finished(self) -> bool:
     return self._guide.is_finished()
+

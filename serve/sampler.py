@@ -58,7 +58,7 @@ def sample(logits: jax.Array, params: list[SamplingParams], steps: list[int], vo
   history: each row's (prompt token ids, output token ids so far), which the penalties
   read; needed only when some row has one. banned: each row's token ids that must not be
   drawn this step (the engine's eos and stop ids before min_tokens), or None. allowed: each
-  row's [vocab_size] bool mask of the tokens it may draw (guided output), or None (any)."""
+  row's tokens it may draw (guided output) as unpack_bits words, or None (any)."""
   n = len(params)
   if logits.ndim != 2 or logits.shape[0] != n or len(steps) != n:
     raise ValueError(f'sample: logits {logits.shape} must be [len(params)={n}, vocab] and '
@@ -163,12 +163,12 @@ def _adjust_arrays(params, history, rows, vocab_size, banned=None,
       raise ValueError(f'sample: banned must have one list per row ({len(params)}), got '
                        f'{len(banned)}')
     adjust['banned'] = padded([list(b) for b in banned])
-  if guide:
-    mask = np.ones((rows, vocab_size), bool)
+  if guide:   # 32 tokens a word: 1/32 of a bool mask to send each step
+    words = np.full((rows, -(-vocab_size // 32)), 0xFFFFFFFF, np.uint32)
     for i, a in enumerate(allowed):
       if a is not None:
-        mask[i] = a
-    adjust['allowed'] = mask
+        words[i] = a
+    adjust['allowed'] = words
   return adjust or None
 
 
@@ -176,8 +176,8 @@ def adjusted_logits(logits, output=None, presence=None, frequency=None, seen=Non
                     repetition=None, bias_ids=None, bias=None, banned=None, allowed=None):
   """logits [N, V] after logit_bias (bias_ids, bias [N, B]), the repetition penalty over
   the tokens in `seen` [N, S], the frequency and presence penalties over the tokens of
-  `output` [N, O] (penalties [N]), and -inf for the tokens in `banned` [N, K] and where
-  `allowed` [N, V] is False; ids >= V are padding."""
+  `output` [N, O] (penalties [N]), and -inf for the tokens in `banned` [N, K] and those
+  whose bit is 0 in `allowed` [N, ceil(V / 32)] (unpack_bits); ids >= V are padding."""
   logits, rows = jnp.asarray(logits), jnp.arange(logits.shape[0])[:, None]
   if bias_ids is not None:
     logits = logits.at[rows, bias_ids].add(bias, mode='drop')
@@ -191,8 +191,15 @@ def adjusted_logits(logits, output=None, presence=None, frequency=None, seen=Non
   if banned is not None:
     logits = logits.at[rows, banned].set(-jnp.inf, mode='drop')
   if allowed is not None:
-    logits = jnp.where(allowed, logits, -jnp.inf)
+    logits = jnp.where(unpack_bits(allowed, logits.shape[1]), logits, -jnp.inf)
   return logits
+
+
+def unpack_bits(words, vocab_size: int):
+  """[..., W] uint32 words -> [..., vocab_size] bool: token i is bit i % 32 of word
+  i // 32 (numpy or jax arrays)."""
+  ids = np.arange(vocab_size)
+  return (words[..., ids // 32] >> (ids % 32).astype(np.uint32)) & 1 == 1
 
 
 @functools.partial(jax.jit, static_argnames=('vocab_size', 'filters', 'logprobs', 'top_n'))

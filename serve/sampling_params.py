@@ -189,7 +189,7 @@ def _logit_bias(bias) -> dict:
 # Prompt logprobs come with completions' echo and logprobs, in OpenAI's shape.
 _UNSUPPORTED = {
     'n': (1,), 'best_of': (1,), 'prompt_logprobs': (), 'use_beam_search': (False,),
-    'guided_grammar': (), 'structured_outputs': (), 'guided_whitespace_pattern': (), 'logits_processors': (), 'allowed_token_ids': (),
+    'guided_grammar': (), 'structured_outputs': (), 'logits_processors': (), 'allowed_token_ids': (),
     'bad_words': ([],), 'skip_special_tokens': (True,), 'truncate_prompt_tokens': (),
 }
 _UNSUPPORTED_CHAT = {   # with no tools, tool_choice 'none' and 'auto' both mean plain text
@@ -244,24 +244,36 @@ def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
   return params
 
 
-_GUIDED = ('response_format', 'guided_json', 'guided_regex', 'guided_choice')
+GUIDED_FIELDS = ('response_format', 'guided_json', 'guided_regex', 'guided_choice')
+
+
+def guided_field(body: dict) -> str | None:
+  """The field of `body` that asks for structured output, if any."""
+  return next((k for k in GUIDED_FIELDS if body.get(k) is not None
+               and body[k] != {'type': 'text'}), None)
 
 
 def _guided_regex(body: dict) -> str | None:
   """The regular expression of the structured output asked for, if any (one way only)."""
   from serve import guided  # pylint: disable=import-outside-toplevel
-  given = [k for k in _GUIDED if body.get(k) is not None]
+  given = [k for k in GUIDED_FIELDS if body.get(k) is not None and body[k] != {'type': 'text'}]
   if len(given) > 1:
-    raise SamplingParamsError(given[1], f'give one of {", ".join(_GUIDED)}, not {given}')
+    raise SamplingParamsError(given[1], f'give one of {", ".join(GUIDED_FIELDS)}, not '
+                              f'{given}')
+  space = body.get('guided_whitespace_pattern')
+  if space is not None and (not isinstance(space, str) or
+                            given[:1] not in (['guided_json'], ['response_format'])):
+    raise SamplingParamsError('guided_whitespace_pattern', 'must be a regular expression, '
+                              'and only with guided_json or a JSON response_format')
   if not given:
     return None
   name, value = given[0], body[given[0]]
   if name == 'response_format':
-    return guided.response_format_regex(value)
+    return guided.response_format_regex(value, space)
   if name == 'guided_json':
     if not isinstance(value, (dict, str)):
       raise SamplingParamsError(name, f'must be a JSON schema (an object), got {value!r}')
-    return guided.json_schema_regex(value, name)
+    return guided.json_schema_regex(value, name, space)
   if name == 'guided_choice':
     return guided.choice_regex(value)
   if not isinstance(value, str) or not value:

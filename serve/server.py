@@ -279,7 +279,7 @@ def _sampling_params(state: ServerState, body: dict, prompt_len: int, chat: bool
       params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     if _prompt_only(body, chat):   # the dropped token: greedy, and nothing can stop it
       params = dataclasses.replace(params, temperature=0.0, ignore_eos=True, stop=[],
-                                   stop_token_ids=[])
+                                   stop_token_ids=[], guided_regex=None)
   except sp_lib.SamplingParamsError as e:
     raise ApiError(400, str(e), param=e.param) from None
   param = 'messages' if chat else 'prompt'
@@ -605,6 +605,19 @@ def _chat_json(state, reqs, want_logprobs: bool) -> dict:
   return {**_meta('chat.completion', state), 'choices': choices, 'usage': _usage(reqs)}
 
 
+async def _compile_guided(state: ServerState, body: dict, params) -> None:
+  """Structured output's expression compiled off the event loop (seconds for a large
+  vocabulary; cached), so other streams go on meanwhile; a 400 naming the field if the
+  vocabulary cannot follow it."""
+  if params.guided_regex is None:
+    return
+  try:
+    await asyncio.to_thread(state.engine.compile_guided, params.guided_regex)
+  except ValueError as e:
+    field = sp_lib.guided_field(body)
+    raise ApiError(400, f'{field}: {e}', param=field) from None
+
+
 # --- routes ---
 
 async def _run(state, request, reqs, body, want_logprobs, events_fn, json_fn):
@@ -623,6 +636,7 @@ async def _completions(state: ServerState, request: fastapi.Request):
   _check_common(state, body)
   prompts, texts = _completion_prompts(state, body)
   params = [_sampling_params(state, raw, len(p), chat=False) for p in prompts]
+  await _compile_guided(state, raw, params[0])
   reqs = _submit(state, prompts, params, body.n)
   for r in reqs:
     if body.echo:
@@ -638,6 +652,7 @@ async def _chat(state: ServerState, request: fastapi.Request):
   _check_common(state, body)
   prompt = _chat_prompt(state, body)
   params = _sampling_params(state, raw, len(prompt), chat=True)
+  await _compile_guided(state, raw, params)
   reqs = _submit(state, [prompt], [params], body.n)
   return await _run(state, request, reqs, body, params.logprobs is not None,
                     _chat_events, _chat_json)

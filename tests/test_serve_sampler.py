@@ -376,7 +376,7 @@ def test_from_openai_chat():
     (True, 'chat_template_kwargs', {'enable_thinking': True}),
     (False, 'n', True), (False, 'use_beam_search', 0),   # true is not 1, 0 not false
     (False, 'suffix', 'end'), (False, 'guided_grammar', 'root ::= "a"'),
-    (True, 'guided_whitespace_pattern', ' *'),
+
     (False, 'skip_special_tokens', False), (False, 'use_beam_search', True),
     (False, 'bad_words', ['x']), (False, 'allowed_token_ids', [1]),
     (False, 'truncate_prompt_tokens', 8)])

@@ -807,7 +807,12 @@ def test_structured_output_through_the_openai_client(real_server, real_engine):
   assert out.choices[0].text in ('red', 'green', 'blue')
   resp = httpx.post(real_server.url + '/v1/completions',
                     json={'prompt': 'x', 'guided_regex': '(unclosed'})
-  assert resp.status_code == 400 and 'cannot be followed' in resp.json()['error']['message']
+  assert resp.status_code == 400 and 'cannot be compiled' in resp.json()['error']['message']
+  assert resp.json()['error']['param'] == 'guided_regex'
+  # Scoring a prompt (echo, max_tokens 0) generates nothing to guide: the field is moot.
+  scored = client.completions.create(model='tiny', prompt='abc', max_tokens=0, echo=True,
+                                     logprobs=0, extra_body={'guided_choice': ['x']})
+  assert scored.choices[0].text == 'abc'
   _assert_at_rest(real_engine)
 
 
