@@ -9,8 +9,9 @@ SamplingParams field: max_tokens, temperature, top_p, top_k, min_p, seed, stop,
 stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, logprobs, the
 penalties, logit_bias, guided_regex; response_format, guided_json and guided_choice for
 structured output; those left out take the model's generation_config.json defaults) and
-an optional `id` copied to the output. Output lines come in input order. A bad line stops the run before any generation, with one line
-naming the line and the field (exit status 2).
+an optional `id` copied to the output. Output lines come in input order. A bad line stops
+the run before any generation, with one line naming the line and the field (exit status
+2).
 """
 
 import argparse

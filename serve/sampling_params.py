@@ -44,8 +44,8 @@ class SamplingParams:
   stop_token_ids: list[int] = dataclasses.field(default_factory=list)
   ignore_eos: bool = False
   include_stop_str_in_output: bool = False   # a matched stop string ends the text, kept
-  # eos and the stop token ids cannot be drawn before this many output tokens, and stop
-  # strings are looked for only in the text of the tokens after them (vLLM's min_tokens).
+  # eos and the stop token ids cannot be drawn before this many output tokens, and no stop
+  # string may end in their text (vLLM's min_tokens).
   min_tokens: int = 0
   logprobs: int | None = None   # None: none; 0: the sampled token's; N: plus the top N
   # The same for each prompt token after the first (vLLM's prompt_logprobs): computed for
@@ -189,7 +189,8 @@ def _logit_bias(bias) -> dict:
 # Prompt logprobs come with completions' echo and logprobs, in OpenAI's shape.
 _UNSUPPORTED = {
     'n': (1,), 'best_of': (1,), 'prompt_logprobs': (), 'use_beam_search': (False,),
-    'guided_grammar': (), 'structured_outputs': (), 'logits_processors': (), 'allowed_token_ids': (),
+    'guided_grammar': (), 'structured_outputs': (), 'logits_processors': (),
+    'allowed_token_ids': (),
     'bad_words': ([],), 'skip_special_tokens': (True,), 'truncate_prompt_tokens': (),
 }
 _UNSUPPORTED_CHAT = {   # with no tools, tool_choice 'none' and 'auto' both mean plain text
@@ -247,16 +248,20 @@ def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
 GUIDED_FIELDS = ('response_format', 'guided_json', 'guided_regex', 'guided_choice')
 
 
+def _guided_fields(body: dict) -> list[str]:
+  """The fields of `body` that ask for structured output (response_format text does not)."""
+  return [k for k in GUIDED_FIELDS if body.get(k) is not None and body[k] != {'type': 'text'}]
+
+
 def guided_field(body: dict) -> str | None:
   """The field of `body` that asks for structured output, if any."""
-  return next((k for k in GUIDED_FIELDS if body.get(k) is not None
-               and body[k] != {'type': 'text'}), None)
+  return next(iter(_guided_fields(body)), None)
 
 
 def _guided_regex(body: dict) -> str | None:
   """The regular expression of the structured output asked for, if any (one way only)."""
   from serve import guided  # pylint: disable=import-outside-toplevel
-  given = [k for k in GUIDED_FIELDS if body.get(k) is not None and body[k] != {'type': 'text'}]
+  given = _guided_fields(body)
   if len(given) > 1:
     raise SamplingParamsError(given[1], f'give one of {", ".join(GUIDED_FIELDS)}, not '
                               f'{given}')

@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP server over the Engine (FastAPI; run by `python -m serve`).
 
 /v1/completions and /v1/chat/completions, streamed as server-sent events when asked,
-/v1/models, /tokenize, /detokenize, /health, /version and /metrics. The server owns the HTTP side
-only: turning bodies into token ids and SamplingParams (`sampling_params.from_openai`),
+/v1/models, /tokenize, /detokenize, /health, /version and /metrics. The server owns the
+HTTP side only: turning bodies into token ids and SamplingParams (`sampling_params.from_openai`),
 errors in OpenAI's shape, aborting the requests of clients that went away, refusing work
 while draining, and the metrics.
 
