@@ -14,6 +14,7 @@ import uvicorn
 
 from serve import config as config_lib
 from serve import metrics
+from serve import tools
 from serve.engine import Engine
 from serve.server import create_app
 
@@ -39,7 +40,18 @@ def parse_args(argv=None) -> argparse.Namespace:
   http.add_argument('--log-stats-interval', type=float, default=10.0, metavar='SECONDS',
                     help='print throughput, batch and cache use this often while busy '
                     '(0: never)')
-  return parser.parse_args(argv)
+  calls = parser.add_argument_group('tool calling')
+  calls.add_argument('--enable-auto-tool-choice', action='store_true',
+                     help='let the model decide when to call tools (tool_choice "auto", the '
+                     'default when a request gives tools); needs --tool-call-parser')
+  calls.add_argument('--tool-call-parser', choices=tools.PARSERS, default=None,
+                     help='how the model writes tool calls: hermes, <tool_call>{"name": ..., '
+                     '"arguments": {...}}</tool_call> (Hermes, Qwen 2.5 and 3)')
+  args = parser.parse_args(argv)
+  if args.enable_auto_tool_choice and args.tool_call_parser is None:
+    parser.error('--enable-auto-tool-choice needs --tool-call-parser (one of '
+                 f'{", ".join(tools.PARSERS)}): the format the model writes its calls in')
+  return args
 
 
 class GracefulServer(uvicorn.Server):
@@ -99,7 +111,8 @@ def main(argv=None) -> int:
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  app = create_app(engine, served, api_key=args.api_key, model_name=args.served_model_name)
+  app = create_app(engine, served, api_key=args.api_key, model_name=args.served_model_name,
+                   tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
   print(f'Serving {app.state.meshlm.model_name!r} on http://{args.host}:{args.port}/v1',
         flush=True)
   run(app, engine, host=args.host, port=args.port, grace_s=args.shutdown_grace,

@@ -85,13 +85,17 @@ def validate_messages(messages) -> list[dict]:
   return out
 
 
-def render_chat(model, messages: list[dict], add_generation_prompt: bool = True) -> str:
-  """The prompt text for `messages` under `model`'s (a ServedModel's) chat template."""
+def render_chat(model, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None, **variables) -> str:
+  """The prompt text for `messages` under `model`'s (a ServedModel's) chat template.
+
+  tools: OpenAI's tool objects, as transformers passes them; variables: more for the
+  template (a request's chat_template_kwargs), over the special tokens."""
   template = compile_template(model.chat_template or DEFAULT_TEMPLATE)
   try:
-    return template.render(messages=validate_messages(messages), tools=None, documents=None,
+    return template.render(messages=validate_messages(messages), tools=tools, documents=None,
                            add_generation_prompt=add_generation_prompt,
-                           **model.special_tokens)
+                           **{**model.special_tokens, **variables})
   except jinja2.TemplateError as e:
     # raise_exception in a template: the template refused these messages.
     raise ValueError(f'the chat template rejected the messages: {e}') from e

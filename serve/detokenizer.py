@@ -32,8 +32,9 @@ class IncrementalDetokenizer:
   """Feed output token ids one at a time; get back text safe to show."""
 
   def __init__(self, tokenizer, prompt_ids, stop: list[str], include_stop: bool = False,
-               min_tokens: int = 0):
+               min_tokens: int = 0, skip_special_tokens: bool = True):
     self._tokenizer = tokenizer
+    self._skip_special = skip_special_tokens
     self._unchecked = min_tokens        # tokens still to come whose text no stop may end
     self._ids = [int(t) for t in list(prompt_ids)[-PROMPT_CONTEXT:]]
     self._prefix, self._read = 0, len(self._ids)
@@ -68,8 +69,8 @@ class IncrementalDetokenizer:
     return piece
 
   def _decode_new(self, final: bool) -> str:
-    before = self._tokenizer.decode(self._ids[self._prefix:self._read])
-    after = self._tokenizer.decode(self._ids[self._prefix:])
+    before = self._tokenizer.decode(self._ids[self._prefix:self._read], self._skip_special)
+    after = self._tokenizer.decode(self._ids[self._prefix:], self._skip_special)
     if not final and (len(after) <= len(before) or after.endswith(REPLACEMENT)):
       return ''        # nothing new yet, or a character still incomplete: wait for more
     self._prefix, self._read = self._read, len(self._ids)

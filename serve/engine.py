@@ -388,7 +388,8 @@ class Engine:
       self._tracked[request_id] = _Tracked(
           request, stream,
           IncrementalDetokenizer(self.served.tokenizer, prompt_ids, list(params.stop),
-                                 params.include_stop_str_in_output, params.min_tokens),
+                                 params.include_stop_str_in_output, params.min_tokens,
+                                 params.skip_special_tokens),
           RequestMetrics(request.arrival_time, len(prompt_ids)),
           None if params.prompt_logprobs is None else [None], guide)
     self._wake.set()

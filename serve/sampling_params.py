@@ -62,6 +62,9 @@ class SamplingParams:
   # Structured output: the output must match this regular expression (serve/guided.py;
   # from_openai turns JSON schemas and choices into one). Needs eos, and no min_tokens.
   guided_regex: str | None = None
+  # False: special tokens (a template's tags, eos) are written into the text, as their
+  # tokenizer.json content.
+  skip_special_tokens: bool = True
 
   @property
   def greedy(self) -> bool:
@@ -91,6 +94,7 @@ class SamplingParams:
     _check_token_ids('stop_token_ids', self.stop_token_ids, vocab_size)
     _check_bool('ignore_eos', self.ignore_eos)
     _check_bool('include_stop_str_in_output', self.include_stop_str_in_output)
+    _check_bool('skip_special_tokens', self.skip_special_tokens)
     _check_int('min_tokens', self.min_tokens, 0, self.max_tokens)
     if self.logprobs is not None:
       _check_int('logprobs', self.logprobs, 0, MAX_LOGPROBS)
@@ -191,7 +195,7 @@ _UNSUPPORTED = {
     'n': (1,), 'best_of': (1,), 'prompt_logprobs': (), 'use_beam_search': (False,),
     'guided_grammar': (), 'structured_outputs': (), 'logits_processors': (),
     'allowed_token_ids': (),
-    'bad_words': ([],), 'skip_special_tokens': (True,), 'truncate_prompt_tokens': (),
+    'bad_words': ([],), 'truncate_prompt_tokens': (),
 }
 _UNSUPPORTED_CHAT = {   # with no tools, tool_choice 'none' and 'auto' both mean plain text
     'tools': ([],), 'functions': ([],),
@@ -202,7 +206,9 @@ _UNSUPPORTED_CHAT = {   # with no tools, tool_choice 'none' and 'auto' both mean
 _UNSUPPORTED_COMPLETION = {'suffix': ('',)}
 _HINTS = {
     'guided_grammar': 'use guided_json, guided_regex or guided_choice',
-    'tools': 'tool calling is not implemented', 'functions': 'tool calling is not implemented',
+    'tools': 'the HTTP server (python -m serve) calls tools; the batch CLI does not',
+    'functions': 'send "tools" to the HTTP server (python -m serve)',
+    'chat_template_kwargs': 'the HTTP server (python -m serve) takes them',
     'chat_template': 'the server renders with its model\'s template (or --chat-template)',
     'prompt_logprobs': 'completions with "echo": true and "logprobs" give the prompt\'s',
 }
@@ -240,7 +246,8 @@ def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
       presence_penalty=get('presence_penalty', 0.0),
       frequency_penalty=get('frequency_penalty', 0.0),
       repetition_penalty=get('repetition_penalty', 1.0),
-      logit_bias=_logit_bias(get('logit_bias', {})), guided_regex=_guided_regex(body))
+      logit_bias=_logit_bias(get('logit_bias', {})), guided_regex=_guided_regex(body),
+      skip_special_tokens=get('skip_special_tokens', True))
   params.validate(vocab_size)
   return params
 

@@ -24,6 +24,7 @@ from fastapi import responses
 
 from serve import metrics as metrics_lib
 from serve import sampling_params as sp_lib
+from serve import tools as tools_lib
 from serve.engine import EngineClosed, QueueFull
 
 
@@ -72,12 +73,16 @@ class ChatMessage(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(extra='allow', strict=True)
   role: str
   content: str | list[_TextPart] | None = None
+  tool_calls: list[dict] | None = None   # an assistant's earlier calls
+  tool_call_id: str | None = None        # a tool message: the call it answers
+  name: str | None = None
 
 
 class ChatBody(_Body):
   messages: list[ChatMessage]
   add_generation_prompt: bool | None = True   # vLLM's: false continues no assistant turn
   add_special_tokens: bool | None = False     # vLLM's: the template writes them itself
+  chat_template_kwargs: dict | None = None    # more variables for the template
 
 
 class TokenizeBody(pydantic.BaseModel):
@@ -89,6 +94,8 @@ class TokenizeBody(pydantic.BaseModel):
   add_generation_prompt: bool | None = True
   add_special_tokens: bool | None = None   # None: as the endpoint would (prompt yes, chat no)
   return_token_strs: bool | None = False
+  tools: list | None = None                # what the template is given, as in chat
+  chat_template_kwargs: dict | None = None
 
 
 class DetokenizeBody(pydantic.BaseModel):
@@ -111,6 +118,8 @@ class _Req:
   echo: str | None = None     # completions' echo: the prompt text, sent before the output
   prompt_only: bool = False   # echo with max_tokens 0: the one token generated is dropped
   prompt_logprobs: list | None = None
+  tools: tools_lib.ToolChoice | None = None   # chat's tools, and a parser of the output
+  tool_parser: object = None
   text: str = ''
   token_ids: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
@@ -121,8 +130,9 @@ class _Req:
 class ServerState:
   """What the routes share: the engine, the model, admission and the live requests."""
 
-  def __init__(self, engine, served, api_key, model_name, max_model_len):
+  def __init__(self, engine, served, api_key, model_name, max_model_len, tool_parser=None):
     self.engine, self.served, self.api_key = engine, served, api_key
+    self.tool_parser = tool_parser   # --tool-call-parser with --enable-auto-tool-choice
     self.model_name = model_name
     self.max_model_len = max_model_len
     self.vocab_size = served.tokenizer.vocab_size
@@ -237,22 +247,50 @@ def _in_vocabulary(state: ServerState, ids: list[int], param: str) -> list[int]:
   return ids
 
 
-def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
-  text = _chat_text(state, body.messages, body.add_generation_prompt is not False)
+def _chat_prompt(state: ServerState, body: ChatBody, tools) -> list[int]:
+  text = _chat_text(state, body, tools.template_tools if tools else None)
   return _prompt_ids(state, text, 'messages', add_special_tokens=bool(body.add_special_tokens))
 
 
-def _chat_text(state: ServerState, messages: list[ChatMessage],
-               add_generation_prompt: bool = True) -> str:
-  if not messages:
+def _chat_text(state: ServerState, body: ChatBody | TokenizeBody, tools=None) -> str:
+  """The chat template over body's messages, given tools and chat_template_kwargs."""
+  if not body.messages:
     raise ApiError(400, 'messages: the list of messages is empty.', param='messages')
   from serve.chat_template import render_chat  # pylint: disable=import-outside-toplevel
-  plain = [{'role': m.role, 'content': _message_text(m.content)} for m in messages]
+  extra = body.chat_template_kwargs or {}
+  reserved = sorted({'messages', 'tools', 'documents', 'add_generation_prompt'} & set(extra))
+  if reserved:
+    raise ApiError(400, f'chat_template_kwargs: {reserved} are set by the request itself '
+                   '(messages, tools, add_generation_prompt); give them there.',
+                   param='chat_template_kwargs')
+  plain = [{'role': m.role, 'content': _message_text(m.content),
+            **{k: getattr(m, k) for k in ('tool_calls', 'tool_call_id', 'name')
+               if getattr(m, k) is not None}} for m in body.messages]
   try:
-    return render_chat(state.served, plain, add_generation_prompt)
+    return render_chat(state.served, tools_lib.template_messages(plain),
+                       body.add_generation_prompt is not False, tools=tools, **extra)
   except Exception as e:  # pylint: disable=broad-except  (a template raising on bad roles)
     raise ApiError(400, f'messages: the chat template could not render them: {e}',
                    param='messages') from None
+
+
+def _chat_tools(state: ServerState, raw: dict):
+  """The request's tools and tool_choice (None without), and the body from_openai reads:
+  a named function's or "required"'s schema as guided_json, tool fields dropped."""
+  try:
+    tools = tools_lib.parse(raw, state.tool_parser)
+  except sp_lib.SamplingParamsError as e:
+    raise ApiError(400, str(e), param=e.param) from None
+  # chat_template_kwargs is read by _chat_text
+  fields = {k: v for k, v in raw.items()
+            if k not in (*tools_lib.FIELDS, 'chat_template_kwargs')}
+  if tools is not None and tools.schema() is not None:
+    fields['guided_json'] = tools.schema()
+  if tools is not None and tools.mode == 'auto':
+    # The parser reads the call tags, which a tokenizer may hold as special tokens
+    # (vLLM's Hermes parser asks for them too).
+    fields.setdefault('skip_special_tokens', False)
+  return tools, fields
 
 
 def _message_text(content) -> str:
@@ -586,20 +624,50 @@ async def _chat_events(state, reqs, body: ChatBody, want_logprobs: bool):
 
   def choice(r, out):
     entries = _logprob_entries(out) if want_logprobs else []
-    if not (out.new_text or entries or r.finish_reason):
+    new = _tool_delta(r, out.new_text)
+    if not (new.content or new.tool_calls or entries or r.finish_reason):
       return None
-    delta = {'content': out.new_text} if out.new_text else {}
+    delta = {'content': new.content} if new.content else {}
+    if new.tool_calls:
+      delta['tool_calls'] = new.tool_calls
     logprobs = _chat_logprobs(state.served.tokenizer, entries) if want_logprobs else None
     return {'index': r.index, 'delta': delta, 'logprobs': logprobs,
-            'finish_reason': r.finish_reason}
+            'finish_reason': _chat_finish_reason(r)}
 
   async for event in _events(state, reqs, body, meta, choice):
     yield event
 
 
+def _tool_delta(r: _Req, text: str) -> tools_lib.Delta:
+  """A chat delta's text as content and tool calls (all content without tools); the
+  parser's last word when the request has finished."""
+  if r.tool_parser is None:
+    return tools_lib.Delta(text)
+  new = r.tool_parser.feed(text)
+  return new + r.tool_parser.finish() if r.finish_reason is not None else new
+
+
+def _chat_finish_reason(r: _Req) -> str | None:
+  """"tool_calls" for a choice that called tools under "auto" or "required" and ended
+  itself (OpenAI's; a named function was asked for, and ends with "stop")."""
+  if (r.finish_reason == 'stop' and r.tools is not None and r.tools.ends_with_calls
+      and r.tool_parser.calls):
+    return 'tool_calls'
+  return r.finish_reason
+
+
+def _chat_message(r: _Req) -> dict:
+  if r.tool_parser is None:
+    return {'role': 'assistant', 'content': r.text}
+  whole = _tool_delta(r, r.text)   # the parser has seen nothing: non-streamed
+  return {'role': 'assistant', 'content': whole.content or None,
+          **({'tool_calls': [c.openai() for c in r.tool_parser.calls]}
+             if r.tool_parser.calls else {})}
+
+
 def _chat_json(state, reqs, want_logprobs: bool) -> dict:
-  choices = [{'index': r.index, 'message': {'role': 'assistant', 'content': r.text},
-              'finish_reason': r.finish_reason,
+  choices = [{'index': r.index, 'message': _chat_message(r),
+              'finish_reason': _chat_finish_reason(r),
               'logprobs': (_chat_logprobs(state.served.tokenizer, r.logprobs)
                            if want_logprobs else None)} for r in reqs]
   return {**_meta('chat.completion', state), 'choices': choices, 'usage': _usage(reqs)}
@@ -650,10 +718,14 @@ async def _chat(state: ServerState, request: fastapi.Request):
   raw = await _json_body(request)
   body = _validate(ChatBody, raw)
   _check_common(state, body)
-  prompt = _chat_prompt(state, body)
-  params = _sampling_params(state, raw, len(prompt), chat=True)
-  await _compile_guided(state, raw, params)
+  tools, fields = _chat_tools(state, raw)
+  prompt = _chat_prompt(state, body, tools)
+  params = _sampling_params(state, fields, len(prompt), chat=True)
+  await _compile_guided(state, fields, params)
   reqs = _submit(state, [prompt], [params], body.n)
+  for r in reqs:
+    r.tools = tools
+    r.tool_parser = tools.parser() if tools else None
   return await _run(state, request, reqs, body, params.logprobs is not None,
                     _chat_events, _chat_json)
 
@@ -666,8 +738,13 @@ async def _tokenize(state: ServerState, request: fastapi.Request) -> dict:
     raise ApiError(400, 'Give exactly one of "prompt" (text, as /v1/completions takes it) '
                    'and "messages" (as /v1/chat/completions takes them).', param='prompt')
   chat = body.messages is not None
-  text = _chat_text(state, body.messages, body.add_generation_prompt is not False) if chat \
-      else body.prompt
+  if not chat and (body.tools is not None or body.chat_template_kwargs is not None):
+    raise ApiError(400, 'tools and chat_template_kwargs go with "messages".', param='tools')
+  try:
+    tools = tools_lib.check_tools(body.tools) if body.tools else None
+  except sp_lib.SamplingParamsError as e:
+    raise ApiError(400, str(e), param=e.param) from None
+  text = _chat_text(state, body, tools) if chat else body.prompt
   specials = not chat if body.add_special_tokens is None else body.add_special_tokens
   tokenizer = state.served.tokenizer
   ids = tokenizer.encode(text, specials).tolist()
@@ -766,10 +843,15 @@ def _add_routes(app: fastapi.FastAPI, state: ServerState) -> None:
 
 
 def create_app(engine, served, *, api_key: str | None = None, model_name: str | None = None,
-               max_model_len: int | None = None) -> fastapi.FastAPI:
-  """The app over a running engine; `app.state.meshlm` is its ServerState."""
+               max_model_len: int | None = None,
+               tool_parser: str | None = None) -> fastapi.FastAPI:
+  """The app over a running engine; `app.state.meshlm` is its ServerState. tool_parser:
+  how to read tool calls from the output under tool_choice "auto" (tools.PARSERS); None
+  refuses "auto" with tools."""
+  if tool_parser is not None and tool_parser not in tools_lib.PARSERS:
+    raise ValueError(f'--tool-call-parser={tool_parser!r}: choose one of {tools_lib.PARSERS}')
   state = ServerState(engine, served, api_key, model_name or served.name,
-                      max_model_len or engine.max_model_len)
+                      max_model_len or engine.max_model_len, tool_parser)
   app = fastapi.FastAPI(title='meshlm', docs_url=None, redoc_url=None, openapi_url=None)
   app.state.meshlm = state
   app.add_middleware(_Gate, state=state)

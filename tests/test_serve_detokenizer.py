@@ -230,3 +230,23 @@ def random_stops(rng, text):
       start = int(rng.integers(0, len(text) - 1))
       stops.append(text[start:start + int(rng.integers(1, 4))])
   return [s for s in stops if s] + ['zzq']
+
+
+@pytest.mark.parametrize('kind', ['bytelevel', 'metaspace'])
+def test_special_tokens_are_written_only_when_asked(tmp_path, kind):
+  """skip_special_tokens=False (vLLM's): a special token's content is in the text, as the
+  full decode with specials has it, streamed one token at a time."""
+  tokenizer = make_tokenizer(tmp_path, kind)
+  eot = tokenizer._tok.token_to_id('<|endoftext|>')  # pylint: disable=protected-access
+  words = tokenizer.encode('the cat sat').tolist()
+  output = words + [eot] + tokenizer.encode(' on the mat').tolist()
+  kept = IncrementalDetokenizer(tokenizer, [], [], skip_special_tokens=False)
+  skipped = IncrementalDetokenizer(tokenizer, [], [])
+  for t in output:
+    kept.add(t)
+    skipped.add(t)
+  kept.flush()
+  skipped.flush()
+  assert '<|endoftext|>' in kept.text
+  assert kept.text == tokenizer.decode(output, skip_special_tokens=False)
+  assert skipped.text == tokenizer.decode(output) and '<|endoftext|>' not in skipped.text

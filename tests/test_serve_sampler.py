@@ -367,6 +367,7 @@ def test_from_openai_chat():
   assert chat({'logprobs': True}).logprobs == 0
   assert chat({'logprobs': True, 'top_logprobs': 4}).logprobs == 4
   assert chat({'logprobs': False}).logprobs is None
+  assert chat({'skip_special_tokens': False}).skip_special_tokens is False
 
 
 @pytest.mark.parametrize('chat,field,value', [
@@ -376,8 +377,7 @@ def test_from_openai_chat():
     (True, 'chat_template_kwargs', {'enable_thinking': True}),
     (False, 'n', True), (False, 'use_beam_search', 0),   # true is not 1, 0 not false
     (False, 'suffix', 'end'), (False, 'guided_grammar', 'root ::= "a"'),
-
-    (False, 'skip_special_tokens', False), (False, 'use_beam_search', True),
+    (False, 'use_beam_search', True),
     (False, 'bad_words', ['x']), (False, 'allowed_token_ids', [1]),
     (False, 'truncate_prompt_tokens', 8)])
 def test_fields_that_change_the_output_but_are_not_implemented_are_refused(chat, field, value):
@@ -404,6 +404,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
     (False, {'max_tokens': '16'}, 'max_tokens'), (False, {'temperature': 'hot'}, 'temperature'),
     (False, {'stop': 5}, 'stop'), (False, {'stop': ['a', 3]}, 'stop'),
     (False, {'logprobs': True}, 'logprobs'), (False, {'seed': 'x'}, 'seed'),
+    (False, {'skip_special_tokens': 0}, 'skip_special_tokens'),
     (False, {'stop_token_ids': [999]}, 'stop_token_ids'), (False, {'n': 2}, 'n'),
     (False, {'frequency_penalty': 2.5}, 'frequency_penalty'),
     (False, {'repetition_penalty': 0}, 'repetition_penalty'),

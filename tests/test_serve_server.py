@@ -51,8 +51,10 @@ class FakeEngine:
   `held` counts requests holding (pretend) blocks: a leak shows as held > 0 at rest.
   """
 
-  def __init__(self, step_s: float = 0.002, max_waiting: int = 64, max_model_len: int = 64):
+  def __init__(self, step_s: float = 0.002, max_waiting: int = 64, max_model_len: int = 64,
+               stop_after_prompt: bool = False):
     self.step_s, self.max_waiting, self.max_model_len = step_s, max_waiting, max_model_len
+    self.stop_after_prompt = stop_after_prompt   # the echo ends ('stop') with the prompt
     self.vocab_size = 257
     self.paused = False
     self.aborted = []
@@ -123,11 +125,12 @@ class FakeEngine:
         prompt, params = item[1], item[2]
         token = prompt[item[3] % len(prompt)]
         item[3] += 1
-        done = item[3] >= params.max_tokens
+        stop = self.stop_after_prompt and item[3] == len(prompt)
+        done = stop or item[3] >= params.max_tokens
         if done:
           with self._lock:
             self._live.pop(rid, None)
-        self._put(item, [token], done, 'length' if done else None)
+        self._put(item, [token], done, ('stop' if stop else 'length') if done else None)
 
 
 # ------------------------------------------------------------------ server fixtures

@@ -31,7 +31,8 @@ class ByteTokenizer:
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
     return [self.encode(t) for t in texts]
 
-  def decode(self, ids) -> str:
+  def decode(self, ids, skip_special_tokens: bool = True) -> str:
+    del skip_special_tokens   # eos has no text
     ids = np.asarray(ids).reshape(-1)
     data = ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes()
     return data.decode('utf-8', errors='replace')
@@ -83,10 +84,10 @@ class HFTokenizer:
     encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
     return [np.asarray(e.ids, np.int32) for e in encodings]
 
-  def decode(self, ids) -> str:
+  def decode(self, ids, skip_special_tokens: bool = True) -> str:
     ids = np.asarray(ids).reshape(-1)
     ids = ids[(ids >= 0) & (ids < self.vocab_size)]
-    return self._tok.decode(ids.tolist(), skip_special_tokens=True)
+    return self._tok.decode(ids.tolist(), skip_special_tokens=skip_special_tokens)
 
 
 Tokenizer = ByteTokenizer | HFTokenizer

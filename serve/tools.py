@@ -1,0 +1,386 @@
+"""Tool calling for /v1/chat/completions: OpenAI's `tools` and `tool_choice`, as vLLM serves them.
+
+The tools always go to the chat template (`tools=`, OpenAI's objects), so the model reads
+them the way it was trained to. What the output becomes depends on `tool_choice`:
+
+  "none"                    text, as without tools
+  {"type": "function",      the output is held to JSON that the named function's
+   "function": {"name": f}}  `parameters` schema accepts (structured output) and is returned
+                            as one call of f with those arguments (finish_reason "stop")
+  "required"                the output is held to a JSON array of one or more
+                            {"name": ..., "parameters": {...}} objects of the given tools
+                            (one with parallel_tool_calls false); each is a call
+  "auto" (the default       the model chooses: each `<tool_call>{"name": ...,
+   when tools are given)     "arguments": {...}}</tool_call>` in its output (Hermes' and
+                            Qwen's format; `--enable-auto-tool-choice --tool-call-parser
+                            hermes`) is a call, the text around them the content
+
+A call made under "required" or "auto" ends the choice with finish_reason "tool_calls".
+Each choice has its own parser (`ToolChoice.parser()`), fed the output text as it streams:
+it returns content to show and tool-call deltas in OpenAI's streaming shape (a call is
+sent whole once its JSON is complete; a named function's arguments stream as they come).
+Concatenated, the deltas are what a non-streamed answer holds, whatever the chunking. Text
+that does not parse as a call (a truncated output) comes back as content, never dropped.
+"""
+
+import dataclasses
+import json
+import uuid
+
+from serve.sampling_params import SamplingParamsError, guided_field
+
+PARSERS = ('hermes',)       # --tool-call-parser
+FIELDS = ('tools', 'tool_choice', 'parallel_tool_calls')   # the request's, read here
+HERMES_OPEN, HERMES_CLOSE = '<tool_call>', '</tool_call>'
+
+
+def _call_id() -> str:
+  return f'call_{uuid.uuid4().hex[:24]}'
+
+
+@dataclasses.dataclass
+class ToolCall:
+  name: str
+  arguments: str            # JSON text
+  id: str = dataclasses.field(default_factory=_call_id)
+
+  def openai(self) -> dict:
+    return {'id': self.id, 'type': 'function',
+            'function': {'name': self.name, 'arguments': self.arguments}}
+
+
+@dataclasses.dataclass
+class Delta:
+  """What one piece of output text becomes: content to show and tool-call deltas."""
+  content: str = ''
+  tool_calls: list = dataclasses.field(default_factory=list)   # OpenAI's delta items
+
+  def __add__(self, other: 'Delta') -> 'Delta':
+    return Delta(self.content + other.content, self.tool_calls + other.tool_calls)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolChoice:
+  """A request's tools and what tool_choice asks for."""
+  tools: tuple              # OpenAI's tool objects, checked
+  mode: str                 # 'none', 'auto', 'required' or 'named'
+  name: str | None = None   # the named function
+  parallel: bool = True     # parallel_tool_calls
+
+  @property
+  def template_tools(self) -> list[dict] | None:
+    return [dict(t) for t in self.tools] or None
+
+  def schema(self) -> dict | None:
+    """The JSON schema the output is held to ('named' and 'required'), else None."""
+    if self.mode == 'named':
+      return _parameters(self._functions()[self.name])
+    if self.mode != 'required':
+      return None
+    calls = [{'type': 'object', 'properties': {
+        'name': {'type': 'string', 'enum': [name]}, 'parameters': _parameters(fn)},
+              'required': ['name', 'parameters']} for name, fn in self._functions().items()]
+    return {'type': 'array', 'minItems': 1, **({} if self.parallel else {'maxItems': 1}),
+            'items': calls[0] if len(calls) == 1 else {'anyOf': calls}}
+
+  def parser(self):
+    """A fresh output parser for one choice; None for 'none' (plain text)."""
+    if self.mode == 'named':
+      return NamedParser(self.name)
+    if self.mode == 'required':
+      return RequiredParser()
+    if self.mode == 'auto':
+      return HermesParser(self.parallel)
+    return None
+
+  @property
+  def ends_with_calls(self) -> bool:
+    """Whether a call ends the choice with finish_reason "tool_calls" (OpenAI: not for a
+    named function, which was asked for)."""
+    return self.mode in ('auto', 'required')
+
+  def _functions(self) -> dict:
+    return {t['function']['name']: t['function'] for t in self.tools}
+
+
+def _parameters(function: dict) -> dict:
+  return function.get('parameters') or {'type': 'object', 'properties': {}}
+
+
+def parse(body: dict, auto_parser: str | None) -> ToolChoice | None:
+  """The tools and tool_choice of a chat body (None without either); SamplingParamsError
+  naming the field. auto_parser: the server's --tool-call-parser with
+  --enable-auto-tool-choice, else None."""
+  tools, choice = body.get('tools'), body.get('tool_choice')
+  if body.get('functions') is not None or body.get('function_call') is not None:
+    raise SamplingParamsError('functions' if body.get('functions') is not None
+                              else 'function_call', 'is OpenAI\'s deprecated form; send '
+                              '"tools" and "tool_choice" instead')
+  if tools is None and choice is None:
+    return None
+  tools = check_tools([] if tools is None else tools)
+  parallel = body.get('parallel_tool_calls')
+  if parallel is not None and not isinstance(parallel, bool):
+    raise SamplingParamsError('parallel_tool_calls', f'must be true or false, got {parallel!r}')
+  names = [t['function']['name'] for t in tools]
+  if choice is None:
+    choice = 'auto' if tools else 'none'
+  if isinstance(choice, dict):
+    name = _named_choice(choice)
+    if name not in names:
+      raise SamplingParamsError('tool_choice', f'names function {name!r}, which is not one '
+                                f'of the tools ({", ".join(names) or "none given"})')
+    mode = 'named'
+  elif choice in ('none', 'auto', 'required'):
+    name, mode = None, choice
+  else:
+    raise SamplingParamsError('tool_choice', 'must be "none", "auto", "required" or '
+                              '{"type": "function", "function": {"name": ...}}, got '
+                              f'{choice!r}')
+  if mode in ('required', 'auto') and not tools:
+    if mode == 'auto':
+      return None
+    raise SamplingParamsError('tool_choice', '"required" needs "tools" to choose from')
+  if mode == 'auto' and auto_parser is None:
+    raise SamplingParamsError('tool_choice', '"auto" (the default with tools) needs the '
+                              'server started with --enable-auto-tool-choice '
+                              '--tool-call-parser hermes; or send "tool_choice": '
+                              '"required", "none" or a named function')
+  field = guided_field(body)
+  if mode in ('named', 'required') and field is not None:
+    raise SamplingParamsError(field, f'cannot be combined with tool_choice {choice!r}, which '
+                              'sets the output\'s format itself')
+  return ToolChoice(tuple(tools), mode, name, parallel is not False)
+
+
+def _named_choice(choice: dict) -> str:
+  fn = choice.get('function')
+  if choice.get('type') != 'function' or not isinstance(fn, dict) \
+      or not isinstance(fn.get('name'), str):
+    raise SamplingParamsError('tool_choice', 'a named choice is {"type": "function", '
+                              f'"function": {{"name": ...}}}}, got {choice!r}')
+  return fn['name']
+
+
+def check_tools(tools) -> list[dict]:
+  """tools as OpenAI defines them; SamplingParamsError naming the first bad one."""
+  if not isinstance(tools, list):
+    raise SamplingParamsError('tools', f'must be a list of tools, got {tools!r}')
+  seen = set()
+  for i, tool in enumerate(tools):
+    fn = tool.get('function') if isinstance(tool, dict) else None
+    if not isinstance(tool, dict) or tool.get('type') != 'function' or not isinstance(fn, dict):
+      raise SamplingParamsError('tools', f'tools[{i}] must be {{"type": "function", '
+                                f'"function": {{"name": ..., "parameters": {{...}}}}}}, got '
+                                f'{json.dumps(tool)[:80]}')
+    name = fn.get('name')
+    if not isinstance(name, str) or not name:
+      raise SamplingParamsError('tools', f'tools[{i}].function.name must be a non-empty '
+                                f'string, got {name!r}')
+    if name in seen:
+      raise SamplingParamsError('tools', f'function {name!r} is given twice')
+    seen.add(name)
+    if fn.get('parameters') is not None and not isinstance(fn['parameters'], dict):
+      raise SamplingParamsError('tools', f'tools[{i}].function.parameters must be a JSON '
+                                f'schema (an object), got {fn["parameters"]!r}')
+  return tools
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+  """Messages for the chat template: an assistant's tool_calls with their arguments as
+  objects (vLLM's: templates such as Llama 3.1's write them with tojson), a tool
+  message's tool_call_id and name kept."""
+  out = []
+  for i, m in enumerate(messages):
+    m = dict(m)
+    calls = m.get('tool_calls')
+    if calls is not None:
+      if not isinstance(calls, list) or not all(
+          isinstance(c, dict) and isinstance(c.get('function'), dict)
+          and isinstance(c['function'].get('name'), str) for c in calls):
+        raise ValueError(f'messages[{i}].tool_calls must be a list of {{"id": ..., "type": '
+                         '"function", "function": {"name": ..., "arguments": "..."}}')
+      m['tool_calls'] = [{**c, 'function': {**c['function'], 'arguments': _arguments_object(
+          c['function'].get('arguments'))}} for c in calls]
+    out.append(m)
+  return out
+
+
+def _arguments_object(arguments):
+  if isinstance(arguments, str):
+    try:
+      return json.loads(arguments)
+    except ValueError:
+      return arguments
+  return arguments
+
+
+# --- output parsers: text deltas in, content and tool-call deltas out ---
+
+class NamedParser:
+  """The whole output is the named function's arguments, streamed as they come."""
+
+  def __init__(self, name: str):
+    self.call = ToolCall(name, '')
+    self._started = False
+
+  def feed(self, text: str) -> Delta:
+    if not text:
+      return Delta()
+    self.call.arguments += text
+    return Delta(tool_calls=[self._item(text)])
+
+  def finish(self) -> Delta:
+    return Delta() if self._started else Delta(tool_calls=[self._item('')])
+
+  def _item(self, text: str) -> dict:
+    if self._started:
+      return {'index': 0, 'function': {'arguments': text}}
+    self._started = True
+    return {'index': 0, 'id': self.call.id, 'type': 'function',
+            'function': {'name': self.call.name, 'arguments': text}}
+
+  @property
+  def calls(self) -> list[ToolCall]:
+    return [self.call]
+
+
+class _WholeCalls:
+  """Calls sent whole, each as one delta item, in order."""
+
+  def __init__(self):
+    self.calls: list[ToolCall] = []
+
+  def _add(self, name: str, arguments) -> dict:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments,
+                                                                   ensure_ascii=False)
+    self.calls.append(ToolCall(name, text))
+    return {'index': len(self.calls) - 1, **self.calls[-1].openai()}
+
+
+class RequiredParser(_WholeCalls):
+  """A JSON array of {"name", "parameters"} objects: each element a call once it closes."""
+
+  def __init__(self):
+    super().__init__()
+    self._text = ''
+    self._done = 0            # text consumed: whole elements, separators, brackets
+    self._depth, self._in_string, self._escape = 0, False, False
+    self._element_start = None
+    self._closed = False
+
+  def feed(self, text: str) -> Delta:
+    delta, start = Delta(), len(self._text)
+    self._text += text
+    for i in range(start, len(self._text)):
+      element = self._step(i)
+      if element is not None:
+        delta += self._element(element)
+    return delta
+
+  def _step(self, i: int) -> str | None:
+    """Advances the scan over character i; the text of an element that closes there."""
+    c = self._text[i]
+    if self._in_string:
+      if self._escape:
+        self._escape = False
+      elif c == '\\':
+        self._escape = True
+      elif c == '"':
+        self._in_string = False
+      return None
+    if c == '"':
+      self._in_string = True
+    elif c in '[{':
+      self._depth += 1
+      if self._depth == 2 and c == '{':
+        self._element_start = i
+    elif c in ']}':
+      self._depth -= 1
+      if self._depth == 1 and c == '}' and self._element_start is not None:
+        element, self._element_start, self._done = (
+            self._text[self._element_start:i + 1], None, i + 1)
+        return element
+      if self._depth == 0:
+        self._closed, self._done = True, i + 1
+    return None
+
+  def _element(self, text: str) -> Delta:
+    try:
+      call = json.loads(text)
+      return Delta(tool_calls=[self._add(call['name'], call['parameters'])])
+    except (ValueError, KeyError, TypeError):
+      return Delta(content=text)
+
+  def finish(self) -> Delta:
+    """An array cut short (max_tokens): what did not close is content."""
+    rest = self._text[self._done:]
+    return Delta(content=rest if not self._closed and rest.strip(' \n\t,[]') else '')
+
+
+class HermesParser(_WholeCalls):
+  """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks are calls; the text
+  outside them is content, less its leading and trailing whitespace. parallel False keeps
+  only the first call (later blocks are content)."""
+
+  def __init__(self, parallel: bool = True):
+    super().__init__()
+    self._parallel = parallel
+    self._buffer = ''         # text not yet sent: a possible tag start, or a call's body
+    self._in_call = False
+    self._space = ''          # whitespace held until more content follows
+    self._shown = False       # whether any content has been sent
+
+  def feed(self, text: str) -> Delta:
+    self._buffer += text
+    delta = Delta()
+    while True:
+      tag = HERMES_CLOSE if self._in_call else HERMES_OPEN
+      at = self._buffer.find(tag)
+      if at < 0:
+        break
+      before, self._buffer = self._buffer[:at], self._buffer[at + len(tag):]
+      delta += self._block(before, closed=True) if self._in_call else self._content(before)
+      self._in_call = not self._in_call
+    if not self._in_call:   # all but a tail that may begin the tag
+      keep = _prefix_tail(self._buffer, HERMES_OPEN)
+      delta += self._content(self._buffer[:len(self._buffer) - keep])
+      self._buffer = self._buffer[len(self._buffer) - keep:]
+    return delta
+
+  def finish(self) -> Delta:
+    """The end: an unclosed block is a call if its JSON is whole, else content."""
+    rest, self._buffer = self._buffer, ''
+    return self._block(rest, closed=False) if self._in_call else self._content(rest)
+
+  def _content(self, text: str) -> Delta:
+    text = self._space + text
+    body = text.rstrip()
+    self._space = text[len(body):]
+    if not self._shown:
+      body = body.lstrip()
+      self._shown = bool(body)
+    return Delta(content=body)
+
+  def _block(self, body: str, closed: bool) -> Delta:
+    call = _json_object(body)
+    if (call is not None and isinstance(call.get('name'), str) and 'arguments' in call
+        and (self._parallel or not self.calls)):
+      return Delta(tool_calls=[self._add(call['name'], call['arguments'])])
+    return self._content(HERMES_OPEN + body + (HERMES_CLOSE if closed else ''))
+
+
+def _json_object(text: str) -> dict | None:
+  try:
+    value = json.loads(text)
+  except ValueError:
+    return None
+  return value if isinstance(value, dict) else None
+
+
+def _prefix_tail(text: str, tag: str) -> int:
+  """Length of the longest tail of text that is a proper prefix of tag."""
+  for k in range(min(len(tag) - 1, len(text)), 0, -1):
+    if tag.startswith(text[-k:]):
+      return k
+  return 0

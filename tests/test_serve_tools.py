@@ -1,0 +1,392 @@
+"""Tool calling (serve/tools.py): the request's tools and tool_choice, the output parsers,
+and the server end to end on the shared tiny model.
+
+The parsers are checked against the calls a text was built from, over random chunkings
+(what a stream delivers) and cut short at every length (max_tokens). End to end, a named
+function's arguments and "required"'s calls must be exactly what structured output
+gives for the same schema on the same prompt, and "auto" must find the calls in an
+output that a guided_regex makes write them.
+"""
+
+import json
+import random
+
+import httpx
+import openai
+import pytest
+
+from serve import tools
+from serve.sampling_params import SamplingParamsError
+from serve.server import create_app
+from tests.test_serve_server import (FakeEngine, FakeServed, ServerThread, _assert_at_rest,
+                                     _client)
+
+WEATHER = {'type': 'function', 'function': {
+    'name': 'get_weather', 'description': 'Weather in a city',
+    'parameters': {'type': 'object', 'properties': {'city': {'enum': ['Paris', 'Rome']}},
+                   'required': ['city']}}}
+TIME = {'type': 'function', 'function': {'name': 'get_time', 'parameters': {
+    'type': 'object', 'properties': {'zone': {'type': 'integer'}}, 'required': ['zone']}}}
+
+
+# ------------------------------------------------------------------ parsing the request
+
+def test_tool_choice_modes_and_their_schemas():
+  assert tools.parse({}, None) is None
+  assert tools.parse({'tools': [WEATHER], 'tool_choice': 'none'}, None).schema() is None
+  assert tools.parse({'tools': [], 'tool_choice': 'auto'}, None) is None   # nothing to call
+  auto = tools.parse({'tools': [WEATHER]}, 'hermes')
+  assert (auto.mode, auto.schema(), auto.ends_with_calls) == ('auto', None, True)
+  named = tools.parse({'tools': [WEATHER, TIME], 'tool_choice': {
+      'type': 'function', 'function': {'name': 'get_time'}}}, None)
+  assert named.schema() == TIME['function']['parameters'] and not named.ends_with_calls
+  required = tools.parse({'tools': [WEATHER, TIME], 'tool_choice': 'required',
+                          'parallel_tool_calls': False}, None).schema()
+  assert required['type'] == 'array' and (required['minItems'], required['maxItems']) == (1, 1)
+  assert [c['properties']['name']['enum'] for c in required['items']['anyOf']] == [
+      ['get_weather'], ['get_time']]
+  assert required['items']['anyOf'][1]['properties']['parameters'] == \
+      TIME['function']['parameters']
+  # A function without parameters takes an empty object.
+  bare = {'type': 'function', 'function': {'name': 'ping'}}
+  assert tools.parse({'tools': [bare], 'tool_choice': 'required'}, None).schema()['items'] == {
+      'type': 'object', 'required': ['name', 'parameters'], 'properties': {
+          'name': {'type': 'string', 'enum': ['ping']},
+          'parameters': {'type': 'object', 'properties': {}}}}
+
+
+@pytest.mark.parametrize('body, param, needle', [
+    ({'tools': [WEATHER]}, 'tool_choice', '--enable-auto-tool-choice --tool-call-parser'),
+    ({'tools': [WEATHER], 'tool_choice': 'auto'}, 'tool_choice', 'hermes'),
+    ({'tool_choice': 'required'}, 'tool_choice', 'needs "tools"'),
+    ({'tools': [WEATHER], 'tool_choice': {'type': 'function', 'function': {'name': 'nope'}}},
+     'tool_choice', "'nope', which is not one of the tools (get_weather)"),
+    ({'tools': [WEATHER], 'tool_choice': {'function': 'get_weather'}}, 'tool_choice',
+     'a named choice is'),
+    ({'tools': [WEATHER], 'tool_choice': 'any'}, 'tool_choice', 'must be "none"'),
+    ({'tools': {'a': 1}}, 'tools', 'must be a list'),
+    ({'tools': [{'type': 'function', 'function': {'name': ''}}]}, 'tools', 'non-empty'),
+    ({'tools': [{'type': 'retrieval'}]}, 'tools', 'tools[0] must be'),
+    ({'tools': [WEATHER, WEATHER]}, 'tools', 'given twice'),
+    ({'tools': [{'type': 'function', 'function': {'name': 'f', 'parameters': 'x'}}]},
+     'tools', 'parameters must be a JSON schema'),
+    ({'tools': [WEATHER], 'tool_choice': 'required', 'parallel_tool_calls': 'no'},
+     'parallel_tool_calls', 'true or false'),
+    ({'tools': [WEATHER], 'tool_choice': 'required',
+      'response_format': {'type': 'json_object'}}, 'response_format', 'cannot be combined'),
+    ({'tools': [WEATHER], 'tool_choice': 'required', 'guided_regex': 'a'}, 'guided_regex',
+     'cannot be combined'),
+    ({'functions': [WEATHER['function']]}, 'functions', 'deprecated'),
+])
+def test_bad_tool_requests_name_the_field(body, param, needle):
+  with pytest.raises(SamplingParamsError) as e:
+    tools.parse(body, None)
+  assert e.value.param == param and needle in str(e.value), str(e.value)
+
+
+def test_template_messages_give_arguments_as_objects():
+  calls = [{'id': 'c1', 'type': 'function',
+            'function': {'name': 'get_weather', 'arguments': '{"city": "Rome"}'}}]
+  out = tools.template_messages([{'role': 'assistant', 'content': '', 'tool_calls': calls},
+                                 {'role': 'tool', 'content': '21 C', 'tool_call_id': 'c1'}])
+  assert out[0]['tool_calls'][0]['function']['arguments'] == {'city': 'Rome'}
+  assert calls[0]['function']['arguments'] == '{"city": "Rome"}'   # the request's untouched
+  assert out[1] == {'role': 'tool', 'content': '21 C', 'tool_call_id': 'c1'}
+  with pytest.raises(ValueError, match=r'messages\[0\].tool_calls'):
+    tools.template_messages([{'role': 'assistant', 'content': '', 'tool_calls': [{}]}])
+
+
+# ------------------------------------------------------------------ output parsers
+
+def _run(parser, text: str, rng: random.Random | None) -> tuple[str, list]:
+  """(content, [(name, arguments)]) from the parser's deltas, fed in random pieces."""
+  cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12)))) \
+      if rng and len(text) > 1 else []
+  delta = tools.Delta()
+  for a, b in zip([0] + cuts, cuts + [len(text)]):
+    delta += parser.feed(text[a:b])
+  delta += parser.finish()
+  return delta.content, _calls_of(delta.tool_calls)
+
+
+def _calls_of(items: list) -> list:
+  """Folds OpenAI delta items as a client does: by index, arguments concatenated."""
+  calls = {}
+  for item in items:
+    call = calls.setdefault(item['index'], {'name': None, 'arguments': '', 'id': None})
+    call['id'] = item.get('id', call['id'])
+    call['name'] = item.get('function', {}).get('name', call['name'])
+    call['arguments'] += item['function'].get('arguments', '')
+  assert all(c['id'] and c['id'].startswith('call_') for c in calls.values())
+  return [(c['name'], c['arguments']) for _, c in sorted(calls.items())]
+
+
+def _hermes(name, arguments):
+  return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+HERMES_CASES = [   # text, content, calls
+    ('It is sunny.', 'It is sunny.', []),
+    (_hermes('get_weather', {'city': 'Rome'}), '', [('get_weather', '{"city": "Rome"}')]),
+    ('Let me look.\n\n' + _hermes('get_weather', {'city': 'Paris'}) + '\n'
+     + _hermes('get_time', {'zone': 2}) + '\n',
+     'Let me look.', [('get_weather', '{"city": "Paris"}'), ('get_time', '{"zone": 2}')]),
+    ('a ' + _hermes('f', {}) + ' b', 'a  b', [('f', '{}')]),
+    ('x < y and <tool z', 'x < y and <tool z', []),           # no tag after all
+    ('<tool_call>{"name": "f", "arguments": {"k": "</tool"}}</tool_call>', '',
+     [('f', '{"k": "</tool"}')]),
+    # Cut short: a whole unclosed block is a call; a broken one is content, tag and all.
+    ('<tool_call>{"name": "f", "arguments": {}}', '', [('f', '{}')]),
+    ('ok <tool_call>{"name": "f", "argu', 'ok <tool_call>{"name": "f", "argu', []),
+    ('<tool_call>not json</tool_call> then', '<tool_call>not json</tool_call> then', []),
+    ('<tool_call>{"name": "f"}</tool_call>', '<tool_call>{"name": "f"}</tool_call>', []),
+]
+
+
+@pytest.mark.parametrize('text, content, calls', HERMES_CASES)
+def test_hermes_parser_in_any_chunking(text, content, calls):
+  rng = random.Random(text)
+  for trial in range(20):
+    assert _run(tools.HermesParser(), text, rng if trial else None) == (content, calls)
+
+
+def test_hermes_without_parallel_calls_keeps_the_first():
+  text = _hermes('f', {'a': 1}) + _hermes('g', {})
+  content, calls = _run(tools.HermesParser(parallel=False), text, None)
+  assert calls == [('f', '{"a": 1}')] and content == _hermes('g', {})
+
+
+def test_required_parser_in_any_chunking_and_cut_anywhere():
+  items = [{'name': 'get_weather', 'parameters': {'city': 'Paris'}},
+           {'name': 'get_time', 'parameters': {'zone': -3}},
+           {'name': 'echo', 'parameters': {'s': 'a "]}, [{" b\\\\'}}]
+  text = '[' + ', '.join(json.dumps(i) for i in items) + ']'
+  want = [(i['name'], json.dumps(i['parameters'])) for i in items]
+  rng = random.Random(0)
+  for trial in range(30):
+    assert _run(tools.RequiredParser(), text, rng if trial else None) == ('', want)
+  # Cut at every length: the elements closed so far are calls, the rest is content.
+  ends = [text.index(json.dumps(i)) + len(json.dumps(i)) for i in items]
+  for cut in range(len(text)):
+    content, calls = _run(tools.RequiredParser(), text[:cut], rng)
+    done = sum(end <= cut for end in ends)
+    assert calls == want[:done], cut
+    rest = text[ends[done - 1] if done else 0:cut]
+    assert content == (rest if rest.strip(' ,[]') else ''), cut
+
+
+def test_named_parser_streams_the_arguments():
+  parser = tools.NamedParser('get_weather')
+  pieces = ['{"ci', 'ty": ', '', '"Rome"}']
+  delta = tools.Delta()
+  for p in pieces:
+    delta += parser.feed(p)
+  delta += parser.finish()
+  assert delta.content == '' and _calls_of(delta.tool_calls) == [
+      ('get_weather', '{"city": "Rome"}')]
+  assert [bool(item.get('id')) for item in delta.tool_calls] == [True, False, False]
+  # An empty output is still the call (finish_reason tells it was cut).
+  assert _calls_of(tools.NamedParser('f').finish().tool_calls) == [('f', '')]
+
+
+# ------------------------------------------------------------------ the server
+
+@pytest.fixture(scope='module')
+def tool_engine(tiny_served):
+  from serve import engine as engine_lib  # pylint: disable=import-outside-toplevel
+  from serve.config import ServeConfig  # pylint: disable=import-outside-toplevel
+  engine = engine_lib.Engine(tiny_served, ServeConfig(
+      num_blocks=48, max_num_seqs=8, max_num_batched_tokens=64, max_waiting_requests=64))
+  yield engine
+  engine.shutdown()
+
+
+@pytest.fixture(scope='module')
+def tool_server(tool_engine, tiny_served):
+  server = ServerThread(create_app(tool_engine, tiny_served, model_name='tiny',
+                                   tool_parser='hermes'))
+  yield server
+  server.stop()
+
+
+MESSAGES = [{'role': 'user', 'content': 'w?'}]
+# The tiny model's context is 64 tokens (the prompt takes 20): tools with short JSON.
+W = {'type': 'function', 'function': {'name': 'w', 'parameters': {
+    'type': 'object', 'properties': {'c': {'enum': ['P', 'R']}}, 'required': ['c']}}}
+T = {'type': 'function', 'function': {'name': 't', 'parameters': {
+    'type': 'object', 'properties': {'z': {'enum': [1, 2]}}, 'required': ['z']}}}
+
+
+def _streamed(client, **kw) -> list[dict]:
+  """Each choice of a streamed chat: content, folded tool calls, finish_reason."""
+  out = {}
+  for chunk in client.chat.completions.create(stream=True, **kw):
+    for c in chunk.choices:
+      got = out.setdefault(c.index, {'content': '', 'items': [], 'finish_reason': None})
+      got['content'] += c.delta.content or ''
+      got['items'] += [t.model_dump(exclude_none=True) for t in c.delta.tool_calls or ()]
+      got['finish_reason'] = c.finish_reason or got['finish_reason']
+  return [{'content': o['content'] or None, 'calls': _calls_of(o['items']),
+           'finish_reason': o['finish_reason']} for _, o in sorted(out.items())]
+
+
+def _plain(completion) -> list[dict]:
+  return [{'content': c.message.content,
+           'calls': [(t.function.name, t.function.arguments) for t in c.message.tool_calls or ()],
+           'finish_reason': c.finish_reason} for c in completion.choices]
+
+
+def test_named_and_required_calls_are_what_structured_output_gives(tool_server, tool_engine):
+  """A named function's arguments, and "required"'s calls, equal the JSON that
+  structured output writes for the same schema and prompt (the tiny model's template
+  does not show tools, so the prompt is the same), streamed or not."""
+  client = _client(tool_server)
+  # No spaces or newlines (which JSON allows between tokens and the tiny model likes):
+  # the calls fit its 64-token context.
+  base = dict(model='tiny', messages=MESSAGES, max_tokens=44, temperature=1.0, seed=5, n=2,
+              logit_bias={'32': -100, '10': -100})
+  named = dict(base, tools=[W, T], tool_choice={'type': 'function', 'function': {'name': 'w'}})
+  guided = client.chat.completions.create(**base, extra_body={
+      'guided_json': W['function']['parameters']})
+  want = [{'content': None, 'calls': [('w', c.message.content)],
+           'finish_reason': 'stop'} for c in guided.choices]
+  assert all(json.loads(w['calls'][0][1])['c'] in ('P', 'R') for w in want)
+  assert _plain(client.chat.completions.create(**named)) == want
+  assert _streamed(client, **named) == want
+
+  # One call each (the context has room for one): maxItems 1.
+  required = dict(base, tools=[W, T], tool_choice='required', parallel_tool_calls=False)
+  schema = tools.parse({'tools': [W, T], 'tool_choice': 'required',
+                        'parallel_tool_calls': False}, None).schema()
+  guided = client.chat.completions.create(**base, extra_body={'guided_json': schema})
+  want = []
+  for c in guided.choices:
+    items = json.loads(c.message.content)
+    want.append({'content': None, 'finish_reason': 'tool_calls', 'calls': [
+        (i['name'], json.dumps(i['parameters'], ensure_ascii=False)) for i in items]})
+  assert _plain(client.chat.completions.create(**required)) == want
+  assert _streamed(client, **required) == want
+  _assert_at_rest(tool_engine)
+
+
+def test_auto_returns_text_as_content_on_the_real_engine(tool_server, tool_engine):
+  """tool_choice auto, and the tiny model writes no call: its text is the content, as
+  without tools (the template shows it no tools, so the prompt is the same)."""
+  client = _client(tool_server)
+  free = dict(model='tiny', messages=[{'role': 'user', 'content': 'import os'}],
+              max_tokens=24, temperature=1.0, seed=3)
+  text = client.chat.completions.create(**free).choices[0].message.content
+  assert text.strip()
+  with_tools = _plain(client.chat.completions.create(**free, tools=[W]))[0]
+  assert with_tools['calls'] == [] and with_tools['content'] == text.strip()
+  assert with_tools['finish_reason'] == 'length'
+  _assert_at_rest(tool_engine)
+
+
+@pytest.fixture
+def echo_server():
+  """A server whose engine writes back the last message (the template's whole output),
+  then stops: the model's output is what the test puts there."""
+  fake = FakeEngine(max_model_len=1024, stop_after_prompt=True)
+  server = ServerThread(create_app(
+      fake, FakeServed(chat_template='{{ messages[-1].content }}'), tool_parser='hermes',
+      max_model_len=1024))
+  yield server, fake
+  server.stop()
+  fake.shutdown()
+
+
+CALLS = ('I will look. <tool_call>{"name": "w", "arguments": {"c": "P"}}</tool_call>\n'
+         '<tool_call>\n{"name": "t", "arguments": {"z": 2}}\n</tool_call>')
+
+
+@pytest.mark.parametrize('extra, want', [
+    ({}, {'content': 'I will look.', 'finish_reason': 'tool_calls',
+          'calls': [('w', '{"c": "P"}'), ('t', '{"z": 2}')]}),
+    ({'parallel_tool_calls': False}, {  # the second block stays text
+        'content': CALLS[:13] + CALLS[CALLS.index('\n'):], 'finish_reason': 'tool_calls',
+        'calls': [('w', '{"c": "P"}')]}),
+    ({'max_tokens': len(CALLS) - 20}, {   # cut inside the second call: it is content
+        'content': CALLS[:13] + CALLS[CALLS.index('\n'):-20], 'finish_reason': 'length',
+        'calls': [('w', '{"c": "P"}')]}),
+])
+def test_auto_returns_the_calls_the_model_writes(echo_server, extra, want):
+  server, fake = echo_server
+  client = _client(server)
+  kw = dict(model='fake', messages=[{'role': 'user', 'content': CALLS}], tools=[W, T],
+            **{'max_tokens': 500, **extra})
+  assert _plain(client.chat.completions.create(**kw)) == [want]
+  assert _streamed(client, **kw) == [want]
+  # The tags may be special tokens of the model's tokenizer: kept in the text.
+  assert [p.skip_special_tokens for p in fake.params] == [False, False]
+
+
+def test_tools_reach_the_template_and_earlier_calls_render():
+  fake = FakeEngine(max_model_len=1024)
+  template = ('{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}'
+              '{% for m in messages %}{{ m.role }}:{{ m.content }}'
+              '{% for c in m.tool_calls or [] %}({{ c.function.name }} '
+              '{{ c.function.arguments.city }}){% endfor %}'
+              '{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}|{% endfor %}'
+              '{{ greeting }}')
+  server = ServerThread(create_app(fake, FakeServed(chat_template=template),
+                                   max_model_len=1024))
+  try:
+    messages = MESSAGES + [
+        {'role': 'assistant', 'content': None, 'tool_calls': [{
+            'id': 'call_1', 'type': 'function',
+            'function': {'name': 'get_weather', 'arguments': '{"city": "Rome"}'}}]},
+        {'role': 'tool', 'content': 'sunny', 'tool_call_id': 'call_1'}]
+    want = ('[get_weather][get_time]user:w?|assistant:(get_weather Rome)|'
+            'tool:sunny#call_1|hi')
+    tokens = httpx.post(server.url + '/tokenize', json={
+        'messages': messages, 'tools': [WEATHER, TIME],
+        'chat_template_kwargs': {'greeting': 'hi'}}).json()['tokens']
+    assert bytes(tokens).decode() == want
+    # The chat endpoint runs the same prompt (the fake engine records it).
+    httpx.post(server.url + '/v1/chat/completions', json={
+        'messages': messages, 'tools': [WEATHER, TIME], 'tool_choice': 'none',
+        'chat_template_kwargs': {'greeting': 'hi'}, 'max_tokens': 1}).raise_for_status()
+    assert bytes(fake.prompts[-1]).decode() == want
+    for body, param in (({'messages': MESSAGES, 'tools': [WEATHER]}, 'tool_choice'),
+                        ({'messages': MESSAGES, 'chat_template_kwargs': {'tools': 1}},
+                         'chat_template_kwargs'),
+                        ({'messages': MESSAGES, 'tool_choice': 'required'}, 'tool_choice')):
+      resp = httpx.post(server.url + '/v1/chat/completions', json=body)
+      assert resp.status_code == 400 and resp.json()['error']['param'] == param, resp.text
+  finally:
+    server.stop()
+    fake.shutdown()
+
+
+def test_the_batch_cli_refuses_tools_and_says_where_they_are_served():
+  from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SamplingParamsError, match='python -m serve'):
+    from_openai({'tools': [WEATHER]}, 257, chat=True)
+
+
+def test_serve_cli_needs_a_parser_for_auto():
+  from serve.__main__ import parse_args  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit):
+    parse_args(['--checkpoint', 'x', '--enable-auto-tool-choice'])
+  args = parse_args(['--checkpoint', 'x', '--enable-auto-tool-choice',
+                     '--tool-call-parser', 'hermes'])
+  assert args.tool_call_parser == 'hermes'
+  fake = FakeEngine()
+  try:
+    with pytest.raises(ValueError, match='--tool-call-parser'):
+      create_app(fake, FakeServed(), tool_parser='pythonic')
+  finally:
+    fake.shutdown()
+
+
+def test_openai_client_types_parse_a_tool_answer(tool_server):
+  """The official client reads the answer as its own types (ChatCompletionMessageToolCall)."""
+  client = _client(tool_server)
+  out = client.chat.completions.create(
+      model='tiny', messages=MESSAGES, max_tokens=40, temperature=0.0, tools=[T],
+      tool_choice={'type': 'function', 'function': {'name': 't'}})
+  call = out.choices[0].message.tool_calls[0]
+  assert isinstance(call, openai.types.chat.ChatCompletionMessageToolCall)
+  assert call.type == 'function' and call.function.name == 't'
+  assert json.loads(call.function.arguments)['z'] in (1, 2)
