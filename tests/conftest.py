@@ -5,16 +5,30 @@ import pathlib
 
 import jax
 
+# LLVM's optimizations off for the CPU programs the tests compile (and, through the
+# environment, the train.py and server processes they start): compiling, not running,
+# is most of the suite's time on 2 cores, and this takes 30-40% off a cold compile
+# (tests/test_parallel.py: 78 -> 47 s). XLA's own passes still run, so the programs are
+# the same computations. Read when the backend starts, after this file.
+CPU_XLA_FLAGS = '--xla_backend_optimization_level=0'
+
 jax.config.update('jax_num_cpu_devices', 8)
 # MESHLM_TEST_GPU=1 keeps the GPU for the kernel tests (benchmarks/gpu_session.sh); the
 # rest of the suite needs the 8 simulated CPU devices.
 if not os.environ.get('MESHLM_TEST_GPU'):
   jax.config.update('jax_platforms', 'cpu')
+  if CPU_XLA_FLAGS not in os.environ.get('XLA_FLAGS', ''):
+    os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {CPU_XLA_FLAGS}'.strip()
 _CACHE = pathlib.Path(os.environ.get('MESHLM_TEST_CACHE',
                                      pathlib.Path(__file__).parent.parent / '.pytest_cache' / 'jax'))
 jax.config.update('jax_compilation_cache_dir', str(_CACHE))
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+# The same cache for the processes tests start (README commands, train.py, the server):
+# a program one of them compiled is not compiled again by the next.
+os.environ['JAX_COMPILATION_CACHE_DIR'] = str(_CACHE)
+os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 
 
 def pytest_configure(config):

@@ -22,10 +22,6 @@ from training.cli import load_config_file
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 24
 TWO_STEPS = 16   # two processes: slower steps, fewer of them
-# The test run's compilation cache (tests/conftest.py), so each subprocess compiles once.
-CACHE_ENV = {'JAX_COMPILATION_CACHE_DIR': os.environ.get(
-                 'MESHLM_TEST_CACHE', os.path.join(ROOT, '.pytest_cache', 'jax')),
-             'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
 
 
 @pytest.fixture(scope='module')
@@ -34,7 +30,8 @@ def cache_dir(tmp_path_factory):
 
 
 def env(devices=1, **extra):
-  return {**os.environ, **CACHE_ENV, 'JAX_PLATFORMS': 'cpu',
+  # os.environ has the test run's compilation cache and XLA flags (tests/conftest.py)
+  return {**os.environ, 'JAX_PLATFORMS': 'cpu',
           'JAX_NUM_CPU_DEVICES': str(devices), **extra}
 
 
@@ -141,7 +138,8 @@ def start_two(workdir, cache_dir):
                     f'--config.steps={TWO_STEPS}',
                     f'--config.distributed.coordinator=127.0.0.1:{free_port()}',
                     '--config.distributed.num_processes=2')
-  two = env(XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  two = env(XLA_FLAGS=f'{os.environ.get("XLA_FLAGS", "")} '
+                     '--xla_force_host_platform_device_count=4')
   del two['JAX_NUM_CPU_DEVICES']
   return [subprocess.Popen([sys.executable, 'train.py', *args,
                             f'--config.distributed.process_id={i}'], cwd=ROOT, env=two,

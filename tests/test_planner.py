@@ -328,10 +328,9 @@ def test_few_layer_extrapolation_matches_a_full_compile():
 # ------------------------------------------------------------------------------- CLI
 
 def cli(*args):
-  cache = {'JAX_COMPILATION_CACHE_DIR': jax.config.jax_compilation_cache_dir or '',
-           'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}   # the suite's cache
+  # os.environ names the suite's compilation cache (tests/conftest.py)
   return subprocess.run([sys.executable, '-m', 'sharding.plan', *args], capture_output=True,
-                        text=True, timeout=300, env={**os.environ, **cache})
+                        text=True, timeout=300)
 
 
 @pytest.mark.parametrize('args, message', [

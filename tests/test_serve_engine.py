@@ -599,8 +599,7 @@ def run_generate(workdir, prompts_path, output_path):
       [sys.executable, '-m', 'serve.generate', '--checkpoint', str(workdir), '--prompts',
        str(prompts_path), '--output', str(output_path), '--num-blocks', '64'],
       cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'JAX_COMPILATION_CACHE_DIR': str(jax.config.
-           jax_compilation_cache_dir), 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'})
+      env={**os.environ, 'JAX_PLATFORMS': 'cpu'})   # the suite's compilation cache (conftest)
 
 
 def test_cache_sized_from_memory_is_printed(varied, capsys):

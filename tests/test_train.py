@@ -316,7 +316,8 @@ def test_two_processes_train_like_one(tmp_path, cache_dir):
           f'--config.distributed.coordinator=127.0.0.1:{free_port()}',
           '--config.distributed.num_processes=2']
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
-         'XLA_FLAGS': '--xla_force_host_platform_device_count=4'}
+         'XLA_FLAGS': f'{os.environ.get("XLA_FLAGS", "")} '
+                      '--xla_force_host_platform_device_count=4'}
   procs = [subprocess.Popen([sys.executable, 'train.py', *args,
                              f'--config.distributed.process_id={i}'],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
