@@ -7,7 +7,8 @@ special tokens, a Llama's BOS), `prompt_token_ids` or `messages` (a chat, render
 the model's chat template), plus sampling fields by their OpenAI and vLLM names (every
 SamplingParams field: max_tokens, temperature, top_p, top_k, min_p, seed, stop,
 stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, logprobs, the
-penalties, logit_bias, guided_regex; response_format, guided_json and guided_choice for
+penalties, logit_bias, allowed_token_ids, skip_special_tokens, guided_regex;
+response_format, guided_json and guided_choice for
 structured output; those left out take the model's generation_config.json defaults) and
 an optional `id` copied to the output. Output lines come in input order. A bad line stops
 the run before any generation, with one line naming the line and the field (exit status
@@ -30,6 +31,9 @@ OPENAI_EXTRA = ('max_completion_tokens', 'top_logprobs', 'n', 'best_of', 'respon
                 'guided_json', 'guided_choice')
 KNOWN = {'id', *PROMPT_KEYS, *OPENAI_EXTRA,
          *(f.name for f in dataclasses.fields(SamplingParams))}
+# Chat fields only the HTTP server takes (tool calling, template variables).
+SERVER_ONLY = ('tools', 'tool_choice', 'parallel_tool_calls', 'functions', 'function_call',
+               'chat_template_kwargs')
 
 
 class BadLine(ValueError):
@@ -68,6 +72,10 @@ def _parse_line(path: str, number: int, text: str) -> dict:
   if len(given) != 1:
     raise BadLine(f'{where}: give exactly one of {", ".join(PROMPT_KEYS)} '
                   f'(found {given or "none"}).')
+  server_only = [k for k in SERVER_ONLY if k in body]
+  if server_only:
+    raise BadLine(f'{where}: field {server_only[0]!r}: tool calling and template variables '
+                  'are served by the HTTP server (python -m serve), not the batch CLI.')
   unknown = sorted(set(body) - KNOWN)
   if unknown:
     raise BadLine(f'{where}: unknown field {unknown[0]!r}; known fields: '

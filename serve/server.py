@@ -267,8 +267,12 @@ def _chat_text(state: ServerState, body: ChatBody | TokenizeBody, tools=None) ->
             **{k: getattr(m, k) for k in ('tool_calls', 'tool_call_id', 'name')
                if getattr(m, k) is not None}} for m in body.messages]
   try:
-    return render_chat(state.served, tools_lib.template_messages(plain),
-                       body.add_generation_prompt is not False, tools=tools, **extra)
+    messages = tools_lib.template_messages(plain)
+  except ValueError as e:
+    raise ApiError(400, str(e), param='messages') from None
+  try:
+    return render_chat(state.served, messages, body.add_generation_prompt is not False,
+                       tools=tools, **extra)
   except Exception as e:  # pylint: disable=broad-except  (a template raising on bad roles)
     raise ApiError(400, f'messages: the chat template could not render them: {e}',
                    param='messages') from None
@@ -287,9 +291,9 @@ def _chat_tools(state: ServerState, raw: dict):
   if tools is not None and tools.schema() is not None:
     fields['guided_json'] = tools.schema()
   if tools is not None and tools.mode == 'auto':
-    # The parser reads the call tags, which a tokenizer may hold as special tokens
-    # (vLLM's Hermes parser asks for them too).
-    fields.setdefault('skip_special_tokens', False)
+    # The parser reads the call tags, which a tokenizer may hold as special tokens: kept
+    # in the text whatever the request says (as vLLM's Hermes parser sets it).
+    fields['skip_special_tokens'] = False
   return tools, fields
 
 
@@ -673,16 +677,17 @@ def _chat_json(state, reqs, want_logprobs: bool) -> dict:
   return {**_meta('chat.completion', state), 'choices': choices, 'usage': _usage(reqs)}
 
 
-async def _compile_guided(state: ServerState, body: dict, params) -> None:
+async def _compile_guided(state: ServerState, body: dict, params,
+                          field: str | None = None) -> None:
   """Structured output's expression compiled off the event loop (seconds for a large
-  vocabulary; cached), so other streams go on meanwhile; a 400 naming the field if the
-  vocabulary cannot follow it."""
+  vocabulary; cached), so other streams go on meanwhile; a 400 naming the field (by
+  default the body's structured-output one) if the vocabulary cannot follow it."""
   if params.guided_regex is None:
     return
   try:
     await asyncio.to_thread(state.engine.compile_guided, params.guided_regex)
   except ValueError as e:
-    field = sp_lib.guided_field(body)
+    field = field or sp_lib.guided_field(body)
     raise ApiError(400, f'{field}: {e}', param=field) from None
 
 
@@ -721,7 +726,8 @@ async def _chat(state: ServerState, request: fastapi.Request):
   tools, fields = _chat_tools(state, raw)
   prompt = _chat_prompt(state, body, tools)
   params = _sampling_params(state, fields, len(prompt), chat=True)
-  await _compile_guided(state, fields, params)
+  await _compile_guided(state, fields, params,
+                        'tools' if tools is not None and tools.schema() else None)
   reqs = _submit(state, [prompt], [params], body.n)
   for r in reqs:
     r.tools = tools
@@ -739,7 +745,8 @@ async def _tokenize(state: ServerState, request: fastapi.Request) -> dict:
                    'and "messages" (as /v1/chat/completions takes them).', param='prompt')
   chat = body.messages is not None
   if not chat and (body.tools is not None or body.chat_template_kwargs is not None):
-    raise ApiError(400, 'tools and chat_template_kwargs go with "messages".', param='tools')
+    param = 'tools' if body.tools is not None else 'chat_template_kwargs'
+    raise ApiError(400, f'{param}: goes with "messages", not "prompt".', param=param)
   try:
     tools = tools_lib.check_tools(body.tools) if body.tools else None
   except sp_lib.SamplingParamsError as e:

@@ -19,8 +19,9 @@ A call made under "required" or "auto" ends the choice with finish_reason "tool_
 Each choice has its own parser (`ToolChoice.parser()`), fed the output text as it streams:
 it returns content to show and tool-call deltas in OpenAI's streaming shape (a call is
 sent whole once its JSON is complete; a named function's arguments stream as they come).
-Concatenated, the deltas are what a non-streamed answer holds, whatever the chunking. Text
-that does not parse as a call (a truncated output) comes back as content, never dropped.
+Concatenated, the deltas are what a non-streamed answer holds, whatever the chunking.
+Under "required" and "auto", text that does not parse as a call (a truncated output) comes
+back as content, never dropped; a named function's arguments are returned as written.
 """
 
 import dataclasses
@@ -77,11 +78,21 @@ class ToolChoice:
       return _parameters(self._functions()[self.name])
     if self.mode != 'required':
       return None
-    calls = [{'type': 'object', 'properties': {
-        'name': {'type': 'string', 'enum': [name]}, 'parameters': _parameters(fn)},
-              'required': ['name', 'parameters']} for name, fn in self._functions().items()]
+    calls, defs = [], {}
+    for name, fn in self._functions().items():
+      parameters = dict(_parameters(fn))
+      # A tool's "#/$defs/X" references point at the root: its $defs move up there.
+      for key in ('$defs', 'definitions'):
+        for def_name, value in (parameters.pop(key, None) or {}).items():
+          if defs.setdefault(key, {}).setdefault(def_name, value) != value:
+            raise SamplingParamsError('tools', f'two tools define {key} {def_name!r} '
+                                      'differently; under tool_choice "required" their '
+                                      'schemas share one root: rename one')
+      calls.append({'type': 'object', 'properties': {
+          'name': {'type': 'string', 'enum': [name]}, 'parameters': parameters},
+                    'required': ['name', 'parameters']})
     return {'type': 'array', 'minItems': 1, **({} if self.parallel else {'maxItems': 1}),
-            'items': calls[0] if len(calls) == 1 else {'anyOf': calls}}
+            'items': calls[0] if len(calls) == 1 else {'anyOf': calls}, **defs}
 
   def parser(self):
     """A fresh output parser for one choice; None for 'none' (plain text)."""
@@ -112,16 +123,17 @@ def parse(body: dict, auto_parser: str | None) -> ToolChoice | None:
   naming the field. auto_parser: the server's --tool-call-parser with
   --enable-auto-tool-choice, else None."""
   tools, choice = body.get('tools'), body.get('tool_choice')
-  if body.get('functions') is not None or body.get('function_call') is not None:
-    raise SamplingParamsError('functions' if body.get('functions') is not None
-                              else 'function_call', 'is OpenAI\'s deprecated form; send '
-                              '"tools" and "tool_choice" instead')
-  if tools is None and choice is None:
-    return None
-  tools = check_tools([] if tools is None else tools)
+  for name, neutral in (('functions', ([],)), ('function_call', ('none', 'auto'))):
+    if body.get(name) is not None and not any(
+        type(body[name]) is type(v) and body[name] == v for v in neutral):
+      raise SamplingParamsError(name, 'is OpenAI\'s deprecated form; send "tools" and '
+                                '"tool_choice" instead')
   parallel = body.get('parallel_tool_calls')
   if parallel is not None and not isinstance(parallel, bool):
     raise SamplingParamsError('parallel_tool_calls', f'must be true or false, got {parallel!r}')
+  if tools is None and choice is None:
+    return None
+  tools = check_tools([] if tools is None else tools)
   names = [t['function']['name'] for t in tools]
   if choice is None:
     choice = 'auto' if tools else 'none'
@@ -146,11 +158,17 @@ def parse(body: dict, auto_parser: str | None) -> ToolChoice | None:
                               'server started with --enable-auto-tool-choice '
                               '--tool-call-parser hermes; or send "tool_choice": '
                               '"required", "none" or a named function')
-  field = guided_field(body)
-  if mode in ('named', 'required') and field is not None:
-    raise SamplingParamsError(field, f'cannot be combined with tool_choice {choice!r}, which '
-                              'sets the output\'s format itself')
-  return ToolChoice(tuple(tools), mode, name, parallel is not False)
+  if mode in ('named', 'required'):
+    field = guided_field(body) or next(
+        (f for f in ('ignore_eos', 'min_tokens', 'allowed_token_ids') if body.get(f)), None)
+    if field is not None:
+      raise SamplingParamsError(field, f'cannot be combined with tool_choice {choice!r}, '
+                                'which holds the output to the tools\' JSON schemas')
+  out = ToolChoice(tuple(tools), mode, name, parallel is not False)
+  if out.schema() is not None:
+    from serve import guided  # pylint: disable=import-outside-toplevel
+    guided.json_schema_regex(out.schema(), 'tools')   # SamplingParamsError naming tools
+  return out
 
 
 def _named_choice(choice: dict) -> str:
@@ -207,6 +225,8 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 def _arguments_object(arguments):
+  if arguments is None or arguments == '':
+    return {}
   if isinstance(arguments, str):
     try:
       return json.loads(arguments)
@@ -319,29 +339,36 @@ class RequiredParser(_WholeCalls):
 
 
 class HermesParser(_WholeCalls):
-  """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks are calls; the text
-  outside them is content, less its leading and trailing whitespace. parallel False keeps
-  only the first call (later blocks are content)."""
+  """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks are calls (a closing
+  tag inside a JSON string does not close one); the text outside them is content, less
+  the whitespace before a call, after one that no content came before and at the end, so
+  an answer without calls is the text unchanged. A block that is not such a call
+  (arguments not an object, JSON cut short) stays content, tags and all. parallel False
+  keeps the first call and drops later ones."""
 
   def __init__(self, parallel: bool = True):
     super().__init__()
     self._parallel = parallel
     self._buffer = ''         # text not yet sent: a possible tag start, or a call's body
     self._in_call = False
-    self._space = ''          # whitespace held until more content follows
-    self._shown = False       # whether any content has been sent
+    self._scan = 0            # in a call: how far the body has been scanned, and
+    self._in_string = self._escape = False   # whether that point is in a JSON string
+    self._space = ''          # whitespace held: dropped if a call comes next
+    self._after_block = False   # a call has been met
+    self._shown = False         # content has been sent
 
   def feed(self, text: str) -> Delta:
     self._buffer += text
     delta = Delta()
     while True:
-      tag = HERMES_CLOSE if self._in_call else HERMES_OPEN
-      at = self._buffer.find(tag)
+      at = self._close_at() if self._in_call else self._buffer.find(HERMES_OPEN)
       if at < 0:
         break
+      tag = HERMES_CLOSE if self._in_call else HERMES_OPEN
       before, self._buffer = self._buffer[:at], self._buffer[at + len(tag):]
       delta += self._block(before, closed=True) if self._in_call else self._content(before)
       self._in_call = not self._in_call
+      self._scan, self._in_string, self._escape = 0, False, False
     if not self._in_call:   # all but a tail that may begin the tag
       keep = _prefix_tail(self._buffer, HERMES_OPEN)
       delta += self._content(self._buffer[:len(self._buffer) - keep])
@@ -351,23 +378,57 @@ class HermesParser(_WholeCalls):
   def finish(self) -> Delta:
     """The end: an unclosed block is a call if its JSON is whole, else content."""
     rest, self._buffer = self._buffer, ''
-    return self._block(rest, closed=False) if self._in_call else self._content(rest)
+    delta = self._block(rest, closed=False) if self._in_call else self._content(rest)
+    if not self._after_block:   # no call: the text as written, to its last space
+      delta += Delta(content=self._space)
+    return delta
+
+  def _close_at(self) -> int:
+    """Where the closing tag starts in the buffer (outside JSON strings), or -1."""
+    b, i = self._buffer, self._scan
+    while i < len(b):
+      c = b[i]
+      if self._in_string:
+        if self._escape:
+          self._escape = False
+        elif c == '\\':
+          self._escape = True
+        elif c == '"':
+          self._in_string = False
+      elif c == '"':
+        self._in_string = True
+      elif c == '<':
+        if b.startswith(HERMES_CLOSE, i):
+          return i
+        if HERMES_CLOSE.startswith(b[i:]):
+          break             # the tag may still be arriving
+      i += 1
+    self._scan = i
+    return -1
 
   def _content(self, text: str) -> Delta:
+    """Content; its trailing whitespace held (dropped if a call comes next), and the
+    whitespace after a call that nothing was shown before dropped."""
     text = self._space + text
+    if self._after_block and not self._shown:
+      text = text.lstrip()
     body = text.rstrip()
     self._space = text[len(body):]
-    if not self._shown:
-      body = body.lstrip()
-      self._shown = bool(body)
+    self._shown = self._shown or bool(body)
     return Delta(content=body)
 
   def _block(self, body: str, closed: bool) -> Delta:
     call = _json_object(body)
-    if (call is not None and isinstance(call.get('name'), str) and 'arguments' in call
-        and (self._parallel or not self.calls)):
-      return Delta(tool_calls=[self._add(call['name'], call['arguments'])])
-    return self._content(HERMES_OPEN + body + (HERMES_CLOSE if closed else ''))
+    arguments = call.get('arguments') if call is not None else None
+    if isinstance(arguments, str):
+      arguments = _json_object(arguments)
+    if call is None or not isinstance(call.get('name'), str) or not isinstance(arguments,
+                                                                                dict):
+      return self._content(HERMES_OPEN + body + (HERMES_CLOSE if closed else ''))
+    self._space, self._after_block = '', True
+    if self.calls and not self._parallel:
+      return Delta()            # parallel_tool_calls false: the first call only
+    return Delta(tool_calls=[self._add(call['name'], arguments)])
 
 
 def _json_object(text: str) -> dict | None:

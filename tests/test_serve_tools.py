@@ -77,11 +77,45 @@ def test_tool_choice_modes_and_their_schemas():
     ({'tools': [WEATHER], 'tool_choice': 'required', 'guided_regex': 'a'}, 'guided_regex',
      'cannot be combined'),
     ({'functions': [WEATHER['function']]}, 'functions', 'deprecated'),
+    ({'function_call': 'required'}, 'function_call', 'deprecated'),
+    ({'tool_choice': 'none', 'parallel_tool_calls': 1}, 'parallel_tool_calls', 'true or false'),
+    ({'tools': [WEATHER], 'tool_choice': 'required', 'ignore_eos': True}, 'ignore_eos',
+     "tool_choice 'required'"),
+    ({'tools': [TIME], 'tool_choice': {'type': 'function', 'function': {'name': 'get_time'}},
+      'min_tokens': 2}, 'min_tokens', 'cannot be combined'),
+    ({'tools': [{'type': 'function', 'function': {'name': 'f', 'parameters': {
+        'type': 'object', 'properties': {'a': {'$ref': '#/$defs/missing'}}}}}],
+      'tool_choice': 'required'}, 'tools', 'not a JSON schema this server can follow'),
+    ({'tools': [{'type': 'function', 'function': {'name': n, 'parameters': {
+        '$defs': {'X': {'type': t}}, 'properties': {'a': {'$ref': '#/$defs/X'}}}}}
+                for n, t in (('f', 'string'), ('g', 'integer'))], 'tool_choice': 'required'},
+     'tools', "define $defs 'X' differently"),
 ])
 def test_bad_tool_requests_name_the_field(body, param, needle):
   with pytest.raises(SamplingParamsError) as e:
     tools.parse(body, None)
   assert e.value.param == param and needle in str(e.value), str(e.value)
+
+
+def test_neutral_deprecated_fields_pass_and_defs_move_to_the_root():
+  assert tools.parse({'functions': [], 'function_call': 'none'}, None) is None
+  assert tools.parse({'function_call': 'auto', 'tools': [WEATHER], 'tool_choice': 'none'},
+                     None).mode == 'none'
+  # A pydantic-made tool: its references point at its own root's $defs.
+  city = {'name': 'city', 'parameters': {
+      '$defs': {'City': {'enum': ['Paris', 'Rome']}},
+      'type': 'object', 'properties': {'c': {'$ref': '#/$defs/City'}}, 'required': ['c']}}
+  choice = tools.parse({'tools': [WEATHER, {'type': 'function', 'function': city}],
+                        'tool_choice': 'required'}, None)
+  schema = choice.schema()
+  assert schema['$defs'] == {'City': {'enum': ['Paris', 'Rome']}}
+  assert '$defs' not in schema['items']['anyOf'][1]['properties']['parameters']
+  assert city['parameters']['$defs']   # the request's own schema untouched
+  import re  # pylint: disable=import-outside-toplevel
+  from serve import guided  # pylint: disable=import-outside-toplevel
+  regex = guided.json_schema_regex(schema, 'tools')
+  assert re.fullmatch(regex, '[{"name":"city","parameters":{"c":"Rome"}}]')
+  assert not re.fullmatch(regex, '[{"name":"city","parameters":{"c":"Oslo"}}]')
 
 
 def test_template_messages_give_arguments_as_objects():
@@ -131,13 +165,22 @@ HERMES_CASES = [   # text, content, calls
     ('Let me look.\n\n' + _hermes('get_weather', {'city': 'Paris'}) + '\n'
      + _hermes('get_time', {'zone': 2}) + '\n',
      'Let me look.', [('get_weather', '{"city": "Paris"}'), ('get_time', '{"zone": 2}')]),
-    ('a ' + _hermes('f', {}) + ' b', 'a  b', [('f', '{}')]),
-    ('x < y and <tool z', 'x < y and <tool z', []),           # no tag after all
+    ('a ' + _hermes('f', {}) + ' b', 'a b', [('f', '{}')]),
+    ('  x < y and <tool z \n', '  x < y and <tool z \n', []),   # no call: as written
+    # A closing tag inside a JSON string does not close the block.
+    ('<tool_call>{"name": "f", "arguments": {"k": "</tool_call>"}}</tool_call>', '',
+     [('f', '{"k": "</tool_call>"}')]),
+    # Arguments given as a JSON string of an object; anything else is no call.
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', '',
+     [('f', '{"a": 1}')]),
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', []),
     ('<tool_call>{"name": "f", "arguments": {"k": "</tool"}}</tool_call>', '',
      [('f', '{"k": "</tool"}')]),
     # Cut short: a whole unclosed block is a call; a broken one is content, tag and all.
     ('<tool_call>{"name": "f", "arguments": {}}', '', [('f', '{}')]),
     ('ok <tool_call>{"name": "f", "argu', 'ok <tool_call>{"name": "f", "argu', []),
+    ('ok ' + _hermes('f', {}) + ' <tool_call>{"name"', 'ok <tool_call>{"name"', [('f', '{}')]),
     ('<tool_call>not json</tool_call> then', '<tool_call>not json</tool_call> then', []),
     ('<tool_call>{"name": "f"}</tool_call>', '<tool_call>{"name": "f"}</tool_call>', []),
 ]
@@ -151,9 +194,9 @@ def test_hermes_parser_in_any_chunking(text, content, calls):
 
 
 def test_hermes_without_parallel_calls_keeps_the_first():
-  text = _hermes('f', {'a': 1}) + _hermes('g', {})
+  text = 'x ' + _hermes('f', {'a': 1}) + _hermes('g', {}) + ' y'
   content, calls = _run(tools.HermesParser(parallel=False), text, None)
-  assert calls == [('f', '{"a": 1}')] and content == _hermes('g', {})
+  assert calls == [('f', '{"a": 1}')] and content == 'x y'
 
 
 def test_required_parser_in_any_chunking_and_cut_anywhere():
@@ -278,7 +321,7 @@ def test_auto_returns_text_as_content_on_the_real_engine(tool_server, tool_engin
   text = client.chat.completions.create(**free).choices[0].message.content
   assert text.strip()
   with_tools = _plain(client.chat.completions.create(**free, tools=[W]))[0]
-  assert with_tools['calls'] == [] and with_tools['content'] == text.strip()
+  assert with_tools['calls'] == [] and with_tools['content'] == text
   assert with_tools['finish_reason'] == 'length'
   _assert_at_rest(tool_engine)
 
@@ -303,11 +346,11 @@ CALLS = ('I will look. <tool_call>{"name": "w", "arguments": {"c": "P"}}</tool_c
 @pytest.mark.parametrize('extra, want', [
     ({}, {'content': 'I will look.', 'finish_reason': 'tool_calls',
           'calls': [('w', '{"c": "P"}'), ('t', '{"z": 2}')]}),
-    ({'parallel_tool_calls': False}, {  # the second block stays text
-        'content': CALLS[:13] + CALLS[CALLS.index('\n'):], 'finish_reason': 'tool_calls',
+    ({'parallel_tool_calls': False}, {  # the second call dropped
+        'content': 'I will look.', 'finish_reason': 'tool_calls',
         'calls': [('w', '{"c": "P"}')]}),
     ({'max_tokens': len(CALLS) - 20}, {   # cut inside the second call: it is content
-        'content': CALLS[:13] + CALLS[CALLS.index('\n'):-20], 'finish_reason': 'length',
+        'content': CALLS[:12] + CALLS[CALLS.index('\n'):-20], 'finish_reason': 'length',
         'calls': [('w', '{"c": "P"}')]}),
 ])
 def test_auto_returns_the_calls_the_model_writes(echo_server, extra, want):
@@ -359,10 +402,13 @@ def test_tools_reach_the_template_and_earlier_calls_render():
     fake.shutdown()
 
 
-def test_the_batch_cli_refuses_tools_and_says_where_they_are_served():
-  from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
-  with pytest.raises(SamplingParamsError, match='python -m serve'):
-    from_openai({'tools': [WEATHER]}, 257, chat=True)
+@pytest.mark.parametrize('field', ['tools', 'tool_choice', 'chat_template_kwargs'])
+def test_the_batch_cli_refuses_tools_and_says_where_they_are_served(tmp_path, field):
+  from serve import generate  # pylint: disable=import-outside-toplevel
+  path = tmp_path / 'in.jsonl'
+  path.write_text(json.dumps({'messages': MESSAGES, field: {'x': 1}}) + '\n')
+  with pytest.raises(generate.BadLine, match=f"line 1: field '{field}': .*python -m serve"):
+    generate.read_jobs(str(path))
 
 
 def test_serve_cli_needs_a_parser_for_auto():
