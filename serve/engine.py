@@ -202,6 +202,11 @@ class _Tracked:
   # Asked-for prompt logprobs gathered so far, [None] + one per prompt token scored.
   prompt_logprobs: list | None = None
   guide: object = None   # guided.RequestGuide of a structured-output request
+  allowed: np.ndarray | None = None   # allowed_token_ids as the sampler's bits
+
+  def allowed_words(self) -> np.ndarray | None:
+    """The tokens this request may draw now, as bits (None: any)."""
+    return self.guide.words() if self.guide is not None else self.allowed
 
 
 # ------------------------------------------------------------------------ set-up
@@ -391,7 +396,9 @@ class Engine:
                                  params.include_stop_str_in_output, params.min_tokens,
                                  params.skip_special_tokens),
           RequestMetrics(request.arrival_time, len(prompt_ids)),
-          None if params.prompt_logprobs is None else [None], guide)
+          None if params.prompt_logprobs is None else [None], guide,
+          None if params.allowed_token_ids is None else sampler.pack_bits(
+              params.allowed_token_ids, self.vocab_size))
     self._wake.set()
     return stream
 
@@ -601,7 +608,7 @@ class Engine:
       return {}, {}
     params = [t.request.sampling_params for t in rows]
     banned = [_not_yet(t.request) for t in rows]
-    allowed = [None if t.guide is None else t.guide.words() for t in rows]
+    allowed = [t.allowed_words() for t in rows]
     if (all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params)
         and not any(banned) and all(a is None for a in allowed)):
       # The step's own argmax: the token the sampler would pick, without its program.

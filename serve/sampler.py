@@ -195,6 +195,14 @@ def adjusted_logits(logits, output=None, presence=None, frequency=None, seen=Non
   return logits
 
 
+def pack_bits(token_ids, vocab_size: int) -> np.ndarray:
+  """unpack_bits' inverse: [ceil(vocab_size / 32)] uint32 words with the ids' bits set."""
+  words = np.zeros(-(-vocab_size // 32), np.uint32)
+  ids = np.asarray(sorted(set(token_ids)), np.int64)
+  np.bitwise_or.at(words, ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32)))
+  return words
+
+
 def unpack_bits(words, vocab_size: int):
   """[..., W] uint32 words -> [..., vocab_size] bool: token i is bit i % 32 of word
   i // 32 (numpy or jax arrays)."""

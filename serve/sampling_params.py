@@ -62,6 +62,8 @@ class SamplingParams:
   # Structured output: the output must match this regular expression (serve/guided.py;
   # from_openai turns JSON schemas and choices into one). Needs eos, and no min_tokens.
   guided_regex: str | None = None
+  # vLLM's: only these tokens may be drawn (eos too only if listed); None: any.
+  allowed_token_ids: list[int] | None = None
   # False: special tokens (a template's tags, eos) are written into the text, as their
   # tokenizer.json content.
   skip_special_tokens: bool = True
@@ -95,6 +97,10 @@ class SamplingParams:
     _check_bool('ignore_eos', self.ignore_eos)
     _check_bool('include_stop_str_in_output', self.include_stop_str_in_output)
     _check_bool('skip_special_tokens', self.skip_special_tokens)
+    if self.allowed_token_ids is not None:
+      _check_token_ids('allowed_token_ids', self.allowed_token_ids, vocab_size)
+      if not self.allowed_token_ids:
+        raise SamplingParamsError('allowed_token_ids', 'must list at least one token id')
     _check_int('min_tokens', self.min_tokens, 0, self.max_tokens)
     if self.logprobs is not None:
       _check_int('logprobs', self.logprobs, 0, MAX_LOGPROBS)
@@ -112,6 +118,9 @@ class SamplingParams:
         raise SamplingParamsError('ignore_eos' if self.ignore_eos else 'min_tokens',
                                   'cannot be combined with guided output, which ends with '
                                   'eos as soon as the output matches')
+      if self.allowed_token_ids is not None:
+        raise SamplingParamsError('allowed_token_ids', 'cannot be combined with guided '
+                                  'output, which chooses the allowed tokens itself')
 
 
 def _is_int(value) -> bool:
@@ -194,7 +203,6 @@ def _logit_bias(bias) -> dict:
 _UNSUPPORTED = {
     'n': (1,), 'best_of': (1,), 'prompt_logprobs': (), 'use_beam_search': (False,),
     'guided_grammar': (), 'structured_outputs': (), 'logits_processors': (),
-    'allowed_token_ids': (),
     'bad_words': ([],), 'truncate_prompt_tokens': (),
 }
 _UNSUPPORTED_CHAT = {   # with no tools, tool_choice 'none' and 'auto' both mean plain text
@@ -247,7 +255,8 @@ def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
       frequency_penalty=get('frequency_penalty', 0.0),
       repetition_penalty=get('repetition_penalty', 1.0),
       logit_bias=_logit_bias(get('logit_bias', {})), guided_regex=_guided_regex(body),
-      skip_special_tokens=get('skip_special_tokens', True))
+      skip_special_tokens=get('skip_special_tokens', True),
+      allowed_token_ids=body.get('allowed_token_ids'))
   params.validate(vocab_size)
   return params
 

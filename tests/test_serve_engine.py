@@ -234,6 +234,28 @@ def test_guided_output_is_the_training_forwards_greedy_within_the_allowed_tokens
         r.text for r in sampled]
 
 
+def test_allowed_token_ids_restrict_the_argmax_and_the_draws(engine, varied, prompts):
+  """vLLM's allowed_token_ids: greedy output is the training forward's argmax over the
+  listed tokens (eos not among them: the requests run to max_tokens); sampled tokens are
+  all listed."""
+  rng = np.random.default_rng(3)
+  allowed = sorted(rng.choice(256, 24, replace=False).tolist())
+  mask = np.full(varied.tokenizer.vocab_size, -np.inf)
+  mask[allowed] = 0.0
+  want = greedy_reference(varied, prompts[:4], 12, min_margin=1e-4,
+                          adjust=lambda row, prompt, out: row + mask)
+  got = engine.generate(prompts[:4], SamplingParams(max_tokens=12, temperature=0.0,
+                                                    allowed_token_ids=allowed))
+  assert ids(got) == want and {r.finish_reason for r in got} == {'length'}
+  assert want != greedy_reference(varied, prompts[:4], 12)   # the list changed the output
+  sampled = engine.generate(prompts[:2] * 3, [SamplingParams(
+      max_tokens=12, temperature=1.5, seed=s, allowed_token_ids=allowed) for s in range(6)])
+  assert set(t for r in sampled for t in r.token_ids) <= set(allowed)
+  for bad in ([], [999], 'abc'):
+    with pytest.raises(ValueError, match='allowed_token_ids'):
+      engine.add_request([1, 2], SamplingParams(allowed_token_ids=bad))
+
+
 def test_guided_requests_refused_with_the_field(engine):
   from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match='cannot be compiled'):

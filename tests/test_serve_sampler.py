@@ -368,6 +368,17 @@ def test_from_openai_chat():
   assert chat({'logprobs': True, 'top_logprobs': 4}).logprobs == 4
   assert chat({'logprobs': False}).logprobs is None
   assert chat({'skip_special_tokens': False}).skip_special_tokens is False
+  assert chat({'allowed_token_ids': [3, 5]}).allowed_token_ids == [3, 5]
+  with pytest.raises(SamplingParamsError, match='cannot be combined') as err:
+    chat({'allowed_token_ids': [3], 'guided_regex': 'a'})
+  assert err.value.param == 'allowed_token_ids'
+
+
+def test_packed_bits_unpack_to_the_same_tokens():
+  from serve.sampler import pack_bits, unpack_bits  # pylint: disable=import-outside-toplevel
+  for vocab, ids in ((257, [0, 31, 32, 256]), (100, []), (64, list(range(64))),
+                     (1000, np.random.default_rng(0).choice(1000, 50).tolist())):
+    assert np.flatnonzero(unpack_bits(pack_bits(ids, vocab), vocab)).tolist() == sorted(set(ids))
 
 
 @pytest.mark.parametrize('chat,field,value', [
@@ -378,7 +389,7 @@ def test_from_openai_chat():
     (False, 'n', True), (False, 'use_beam_search', 0),   # true is not 1, 0 not false
     (False, 'suffix', 'end'), (False, 'guided_grammar', 'root ::= "a"'),
     (False, 'use_beam_search', True),
-    (False, 'bad_words', ['x']), (False, 'allowed_token_ids', [1]),
+    (False, 'bad_words', ['x']),
     (False, 'truncate_prompt_tokens', 8)])
 def test_fields_that_change_the_output_but_are_not_implemented_are_refused(chat, field, value):
   """Never silently ignored: a 400 naming the field, unless the value asks for nothing."""
