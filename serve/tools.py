@@ -10,10 +10,12 @@ them the way it was trained to. What the output becomes depends on `tool_choice`
   "required"                the output is held to a JSON array of one or more
                             {"name": ..., "parameters": {...}} objects of the given tools
                             (one with parallel_tool_calls false); each is a call
-  "auto" (the default       the model chooses: each `<tool_call>{"name": ...,
-   when tools are given)     "arguments": {...}}</tool_call>` in its output (Hermes' and
-                            Qwen's format; `--enable-auto-tool-choice --tool-call-parser
-                            hermes`) is a call, the text around them the content
+  "auto" (the default       the model chooses, and the server's --tool-call-parser reads
+   when tools are given)     its calls: hermes, each `<tool_call>{"name": ..., "arguments":
+                            {...}}</tool_call>` (Hermes' and Qwen's format), the text
+                            around them the content; llama3_json, an output that starts
+                            with <|python_tag|> or "{" as `{"name": ..., "parameters":
+                            {...}}` objects separated by ";" (Llama 3.1-3.3's)
 
 A call made under "required" or "auto" ends the choice with finish_reason "tool_calls".
 Each choice has its own parser (`ToolChoice.parser()`), fed the output text as it streams:
@@ -30,7 +32,7 @@ import uuid
 
 from serve.sampling_params import SamplingParamsError, guided_field
 
-PARSERS = ('hermes',)       # --tool-call-parser
+PARSERS = ('hermes', 'llama3_json')   # --tool-call-parser
 FIELDS = ('tools', 'tool_choice', 'parallel_tool_calls')   # the request's, read here
 HERMES_OPEN, HERMES_CLOSE = '<tool_call>', '</tool_call>'
 
@@ -67,6 +69,7 @@ class ToolChoice:
   mode: str                 # 'none', 'auto', 'required' or 'named'
   name: str | None = None   # the named function
   parallel: bool = True     # parallel_tool_calls
+  auto_parser: str = 'hermes'   # how "auto" reads calls (PARSERS)
 
   @property
   def template_tools(self) -> list[dict] | None:
@@ -101,7 +104,8 @@ class ToolChoice:
     if self.mode == 'required':
       return RequiredParser()
     if self.mode == 'auto':
-      return HermesParser(self.parallel)
+      kind = HermesParser if self.auto_parser == 'hermes' else Llama3JsonParser
+      return kind(self.parallel)
     return None
 
   @property
@@ -164,7 +168,7 @@ def parse(body: dict, auto_parser: str | None) -> ToolChoice | None:
     if field is not None:
       raise SamplingParamsError(field, f'cannot be combined with tool_choice {choice!r}, '
                                 'which holds the output to the tools\' JSON schemas')
-  out = ToolChoice(tuple(tools), mode, name, parallel is not False)
+  out = ToolChoice(tuple(tools), mode, name, parallel is not False, auto_parser or 'hermes')
   if out.schema() is not None:
     from serve import guided  # pylint: disable=import-outside-toplevel
     guided.json_schema_regex(out.schema(), 'tools')   # SamplingParamsError naming tools
@@ -278,64 +282,113 @@ class _WholeCalls:
     return {'index': len(self.calls) - 1, **self.calls[-1].openai()}
 
 
-class RequiredParser(_WholeCalls):
-  """A JSON array of {"name", "parameters"} objects: each element a call once it closes."""
+class _StringState:
+  """Whether a scan of JSON text is inside a string, a character at a time."""
 
   def __init__(self):
-    super().__init__()
-    self._text = ''
-    self._done = 0            # text consumed: whole elements, separators, brackets
-    self._depth, self._in_string, self._escape = 0, False, False
-    self._element_start = None
-    self._closed = False
+    self.inside = self._escape = False
 
-  def feed(self, text: str) -> Delta:
-    delta, start = Delta(), len(self._text)
-    self._text += text
-    for i in range(start, len(self._text)):
-      element = self._step(i)
-      if element is not None:
-        delta += self._element(element)
-    return delta
-
-  def _step(self, i: int) -> str | None:
-    """Advances the scan over character i; the text of an element that closes there."""
-    c = self._text[i]
-    if self._in_string:
+  def step(self, c: str) -> bool:
+    """Advances over c; whether c belongs to a string (its quotes included)."""
+    if self.inside:
       if self._escape:
         self._escape = False
       elif c == '\\':
         self._escape = True
       elif c == '"':
-        self._in_string = False
-      return None
-    if c == '"':
-      self._in_string = True
-    elif c in '[{':
-      self._depth += 1
-      if self._depth == 2 and c == '{':
-        self._element_start = i
-    elif c in ']}':
-      self._depth -= 1
-      if self._depth == 1 and c == '}' and self._element_start is not None:
-        element, self._element_start, self._done = (
-            self._text[self._element_start:i + 1], None, i + 1)
-        return element
-      if self._depth == 0:
-        self._closed, self._done = True, i + 1
-    return None
+        self.inside = False
+      return True
+    self.inside = c == '"'
+    return self.inside
 
-  def _element(self, text: str) -> Delta:
-    try:
-      call = json.loads(text)
-      return Delta(tool_calls=[self._add(call['name'], call['parameters'])])
-    except (ValueError, KeyError, TypeError):
+
+class _ObjectsParser(_WholeCalls):
+  """Calls written as JSON objects at one nesting level (0: side by side, 1: in an
+  array): each object a call once it closes, if it has the call's shape, else content;
+  the text between them (brackets, separators) dropped, and what did not close by the
+  end content."""
+  LEVEL = 0
+
+  def __init__(self, parallel: bool = True):
+    super().__init__()
+    self._parallel = parallel   # False: the first call only, later ones dropped
+    self._text = ''
+    self._done = 0            # text consumed: whole objects and what came before them
+    self._depth, self._string, self._start = 0, _StringState(), None
+
+  def feed(self, text: str) -> Delta:
+    delta, begin = Delta(), len(self._text)
+    self._text += text
+    for i in range(begin, len(self._text)):
+      c = self._text[i]
+      if self._string.step(c):
+        continue
+      if c in '[{':
+        if c == '{' and self._depth == self.LEVEL:
+          self._start = i
+        self._depth += 1
+      elif c in ']}':
+        self._depth -= 1
+        if c == '}' and self._depth == self.LEVEL and self._start is not None:
+          delta += self._object(self._text[self._start:i + 1])
+          self._start, self._done = None, i + 1
+    return delta
+
+  def _object(self, text: str) -> Delta:
+    call = _json_object(text)
+    arguments = None if call is None else call.get(self._arguments_key(call))
+    if call is None or not isinstance(call.get('name'), str) or not isinstance(arguments,
+                                                                                dict):
       return Delta(content=text)
+    if self.calls and not self._parallel:
+      return Delta()
+    return Delta(tool_calls=[self._add(call['name'], arguments)])
+
+  def _arguments_key(self, call: dict) -> str:
+    del call
+    return 'parameters'
 
   def finish(self) -> Delta:
-    """An array cut short (max_tokens): what did not close is content."""
-    rest = self._text[self._done:]
-    return Delta(content=rest if not self._closed and rest.strip(' \n\t,[]') else '')
+    """Output cut short (max_tokens): an object that did not close is content (from its
+    "{"), and so is other text after the last call."""
+    rest = self._text[self._done if self._start is None else self._start:]
+    return Delta(content=rest if rest.strip(' \n\t,;[]') else '')
+
+
+class RequiredParser(_ObjectsParser):
+  """tool_choice "required": a JSON array of {"name", "parameters"} objects."""
+  LEVEL = 1
+
+
+class Llama3JsonParser(_ObjectsParser):
+  """Llama 3.1-3.3's JSON calls (vLLM's llama3_json): an output that starts with
+  <|python_tag|> or "{" is {"name": ..., "parameters": {...}} objects ("arguments" taken
+  too), separated by ";"; any other output is content, as written."""
+  TAG = '<|python_tag|>'
+
+  def __init__(self, parallel: bool = True):
+    super().__init__(parallel)
+    self._head = ''           # the output's start, until it shows which kind it is
+    self._calls_mode = None   # None: not yet known
+
+  def feed(self, text: str) -> Delta:
+    if self._calls_mode is None:
+      self._head += text
+      if self._head.startswith(self.TAG) or self._head.startswith('{'):
+        self._calls_mode, text = True, self._head.removeprefix(self.TAG)
+      elif self._head and not self.TAG.startswith(self._head):
+        self._calls_mode, text = False, self._head
+      else:
+        return Delta()        # empty, or a proper prefix of the tag: wait
+    return super().feed(text) if self._calls_mode else Delta(content=text)
+
+  def finish(self) -> Delta:
+    if self._calls_mode is None:   # the whole output is a prefix of the tag
+      return Delta(content=self._head)
+    return super().finish() if self._calls_mode else Delta()
+
+  def _arguments_key(self, call: dict) -> str:
+    return 'parameters' if 'parameters' in call else 'arguments'
 
 
 class HermesParser(_WholeCalls):
@@ -352,7 +405,7 @@ class HermesParser(_WholeCalls):
     self._buffer = ''         # text not yet sent: a possible tag start, or a call's body
     self._in_call = False
     self._scan = 0            # in a call: how far the body has been scanned, and
-    self._in_string = self._escape = False   # whether that point is in a JSON string
+    self._string = _StringState()   # whether that point is in a JSON string
     self._space = ''          # whitespace held: dropped if a call comes next
     self._after_block = False   # a call has been met
     self._shown = False         # content has been sent
@@ -368,7 +421,7 @@ class HermesParser(_WholeCalls):
       before, self._buffer = self._buffer[:at], self._buffer[at + len(tag):]
       delta += self._block(before, closed=True) if self._in_call else self._content(before)
       self._in_call = not self._in_call
-      self._scan, self._in_string, self._escape = 0, False, False
+      self._scan, self._string = 0, _StringState()
     if not self._in_call:   # all but a tail that may begin the tag
       keep = _prefix_tail(self._buffer, HERMES_OPEN)
       delta += self._content(self._buffer[:len(self._buffer) - keep])
@@ -388,15 +441,8 @@ class HermesParser(_WholeCalls):
     b, i = self._buffer, self._scan
     while i < len(b):
       c = b[i]
-      if self._in_string:
-        if self._escape:
-          self._escape = False
-        elif c == '\\':
-          self._escape = True
-        elif c == '"':
-          self._in_string = False
-      elif c == '"':
-        self._in_string = True
+      if self._string.step(c):
+        pass
       elif c == '<':
         if b.startswith(HERMES_CLOSE, i):
           return i

@@ -199,6 +199,29 @@ def test_hermes_without_parallel_calls_keeps_the_first():
   assert calls == [('f', '{"a": 1}')] and content == 'x y'
 
 
+LLAMA_CASES = [   # text, content, calls
+    ('It is {sunny}.', 'It is {sunny}.', []),
+    (' {"name": "f", "parameters": {}}', ' {"name": "f", "parameters": {}}', []),  # not first
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}', '',
+     [('get_weather', '{"city": "Rome"}')]),
+    ('{"name": "f", "parameters": {"s": "}; {"}}; {"name": "g", "arguments": {"n": 2}}', '',
+     [('f', '{"s": "}; {"}'), ('g', '{"n": 2}')]),
+    ('{"answer": 42}', '{"answer": 42}', []),                  # JSON, but not a call
+    ('{"name": "f", "parameters": {}}; {"name": "g", "param', '{"name": "g", "param',
+     [('f', '{}')]),                                          # cut short
+    ('<|python_', '<|python_', []),
+]
+
+
+@pytest.mark.parametrize('text, content, calls', LLAMA_CASES)
+def test_llama3_json_parser_in_any_chunking(text, content, calls):
+  rng = random.Random(text)
+  for trial in range(20):
+    assert _run(tools.Llama3JsonParser(), text, rng if trial else None) == (content, calls)
+  if len(calls) > 1:
+    assert _run(tools.Llama3JsonParser(parallel=False), text, rng)[1] == calls[:1]
+
+
 def test_required_parser_in_any_chunking_and_cut_anywhere():
   items = [{'name': 'get_weather', 'parameters': {'city': 'Paris'}},
            {'name': 'get_time', 'parameters': {'zone': -3}},
@@ -208,14 +231,15 @@ def test_required_parser_in_any_chunking_and_cut_anywhere():
   rng = random.Random(0)
   for trial in range(30):
     assert _run(tools.RequiredParser(), text, rng if trial else None) == ('', want)
-  # Cut at every length: the elements closed so far are calls, the rest is content.
-  ends = [text.index(json.dumps(i)) + len(json.dumps(i)) for i in items]
+  # Cut at every length: the elements closed so far are calls, an open one is content.
+  starts = [text.index(json.dumps(i)) for i in items]
+  ends = [s + len(json.dumps(i)) for s, i in zip(starts, items)]
   for cut in range(len(text)):
     content, calls = _run(tools.RequiredParser(), text[:cut], rng)
     done = sum(end <= cut for end in ends)
     assert calls == want[:done], cut
-    rest = text[ends[done - 1] if done else 0:cut]
-    assert content == (rest if rest.strip(' ,[]') else ''), cut
+    opened = done < len(items) and starts[done] < cut
+    assert content == (text[starts[done]:cut] if opened else ''), cut
 
 
 def test_named_parser_streams_the_arguments():
@@ -327,13 +351,13 @@ def test_auto_returns_text_as_content_on_the_real_engine(tool_server, tool_engin
 
 
 @pytest.fixture
-def echo_server():
+def echo_server(request):
   """A server whose engine writes back the last message (the template's whole output),
   then stops: the model's output is what the test puts there."""
   fake = FakeEngine(max_model_len=1024, stop_after_prompt=True)
   server = ServerThread(create_app(
-      fake, FakeServed(chat_template='{{ messages[-1].content }}'), tool_parser='hermes',
-      max_model_len=1024))
+      fake, FakeServed(chat_template='{{ messages[-1].content }}'),
+      tool_parser=getattr(request, 'param', 'hermes'), max_model_len=1024))
   yield server, fake
   server.stop()
   fake.shutdown()
@@ -362,6 +386,21 @@ def test_auto_returns_the_calls_the_model_writes(echo_server, extra, want):
   assert _streamed(client, **kw) == [want]
   # The tags may be special tokens of the model's tokenizer: kept in the text.
   assert [p.skip_special_tokens for p in fake.params] == [False, False]
+
+
+@pytest.mark.parametrize('echo_server', ['llama3_json'], indirect=True)
+def test_auto_reads_llama3_json_calls(echo_server):
+  server, _ = echo_server
+  client = _client(server)
+  text = '<|python_tag|>{"name": "w", "parameters": {"c": "R"}}; {"name": "t", "parameters": {}}'
+  kw = dict(model='fake', messages=[{'role': 'user', 'content': text}], tools=[W, T],
+            max_tokens=500)
+  want = [{'content': None, 'finish_reason': 'tool_calls',
+           'calls': [('w', '{"c": "R"}'), ('t', '{}')]}]
+  assert _plain(client.chat.completions.create(**kw)) == want
+  assert _streamed(client, **kw) == want
+  plain = dict(kw, messages=[{'role': 'user', 'content': 'No call {here}.'}])
+  assert _plain(client.chat.completions.create(**plain))[0]['content'] == 'No call {here}.'
 
 
 def test_tools_reach_the_template_and_earlier_calls_render():
@@ -416,8 +455,8 @@ def test_serve_cli_needs_a_parser_for_auto():
   with pytest.raises(SystemExit):
     parse_args(['--checkpoint', 'x', '--enable-auto-tool-choice'])
   args = parse_args(['--checkpoint', 'x', '--enable-auto-tool-choice',
-                     '--tool-call-parser', 'hermes'])
-  assert args.tool_call_parser == 'hermes'
+                     '--tool-call-parser', 'llama3_json'])
+  assert args.tool_call_parser == 'llama3_json'
   fake = FakeEngine()
   try:
     with pytest.raises(ValueError, match='--tool-call-parser'):
