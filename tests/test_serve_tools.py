@@ -18,8 +18,8 @@ import pytest
 from serve import tools
 from serve.sampling_params import SamplingParamsError
 from serve.server import create_app
-from tests.test_serve_server import (FakeEngine, FakeServed, ServerThread, _assert_at_rest,
-                                     _client)
+from tests.test_serve_server import (  # pylint: disable=unused-import
+    FakeEngine, FakeServed, ServerThread, _assert_at_rest, _client, real_engine)
 
 WEATHER = {'type': 'function', 'function': {
     'name': 'get_weather', 'description': 'Weather in a city',
@@ -259,18 +259,8 @@ def test_named_parser_streams_the_arguments():
 # ------------------------------------------------------------------ the server
 
 @pytest.fixture(scope='module')
-def tool_engine(tiny_served):
-  from serve import engine as engine_lib  # pylint: disable=import-outside-toplevel
-  from serve.config import ServeConfig  # pylint: disable=import-outside-toplevel
-  engine = engine_lib.Engine(tiny_served, ServeConfig(
-      num_blocks=48, max_num_seqs=8, max_num_batched_tokens=64, max_waiting_requests=64))
-  yield engine
-  engine.shutdown()
-
-
-@pytest.fixture(scope='module')
-def tool_server(tool_engine, tiny_served):
-  server = ServerThread(create_app(tool_engine, tiny_served, model_name='tiny',
+def tool_server(real_engine, tiny_served):
+  server = ServerThread(create_app(real_engine, tiny_served, model_name='tiny',
                                    tool_parser='hermes'))
   yield server
   server.stop()
@@ -303,7 +293,7 @@ def _plain(completion) -> list[dict]:
            'finish_reason': c.finish_reason} for c in completion.choices]
 
 
-def test_named_and_required_calls_are_what_structured_output_gives(tool_server, tool_engine):
+def test_named_and_required_calls_are_what_structured_output_gives(tool_server, real_engine):
   """A named function's arguments, and "required"'s calls, equal the JSON that
   structured output writes for the same schema and prompt (the tiny model's template
   does not show tools, so the prompt is the same), streamed or not."""
@@ -333,10 +323,10 @@ def test_named_and_required_calls_are_what_structured_output_gives(tool_server, 
         (i['name'], json.dumps(i['parameters'], ensure_ascii=False)) for i in items]})
   assert _plain(client.chat.completions.create(**required)) == want
   assert _streamed(client, **required) == want
-  _assert_at_rest(tool_engine)
+  _assert_at_rest(real_engine)
 
 
-def test_auto_returns_text_as_content_on_the_real_engine(tool_server, tool_engine):
+def test_auto_returns_text_as_content_on_the_real_engine(tool_server, real_engine):
   """tool_choice auto, and the tiny model writes no call: its text is the content, as
   without tools (the template shows it no tools, so the prompt is the same)."""
   client = _client(tool_server)
@@ -347,7 +337,7 @@ def test_auto_returns_text_as_content_on_the_real_engine(tool_server, tool_engin
   with_tools = _plain(client.chat.completions.create(**free, tools=[W]))[0]
   assert with_tools['calls'] == [] and with_tools['content'] == text
   assert with_tools['finish_reason'] == 'length'
-  _assert_at_rest(tool_engine)
+  _assert_at_rest(real_engine)
 
 
 @pytest.fixture
