@@ -192,6 +192,27 @@ def _not_yet(req: Request) -> list[int]:
   return req.end_token_ids
 
 
+def bad_word_ids(tokenizer, words: list[str]) -> list[list[int]]:
+  """vLLM's bad_words as token sequences: each word as written (leading spaces dropped)
+  and, where the tokenizer spells it differently after a space (a new word), that way
+  too."""
+  out = []
+  for word in words:
+    alone = tokenizer.encode(word.lstrip()).tolist()
+    spaced = tokenizer.encode(' ' + word.lstrip()).tolist()
+    out.append(alone)
+    if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+      out.append(spaced)
+  return out
+
+
+def banned_by_words(sequences: list[list[int]], output: list[int]) -> list[int]:
+  """The tokens that would complete a bad word now: each sequence's last token where the
+  output ends with the rest of it (a one-token word always)."""
+  return [seq[-1] for seq in sequences
+          if len(seq) <= len(output) + 1 and output[len(output) - len(seq) + 1:] == seq[:-1]]
+
+
 @dataclasses.dataclass
 class _Tracked:
   """The engine's side of a live request."""
@@ -203,6 +224,14 @@ class _Tracked:
   prompt_logprobs: list | None = None
   guide: object = None   # guided.RequestGuide of a structured-output request
   allowed: np.ndarray | None = None   # allowed_token_ids as the sampler's bits
+  bad_words: list = dataclasses.field(default_factory=list)   # bad_word_ids of the request
+
+  def banned(self) -> list[int]:
+    """The tokens this request may not draw now: min_tokens' and bad_words'."""
+    if not self.bad_words:
+      return _not_yet(self.request)
+    return _not_yet(self.request) + banned_by_words(self.bad_words,
+                                                     self.request.output_token_ids)
 
   def allowed_words(self) -> np.ndarray | None:
     """The tokens this request may draw now, as bits (None: any)."""
@@ -398,7 +427,8 @@ class Engine:
           RequestMetrics(request.arrival_time, len(prompt_ids)),
           None if params.prompt_logprobs is None else [None], guide,
           None if params.allowed_token_ids is None else sampler.pack_bits(
-              params.allowed_token_ids, self.vocab_size))
+              params.allowed_token_ids, self.vocab_size),
+          bad_word_ids(self.served.tokenizer, params.bad_words))
     self._wake.set()
     return stream
 
@@ -607,7 +637,7 @@ class Engine:
     if not rows:
       return {}, {}
     params = [t.request.sampling_params for t in rows]
-    banned = [_not_yet(t.request) for t in rows]
+    banned = [t.banned() for t in rows]
     allowed = [t.allowed_words() for t in rows]
     if (all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params)
         and not any(banned) and all(a is None for a in allowed)):

@@ -7,7 +7,7 @@ special tokens, a Llama's BOS), `prompt_token_ids` or `messages` (a chat, render
 the model's chat template), plus sampling fields by their OpenAI and vLLM names (every
 SamplingParams field: max_tokens, temperature, top_p, top_k, min_p, seed, stop,
 stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, logprobs, the
-penalties, logit_bias, allowed_token_ids, skip_special_tokens, guided_regex;
+penalties, logit_bias, allowed_token_ids, bad_words, skip_special_tokens, guided_regex;
 response_format, guided_json and guided_choice for
 structured output; those left out take the model's generation_config.json defaults) and
 an optional `id` copied to the output. Output lines come in input order. A bad line stops

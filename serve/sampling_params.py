@@ -64,6 +64,8 @@ class SamplingParams:
   guided_regex: str | None = None
   # vLLM's: only these tokens may be drawn (eos too only if listed); None: any.
   allowed_token_ids: list[int] | None = None
+  # vLLM's: no word of these may be completed in the output (serve/engine.py bad_word_ids).
+  bad_words: list[str] = dataclasses.field(default_factory=list)
   # False: special tokens (a template's tags, eos) are written into the text, as their
   # tokenizer.json content.
   skip_special_tokens: bool = True
@@ -97,6 +99,10 @@ class SamplingParams:
     _check_bool('ignore_eos', self.ignore_eos)
     _check_bool('include_stop_str_in_output', self.include_stop_str_in_output)
     _check_bool('skip_special_tokens', self.skip_special_tokens)
+    if (not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_STOP
+        or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+      raise SamplingParamsError('bad_words', f'must be a list of at most {MAX_STOP} '
+                                f'non-blank strings, got {self.bad_words!r}')
     if self.allowed_token_ids is not None:
       _check_token_ids('allowed_token_ids', self.allowed_token_ids, vocab_size)
       if not self.allowed_token_ids:
@@ -203,7 +209,7 @@ def _logit_bias(bias) -> dict:
 _UNSUPPORTED = {
     'n': (1,), 'best_of': (1,), 'prompt_logprobs': (), 'use_beam_search': (False,),
     'guided_grammar': (), 'structured_outputs': (), 'logits_processors': (),
-    'bad_words': ([],), 'truncate_prompt_tokens': (),
+    'truncate_prompt_tokens': (),
 }
 _UNSUPPORTED_CHAT = {   # with no tools, tool_choice 'none' and 'auto' both mean plain text
     'tools': ([],), 'functions': ([],),
@@ -256,7 +262,7 @@ def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
       repetition_penalty=get('repetition_penalty', 1.0),
       logit_bias=_logit_bias(get('logit_bias', {})), guided_regex=_guided_regex(body),
       skip_special_tokens=get('skip_special_tokens', True),
-      allowed_token_ids=body.get('allowed_token_ids'))
+      allowed_token_ids=body.get('allowed_token_ids'), bad_words=get('bad_words', []))
   params.validate(vocab_size)
   return params
 

@@ -18,7 +18,7 @@ import pytest
 
 import model
 from serve.config import ServeConfig
-from serve.engine import Engine, EngineClosed, QueueFull
+from serve.engine import Engine, EngineClosed, QueueFull, bad_word_ids
 from serve.hf_llama import with_dtype
 from serve.sampling_params import SamplingParams
 from tests.test_serve_sampler import np_adjusted
@@ -254,6 +254,35 @@ def test_allowed_token_ids_restrict_the_argmax_and_the_draws(engine, varied, pro
   for bad in ([], [999], 'abc'):
     with pytest.raises(ValueError, match='allowed_token_ids'):
       engine.add_request([1, 2], SamplingParams(allowed_token_ids=bad))
+
+
+def test_bad_words_are_never_completed(engine, varied, prompts):
+  """vLLM's bad_words: greedy output is the training forward's argmax with each word's
+  last token barred where the output ends with the rest of it (a one-token word always),
+  checked by a separate count here; the words are picked from the unbarred output, so
+  the bar changes it."""
+  plain = greedy_reference(varied, prompts[:4], 12)
+  printable = lambda t: 33 <= t < 127
+  pair = next((a, b) for out in plain for a, b in zip(out, out[1:])
+              if printable(a) and printable(b))
+  single = next(t for out in plain[2:] for t in out if printable(t) and t not in pair)
+  words = [chr(pair[0]) + chr(pair[1]), chr(single)]
+
+  def bar(row, prompt, out):
+    row = row.copy()
+    row[single] = -np.inf
+    if out and out[-1] == pair[0]:
+      row[pair[1]] = -np.inf
+    return row
+  want = greedy_reference(varied, prompts[:4], 12, min_margin=1e-4, adjust=bar)
+  assert want != plain
+  got = engine.generate(prompts[:4], SamplingParams(max_tokens=12, temperature=0.0,
+                                                    bad_words=words))
+  eos = varied.eos_token_ids[0]
+  assert ids(got) == [w[:w.index(eos) + 1] if eos in w else w for w in want]
+  assert not any(words[0] in r.text or words[1] in r.text for r in got)
+  # The byte tokenizer spells " ab" as " " + "ab": no second spelling to bar.
+  assert bad_word_ids(varied.tokenizer, [' ' + words[0]]) == [list(pair)]
 
 
 def test_guided_requests_refused_with_the_field(engine):

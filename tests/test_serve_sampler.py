@@ -389,7 +389,6 @@ def test_packed_bits_unpack_to_the_same_tokens():
     (False, 'n', True), (False, 'use_beam_search', 0),   # true is not 1, 0 not false
     (False, 'suffix', 'end'), (False, 'guided_grammar', 'root ::= "a"'),
     (False, 'use_beam_search', True),
-    (False, 'bad_words', ['x']),
     (False, 'truncate_prompt_tokens', 8)])
 def test_fields_that_change_the_output_but_are_not_implemented_are_refused(chat, field, value):
   """Never silently ignored: a 400 naming the field, unless the value asks for nothing."""
@@ -416,6 +415,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
     (False, {'stop': 5}, 'stop'), (False, {'stop': ['a', 3]}, 'stop'),
     (False, {'logprobs': True}, 'logprobs'), (False, {'seed': 'x'}, 'seed'),
     (False, {'skip_special_tokens': 0}, 'skip_special_tokens'),
+    (False, {'bad_words': 'x'}, 'bad_words'), (False, {'bad_words': [' ']}, 'bad_words'),
     (False, {'stop_token_ids': [999]}, 'stop_token_ids'), (False, {'n': 2}, 'n'),
     (False, {'frequency_penalty': 2.5}, 'frequency_penalty'),
     (False, {'repetition_penalty': 0}, 'repetition_penalty'),
