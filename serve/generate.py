@@ -7,7 +7,8 @@ special tokens, a Llama's BOS), `prompt_token_ids` or `messages` (a chat, render
 the model's chat template), plus sampling fields by their OpenAI and vLLM names (every
 SamplingParams field: max_tokens, temperature, top_p, top_k, min_p, seed, stop,
 stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, logprobs, the
-penalties, logit_bias, allowed_token_ids, bad_words, skip_special_tokens, guided_regex;
+penalties, logit_bias, allowed_token_ids, bad_words, skip_special_tokens, guided_regex,
+truncate_prompt_tokens;
 response_format, guided_json and guided_choice for
 structured output; those left out take the model's generation_config.json defaults) and
 an optional `id` copied to the output. Output lines come in input order. A bad line stops
@@ -24,11 +25,11 @@ from rich import progress
 
 from serve import config as config_lib
 from serve.sampling_params import (SamplingParams, SamplingParamsError, from_openai,
-                                   guided_field)
+                                   guided_field, truncate_prompt)
 
 PROMPT_KEYS = ('prompt', 'prompt_token_ids', 'messages')
 OPENAI_EXTRA = ('max_completion_tokens', 'top_logprobs', 'n', 'best_of', 'response_format',
-                'guided_json', 'guided_choice')
+                'guided_json', 'guided_choice', 'truncate_prompt_tokens')
 KNOWN = {'id', *PROMPT_KEYS, *OPENAI_EXTRA,
          *(f.name for f in dataclasses.fields(SamplingParams))}
 # Chat fields only the HTTP server takes (tool calling, template variables).
@@ -87,8 +88,9 @@ def prepare(job: Job, served, engine, path: str) -> None:
   """Tokenizes the prompt and builds the SamplingParams; BadLine names the field."""
   body, where = job.body, f'{path} line {job.line}'
   try:
-    job.prompt_ids = _prompt_ids(body, served)
-    sampling = {k: v for k, v in body.items() if k not in PROMPT_KEYS and k != 'id'}
+    job.prompt_ids = truncate_prompt(_prompt_ids(body, served), body, engine.max_model_len)
+    sampling = {k: v for k, v in body.items()
+                if k not in (*PROMPT_KEYS, 'id', 'truncate_prompt_tokens')}
     job.params = from_openai(sampling, engine.vocab_size, chat='messages' in body,
                              defaults=served.sampling_defaults)
     engine.check_prompt(job.prompt_ids, job.params)

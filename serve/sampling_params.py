@@ -209,7 +209,6 @@ def _logit_bias(bias) -> dict:
 _UNSUPPORTED = {
     'n': (1,), 'best_of': (1,), 'prompt_logprobs': (), 'use_beam_search': (False,),
     'guided_grammar': (), 'structured_outputs': (), 'logits_processors': (),
-    'truncate_prompt_tokens': (),
 }
 _UNSUPPORTED_CHAT = {   # with no tools, tool_choice 'none' and 'auto' both mean plain text
     'tools': ([],), 'functions': ([],),
@@ -306,6 +305,19 @@ def _guided_regex(body: dict) -> str | None:
   if not isinstance(value, str) or not value:
     raise SamplingParamsError(name, f'must be a non-empty regular expression, got {value!r}')
   return value
+
+
+def truncate_prompt(ids: list[int], body: dict, max_model_len: int) -> list[int]:
+  """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the model's context);
+  absent or null: the prompt whole."""
+  k = body.get('truncate_prompt_tokens')
+  if k is None:
+    return ids
+  if not _is_int(k) or not (k == -1 or k >= 1):
+    raise SamplingParamsError('truncate_prompt_tokens', f'must be an integer >= 1, or -1 for '
+                              f'the model\'s context, got {k!r}')
+  k = max_model_len if k == -1 else k
+  return ids[-k:]
 
 
 def _max_tokens(body: dict, chat: bool, default: int):

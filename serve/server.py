@@ -223,11 +223,20 @@ def _completion_prompts(state: ServerState,
     raise ApiError(400, 'prompt: the list of prompts is empty.', param='prompt')
   ids = [_prompt_ids(state, p, add_special_tokens=body.add_special_tokens is not False)
          for p in prompts]
+  truncated = [_truncate(state, body.model_extra, i) for i in ids]
   if not body.echo:
-    return ids, None
-  # echo repeats a text prompt as given, a token prompt decoded
-  return ids, [p if isinstance(p, str) else state.served.tokenizer.decode(i)
-               for p, i in zip(prompts, ids)]
+    return truncated, None
+  # echo repeats a text prompt as given, a token prompt (or a truncated one) decoded
+  return truncated, [p if isinstance(p, str) and len(t) == len(i)
+                     else state.served.tokenizer.decode(t)
+                     for p, i, t in zip(prompts, ids, truncated)]
+
+
+def _truncate(state: ServerState, body: dict, ids: list[int]) -> list[int]:
+  try:
+    return sp_lib.truncate_prompt(ids, body or {}, state.max_model_len)
+  except sp_lib.SamplingParamsError as e:
+    raise ApiError(400, str(e), param=e.param) from None
 
 
 def _prompt_ids(state: ServerState, prompt, param: str = 'prompt',
@@ -249,7 +258,8 @@ def _in_vocabulary(state: ServerState, ids: list[int], param: str) -> list[int]:
 
 def _chat_prompt(state: ServerState, body: ChatBody, tools) -> list[int]:
   text = _chat_text(state, body, tools.template_tools if tools else None)
-  return _prompt_ids(state, text, 'messages', add_special_tokens=bool(body.add_special_tokens))
+  ids = _prompt_ids(state, text, 'messages', add_special_tokens=bool(body.add_special_tokens))
+  return _truncate(state, body.model_extra, ids)
 
 
 def _chat_text(state: ServerState, body: ChatBody | TokenizeBody, tools=None) -> str:
@@ -308,7 +318,8 @@ def _sampling_params(state: ServerState, body: dict, prompt_len: int, chat: bool
   try:
     # Chat's default: the room left in the context (OpenAI's); completions': 16.
     default = max(state.max_model_len - prompt_len, 1) if chat else 16
-    fields = {k: v for k, v in body.items() if k != 'n'}   # n is the server's (_submit)
+    # n is the server's (_submit); the prompt came truncated (_truncate)
+    fields = {k: v for k, v in body.items() if k not in ('n', 'truncate_prompt_tokens')}
     if _prompt_only(body, chat):
       if body.get('min_tokens'):
         raise ApiError(400, 'min_tokens: echo with max_tokens 0 only scores the prompt and '

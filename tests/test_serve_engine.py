@@ -562,7 +562,8 @@ def test_generate_cli_writes_results_in_input_order(tiny_workdir, tiny_served, p
   # Lengths 6, 5, ..., 1 in input order: the output order shows in the lengths too.
   lines = [{'prompt_token_ids': p, 'max_tokens': 6 - i, 'temperature': 0,
             'ignore_eos': True, 'id': f'p{i}'} for i, p in enumerate(prompts[:6])]
-  lines.append({'prompt': 'def ', 'max_tokens': 4, 'temperature': 0, 'ignore_eos': True})
+  lines.append({'prompt': 'zz def ', 'max_tokens': 4, 'temperature': 0, 'ignore_eos': True,
+                'truncate_prompt_tokens': 4})   # 'def '
   (tmp_path / 'in.jsonl').write_text(''.join(json.dumps(l) + '\n' for l in lines))
   result = run_generate(tiny_workdir, tmp_path / 'in.jsonl', tmp_path / 'out.jsonl')
   assert result.returncode == 0, result.stderr
@@ -580,6 +581,7 @@ def test_generate_cli_writes_results_in_input_order(tiny_workdir, tiny_served, p
     ('{"prompt": 5}', "line 2: field 'prompt'"),
     ('{"max_tokens": 3}', 'line 2: give exactly one of prompt'),
     ('not json', 'line 2: not valid JSON'),
+    ('{"prompt": "a", "truncate_prompt_tokens": 0}', "line 2: field 'truncate_prompt_tokens'"),
     ('{"prompt": "a", "guided_regex": "^(a"}', "line 2: field 'guided_regex': this regular "
      'expression cannot be compiled'),
 ])
@@ -599,7 +601,8 @@ def test_generate_cli_lines_take_the_models_sampling_defaults():
   served = types.SimpleNamespace(tokenizer=ByteTokenizer(), chat_template=None,
                                  special_tokens={}, sampling_defaults={'temperature': 0.6,
                                                                        'top_k': 20})
-  engine = types.SimpleNamespace(vocab_size=257, check_prompt=lambda ids, params: ids)
+  engine = types.SimpleNamespace(vocab_size=257, max_model_len=64,
+                                 check_prompt=lambda ids, params: ids)
   jobs = [generate.Job(1, {'prompt': 'ab'}), generate.Job(2, {'prompt': 'ab', 'top_k': 5}),
           generate.Job(3, {'messages': [{'role': 'user', 'content': 'x'}],
                            'temperature': 0})]

@@ -247,6 +247,28 @@ def test_n_choices_per_prompt_with_seeds_and_usage(fake_server, fake):
   assert fake.held == 0
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(fake_server, fake):
+  """vLLM's truncate_prompt_tokens: the engine gets the last k tokens, usage counts them,
+  echo repeats them; the batch CLI's helper does the same; bad values are a 400."""
+  client = _client(fake_server)
+  out = client.completions.create(model='fake', prompt='abcdefgh', max_tokens=2, echo=True,
+                                  extra_body={'truncate_prompt_tokens': 3})
+  assert fake.prompts[-1] == list(b'fgh') and out.usage.prompt_tokens == 3
+  assert out.choices[0].text == 'fgh' + 'fg'
+  client.completions.create(model='fake', prompt='abc', max_tokens=1,
+                            extra_body={'truncate_prompt_tokens': 10})
+  assert fake.prompts[-1] == list(b'abc')
+  client.chat.completions.create(model='fake', messages=[{'role': 'user', 'content': 'hi'}],
+                                 max_tokens=1, extra_body={'truncate_prompt_tokens': 4})
+  assert fake.prompts[-1] == list(b'nt: ')   # "...assistant: "
+  assert sp_lib.truncate_prompt([1, 2, 3], {'truncate_prompt_tokens': -1}, 2) == [2, 3]
+  for bad in (0, -2, '3', True):
+    resp = httpx.post(fake_server.url + '/v1/completions',
+                      json={'prompt': 'ab', 'truncate_prompt_tokens': bad})
+    assert resp.status_code == 400, bad
+    assert resp.json()['error']['param'] == 'truncate_prompt_tokens'
+
+
 def test_n_choices_wait_together_in_the_queue_or_not_at_all(fake):
   """n requests of one call are admitted together: a queue that cannot take them all
   takes none (429); more than the queue ever holds is a 400."""
