@@ -105,6 +105,10 @@ class DetokenizeBody(pydantic.BaseModel):
 
 
 MAX_N = 128   # choices per prompt (OpenAI's limit)
+# include_usage (OpenAI's), continuous_usage_stats (vLLM's: usage in every chunk) and
+# OpenAI's include_obfuscation, which pads chunks against length attacks and changes no
+# text: taken, not done (these are local connections).
+STREAM_OPTIONS = {'include_usage', 'continuous_usage_stats', 'include_obfuscation'}
 
 
 @dataclasses.dataclass
@@ -206,6 +210,10 @@ def _check_common(state: ServerState, body: _Body) -> None:
   if body.stream_options is not None and not body.stream:
     raise ApiError(400, 'stream_options: only allowed with "stream": true.',
                    param='stream_options')
+  unknown = sorted(set(body.stream_options or {}) - STREAM_OPTIONS)
+  if unknown:
+    raise ApiError(400, f'stream_options: {unknown[0]!r} is not supported; give '
+                   f'{" or ".join(sorted(STREAM_OPTIONS))}.', param='stream_options')
 
 
 def _completion_prompts(state: ServerState,
@@ -568,6 +576,15 @@ def _include_usage(body: _Body) -> bool:
   return bool(body.stream_options and body.stream_options.get('include_usage'))
 
 
+def _chunk_usage(body: _Body, reqs: list[_Req]) -> dict:
+  """The usage member of a streamed chunk: absent unless include_usage; null, or with
+  vLLM's continuous_usage_stats the tokens so far."""
+  if not _include_usage(body):
+    return {}
+  return {'usage': _usage(reqs) if body.stream_options.get('continuous_usage_stats')
+          else None}
+
+
 def _error_event(err: ApiError) -> str:
   # The openai client raises on a chunk with an "error" member: the stream's last word.
   return _sse({**err.body(), 'status_code': err.status})
@@ -577,7 +594,6 @@ async def _events(state, reqs, body, meta, choice_fn):
   """The SSE stream: a chunk per delta that choice_fn(r, out) turns into a choice (None:
   nothing to send); a request cut short ends the stream with an error event, otherwise
   the usage chunk if asked for; then [DONE]."""
-  extra = {'usage': None} if _include_usage(body) else {}
   async for r, out in _outputs(state, reqs):
     err = _ended_early(state, [r])
     if err:
@@ -585,9 +601,9 @@ async def _events(state, reqs, body, meta, choice_fn):
       break
     choice = choice_fn(r, out)
     if choice is not None:
-      yield _sse({**meta, 'choices': [choice], **extra})
+      yield _sse({**meta, 'choices': [choice], **_chunk_usage(body, reqs)})
   else:
-    if extra:
+    if _include_usage(body):
       yield _sse({**meta, 'choices': [], 'usage': _usage(reqs)})
   yield 'data: [DONE]\n\n'
 
@@ -634,8 +650,7 @@ async def _chat_events(state, reqs, body: ChatBody, want_logprobs: bool):
   for r in reqs:   # each choice opens with its role
     first = {'index': r.index, 'delta': {'role': 'assistant', 'content': ''},
              'logprobs': None, 'finish_reason': None}
-    yield _sse({**meta, 'choices': [first],
-                **({'usage': None} if _include_usage(body) else {})})
+    yield _sse({**meta, 'choices': [first], **_chunk_usage(body, reqs)})
 
   def choice(r, out):
     entries = _logprob_entries(out) if want_logprobs else []

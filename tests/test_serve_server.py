@@ -201,6 +201,17 @@ def test_models_health_and_completion_stream(fake_server, fake):
   assert ''.join(c.choices[0].text for c in chunks if c.choices) == 'abcabca'
   assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
   assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == 'length'
+  assert all(c.usage is None for c in chunks[:-1])
+  # vLLM's continuous_usage_stats: every chunk counts the tokens so far.
+  chunks = list(client.chat.completions.create(
+      model='fake', messages=[{'role': 'user', 'content': 'abc'}], max_tokens=5, stream=True,
+      stream_options={'include_usage': True, 'continuous_usage_stats': True}))
+  seen = [c.usage.completion_tokens for c in chunks]
+  assert seen == sorted(seen) and seen[0] == 0 and seen[-1] == 5 and len(set(seen)) == 6
+  assert {c.usage.prompt_tokens for c in chunks} == {len('user: abc\nassistant: ')}
+  resp = httpx.post(fake_server.url + '/v1/completions', json={
+      'prompt': 'a', 'stream': True, 'stream_options': {'include_usages': True}})
+  assert resp.status_code == 400 and 'include_usages' in resp.json()['error']['message']
   assert fake.held == 0
 
 
