@@ -200,6 +200,8 @@ def bad_word_ids(tokenizer, words: list[str]) -> list[list[int]]:
   for word in words:
     alone = tokenizer.encode(word.lstrip()).tolist()
     spaced = tokenizer.encode(' ' + word.lstrip()).tolist()
+    if not alone:
+      raise ValueError(f'bad_words: {word!r} is no token of this tokenizer; leave it out.')
     out.append(alone)
     if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
       out.append(spaced)
@@ -211,6 +213,16 @@ def banned_by_words(sequences: list[list[int]], output: list[int]) -> list[int]:
   output ends with the rest of it (a one-token word always)."""
   return [seq[-1] for seq in sequences
           if len(seq) <= len(output) + 1 and output[len(output) - len(seq) + 1:] == seq[:-1]]
+
+
+def _any_left(words: np.ndarray, banned: list[int]) -> bool:
+  """Whether the tokens set in words (bits) are not all in banned."""
+  if not banned:
+    return bool(words.any())
+  left = words.copy()
+  ids = np.asarray(banned, np.int64)
+  np.bitwise_and.at(left, ids // 32, ~(np.uint32(1) << (ids % 32).astype(np.uint32)))
+  return bool(left.any())
 
 
 @dataclasses.dataclass
@@ -226,16 +238,21 @@ class _Tracked:
   allowed: np.ndarray | None = None   # allowed_token_ids as the sampler's bits
   bad_words: list = dataclasses.field(default_factory=list)   # bad_word_ids of the request
 
-  def banned(self) -> list[int]:
-    """The tokens this request may not draw now: min_tokens' and bad_words'."""
-    if not self.bad_words:
-      return _not_yet(self.request)
-    return _not_yet(self.request) + banned_by_words(self.bad_words,
-                                                     self.request.output_token_ids)
-
-  def allowed_words(self) -> np.ndarray | None:
-    """The tokens this request may draw now, as bits (None: any)."""
-    return self.guide.words() if self.guide is not None else self.allowed
+  def constraints(self) -> tuple[list[int], np.ndarray | None]:
+    """(banned ids, allowed bits or None) for this step: min_tokens' and bad_words' bans;
+    the guide's or allowed_token_ids' set. Bans that would leave nothing allowed give
+    way, bad words first (a guide only a barred word can continue, or a list of end ids
+    before min_tokens): the request goes on rather than draw outside its set."""
+    allowed = self.guide.words() if self.guide is not None else self.allowed
+    early = _not_yet(self.request)
+    words = (banned_by_words(self.bad_words, self.request.output_token_ids)
+             if self.bad_words else [])
+    if allowed is None:
+      return early + words, None
+    for banned in (early + words, early):
+      if _any_left(allowed, banned):
+        return banned, allowed
+    return [], allowed
 
 
 # ------------------------------------------------------------------------ set-up
@@ -415,6 +432,7 @@ class Engine:
                       sampling_params=params, eos_token_id=eos, arrival_time=time.monotonic(),
                       output_token_ids=[])
     guide = self._guide(params.guided_regex) if params.guided_regex else None
+    bad_words = bad_word_ids(self.served.tokenizer, params.bad_words)
     stream = RequestStream(request_id, prompt_ids, self)
     with self._lock:
       self._admit(request_id, bounded)
@@ -428,7 +446,7 @@ class Engine:
           None if params.prompt_logprobs is None else [None], guide,
           None if params.allowed_token_ids is None else sampler.pack_bits(
               params.allowed_token_ids, self.vocab_size),
-          bad_word_ids(self.served.tokenizer, params.bad_words))
+          bad_words)
     self._wake.set()
     return stream
 
@@ -637,8 +655,7 @@ class Engine:
     if not rows:
       return {}, {}
     params = [t.request.sampling_params for t in rows]
-    banned = [t.banned() for t in rows]
-    allowed = [t.allowed_words() for t in rows]
+    banned, allowed = map(list, zip(*(t.constraints() for t in rows)))
     if (all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params)
         and not any(banned) and all(a is None for a in allowed)):
       # The step's own argmax: the token the sampler would pick, without its program.
@@ -713,7 +730,11 @@ class Engine:
     t.metrics.token_times.append(now)
     self._totals['generation_tokens'] += 1
     if t.guide is not None and not finished_now:
-      t.guide.advance(token)
+      try:
+        t.guide.advance(token)
+      except ValueError as e:   # a token the guide cannot follow: this request only
+        self._fail([req.request_id], e)
+        return
     text, stop = '', None
     if not (finished_now and self._is_stop_token(req, token)
             and not req.sampling_params.include_stop_str_in_output):

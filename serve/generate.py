@@ -88,7 +88,9 @@ def prepare(job: Job, served, engine, path: str) -> None:
   """Tokenizes the prompt and builds the SamplingParams; BadLine names the field."""
   body, where = job.body, f'{path} line {job.line}'
   try:
-    job.prompt_ids = truncate_prompt(_prompt_ids(body, served), body, engine.max_model_len)
+    text = body['prompt'] if isinstance(body.get('prompt'), str) else None   # with specials
+    job.prompt_ids = truncate_prompt(_prompt_ids(body, served), body, engine.max_model_len,
+                                     served.tokenizer, text)
     sampling = {k: v for k, v in body.items()
                 if k not in (*PROMPT_KEYS, 'id', 'truncate_prompt_tokens')}
     job.params = from_openai(sampling, engine.vocab_size, chat='messages' in body,

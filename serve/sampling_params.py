@@ -307,17 +307,25 @@ def _guided_regex(body: dict) -> str | None:
   return value
 
 
-def truncate_prompt(ids: list[int], body: dict, max_model_len: int) -> list[int]:
+def truncate_prompt(ids: list[int], body: dict, max_model_len: int,
+                    tokenizer=None, text: str | None = None) -> list[int]:
   """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the model's context);
-  absent or null: the prompt whole."""
+  absent or null: the prompt whole. For a text prompt encoded with special tokens (give
+  tokenizer and text), those stay (a Llama's BOS) and the text's tokens are cut, as
+  vLLM's left-side truncation does."""
   k = body.get('truncate_prompt_tokens')
   if k is None:
     return ids
-  if not _is_int(k) or not (k == -1 or k >= 1):
-    raise SamplingParamsError('truncate_prompt_tokens', f'must be an integer >= 1, or -1 for '
-                              f'the model\'s context, got {k!r}')
+  if not _is_int(k) or not (k == -1 or 1 <= k <= max_model_len):
+    raise SamplingParamsError('truncate_prompt_tokens', f'must be an integer in [1, '
+                              f'{max_model_len}] (the model\'s context), or -1 for the '
+                              f'context, got {k!r}')
   k = max_model_len if k == -1 else k
-  return ids[-k:]
+  if len(ids) <= k:
+    return ids
+  pre, post = tokenizer.special_tokens_around(text) if text is not None else (0, 0)
+  inner = ids[pre:len(ids) - post]
+  return ids[:pre] + inner[len(inner) - max(k - pre - post, 0):] + ids[len(ids) - post:]
 
 
 def _max_tokens(body: dict, chat: bool, default: int):

@@ -210,10 +210,13 @@ def _check_common(state: ServerState, body: _Body) -> None:
   if body.stream_options is not None and not body.stream:
     raise ApiError(400, 'stream_options: only allowed with "stream": true.',
                    param='stream_options')
-  unknown = sorted(set(body.stream_options or {}) - STREAM_OPTIONS)
-  if unknown:
-    raise ApiError(400, f'stream_options: {unknown[0]!r} is not supported; give '
-                   f'{" or ".join(sorted(STREAM_OPTIONS))}.', param='stream_options')
+  for key, value in (body.stream_options or {}).items():
+    if key not in STREAM_OPTIONS:
+      raise ApiError(400, f'stream_options: {key!r} is not supported; give '
+                     f'{" or ".join(sorted(STREAM_OPTIONS))}.', param='stream_options')
+    if not isinstance(value, bool) and value is not None:
+      raise ApiError(400, f'stream_options.{key}: must be true or false, got '
+                     f'{_short(value)}.', param='stream_options')
 
 
 def _completion_prompts(state: ServerState,
@@ -231,7 +234,9 @@ def _completion_prompts(state: ServerState,
     raise ApiError(400, 'prompt: the list of prompts is empty.', param='prompt')
   ids = [_prompt_ids(state, p, add_special_tokens=body.add_special_tokens is not False)
          for p in prompts]
-  truncated = [_truncate(state, body.model_extra, i) for i in ids]
+  specials = body.add_special_tokens is not False
+  truncated = [_truncate(state, body.model_extra, i, p if isinstance(p, str) and specials
+                         else None) for p, i in zip(prompts, ids)]
   if not body.echo:
     return truncated, None
   # echo repeats a text prompt as given, a token prompt (or a truncated one) decoded
@@ -240,9 +245,12 @@ def _completion_prompts(state: ServerState,
                      for p, i, t in zip(prompts, ids, truncated)]
 
 
-def _truncate(state: ServerState, body: dict, ids: list[int]) -> list[int]:
+def _truncate(state: ServerState, body: dict, ids: list[int],
+              text: str | None = None) -> list[int]:
+  """truncate_prompt_tokens; text: the prompt the ids encode with special tokens."""
   try:
-    return sp_lib.truncate_prompt(ids, body or {}, state.max_model_len)
+    return sp_lib.truncate_prompt(ids, body or {}, state.max_model_len,
+                                  state.served.tokenizer, text)
   except sp_lib.SamplingParamsError as e:
     raise ApiError(400, str(e), param=e.param) from None
 
@@ -573,16 +581,21 @@ def _meta(kind: str, state: ServerState) -> dict:
 
 
 def _include_usage(body: _Body) -> bool:
-  return bool(body.stream_options and body.stream_options.get('include_usage'))
+  """include_usage, or vLLM's continuous_usage_stats (which vLLM gives with usage on)."""
+  options = body.stream_options or {}
+  return bool(options.get('include_usage') or options.get('continuous_usage_stats'))
 
 
-def _chunk_usage(body: _Body, reqs: list[_Req]) -> dict:
-  """The usage member of a streamed chunk: absent unless include_usage; null, or with
-  vLLM's continuous_usage_stats the tokens so far."""
+def _chunk_usage(body: _Body, r: _Req) -> dict:
+  """The usage member of a streamed chunk of choice r: absent unless include_usage; null,
+  or with vLLM's continuous_usage_stats the choice's own tokens so far (as vLLM counts)."""
   if not _include_usage(body):
     return {}
-  return {'usage': _usage(reqs) if body.stream_options.get('continuous_usage_stats')
-          else None}
+  if not body.stream_options.get('continuous_usage_stats'):
+    return {'usage': None}
+  prompt, completion = len(r.prompt_ids), len(r.token_ids)
+  return {'usage': {'prompt_tokens': prompt, 'completion_tokens': completion,
+                    'total_tokens': prompt + completion}}
 
 
 def _error_event(err: ApiError) -> str:
@@ -601,7 +614,7 @@ async def _events(state, reqs, body, meta, choice_fn):
       break
     choice = choice_fn(r, out)
     if choice is not None:
-      yield _sse({**meta, 'choices': [choice], **_chunk_usage(body, reqs)})
+      yield _sse({**meta, 'choices': [choice], **_chunk_usage(body, r)})
   else:
     if _include_usage(body):
       yield _sse({**meta, 'choices': [], 'usage': _usage(reqs)})
@@ -650,7 +663,7 @@ async def _chat_events(state, reqs, body: ChatBody, want_logprobs: bool):
   for r in reqs:   # each choice opens with its role
     first = {'index': r.index, 'delta': {'role': 'assistant', 'content': ''},
              'logprobs': None, 'finish_reason': None}
-    yield _sse({**meta, 'choices': [first], **_chunk_usage(body, reqs)})
+    yield _sse({**meta, 'choices': [first], **_chunk_usage(body, r)})
 
   def choice(r, out):
     entries = _logprob_entries(out) if want_logprobs else []

@@ -35,6 +35,7 @@ from serve.sampling_params import SamplingParamsError, guided_field
 PARSERS = ('hermes', 'llama3_json')   # --tool-call-parser
 FIELDS = ('tools', 'tool_choice', 'parallel_tool_calls')   # the request's, read here
 HERMES_OPEN, HERMES_CLOSE = '<tool_call>', '</tool_call>'
+SEPARATORS = ' \n\t,;[]'   # between JSON calls: dropped
 
 
 def _call_id() -> str:
@@ -305,8 +306,8 @@ class _StringState:
 class _ObjectsParser(_WholeCalls):
   """Calls written as JSON objects at one nesting level (0: side by side, 1: in an
   array): each object a call once it closes, if it has the call's shape, else content;
-  the text between them (brackets, separators) dropped, and what did not close by the
-  end content."""
+  text between them content unless only brackets and separators, and what did not close
+  by the end content."""
   LEVEL = 0
 
   def __init__(self, parallel: bool = True):
@@ -326,13 +327,19 @@ class _ObjectsParser(_WholeCalls):
       if c in '[{':
         if c == '{' and self._depth == self.LEVEL:
           self._start = i
+          delta += self._between(self._text[self._done:i])
         self._depth += 1
-      elif c in ']}':
+      elif c in ']}' and self._depth > 0:   # a stray closer at the top is text
         self._depth -= 1
         if c == '}' and self._depth == self.LEVEL and self._start is not None:
           delta += self._object(self._text[self._start:i + 1])
           self._start, self._done = None, i + 1
     return delta
+
+  @staticmethod
+  def _between(text: str) -> Delta:
+    """Text between objects: content, unless only brackets and separators."""
+    return Delta(content=text if text.strip(SEPARATORS) else '')
 
   def _object(self, text: str) -> Delta:
     call = _json_object(text)
@@ -351,8 +358,9 @@ class _ObjectsParser(_WholeCalls):
   def finish(self) -> Delta:
     """Output cut short (max_tokens): an object that did not close is content (from its
     "{"), and so is other text after the last call."""
-    rest = self._text[self._done if self._start is None else self._start:]
-    return Delta(content=rest if rest.strip(' \n\t,;[]') else '')
+    if self._start is not None:
+      return Delta(content=self._text[self._start:])
+    return self._between(self._text[self._done:])
 
 
 class RequiredParser(_ObjectsParser):
@@ -388,7 +396,7 @@ class Llama3JsonParser(_ObjectsParser):
     return super().finish() if self._calls_mode else Delta()
 
   def _arguments_key(self, call: dict) -> str:
-    return 'parameters' if 'parameters' in call else 'arguments'
+    return 'arguments' if 'arguments' in call else 'parameters'
 
 
 class HermesParser(_WholeCalls):

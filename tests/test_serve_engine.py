@@ -285,6 +285,45 @@ def test_bad_words_are_never_completed(engine, varied, prompts):
   assert bad_word_ids(varied.tokenizer, [' ' + words[0]]) == [list(pair)]
 
 
+def test_bans_give_way_where_they_would_leave_no_token(engine, prompts):
+  """A guide (or allowed_token_ids) that only barred tokens could continue: the bans give
+  way (bad words first, then min_tokens') rather than draw outside the set or fail the
+  batch; a plain request beside them is unaffected."""
+  eos = engine.served.eos_token_ids[0]
+  params = [SamplingParams(max_tokens=4, temperature=0.0, guided_regex='(A|B)',
+                           bad_words=['A', 'B']),
+            SamplingParams(max_tokens=4, temperature=0.0, allowed_token_ids=[eos],
+                           min_tokens=2),
+            SamplingParams(max_tokens=4, temperature=0.0, allowed_token_ids=[65, 66],
+                           bad_words=['A'])]
+  got = engine.generate(prompts[:3] + prompts[:1], params + [SamplingParams(max_tokens=4)])
+  assert got[0].text in ('A', 'B') and got[0].finish_reason == 'stop'
+  assert got[1].token_ids == [eos] and got[1].finish_reason == 'stop'
+  assert got[2].token_ids == [66] * 4    # 'A' barred, 'B' left
+  assert got[3].finish_reason == 'length' and len(got[3].token_ids) == 4
+
+
+def test_bad_word_sequences_and_when_they_bar():
+  from serve.engine import banned_by_words  # pylint: disable=import-outside-toplevel
+
+  class Spaced:   # a tokenizer whose words after a space are other tokens
+    def encode(self, text):
+      words = {'cat': [5, 6], ' cat': [7, 6], 'dog': [8], ' dog': [9, 8]}
+      return np.asarray(words[text])
+  assert bad_word_ids(Spaced(), ['cat', '  dog']) == [[5, 6], [7, 6], [8]]
+  seqs = [[5, 6], [7, 6], [8]]
+  assert banned_by_words(seqs, []) == [8]
+  assert banned_by_words(seqs, [1, 5]) == [6, 8]
+  assert banned_by_words(seqs, [7]) == [6, 8]
+  assert banned_by_words(seqs, [5, 1]) == [8]
+  class Empty:   # a normalizer that keeps nothing of the word
+    def encode(self, text):
+      del text
+      return np.asarray([], int)
+  with pytest.raises(ValueError, match='bad_words'):
+    bad_word_ids(Empty(), ['x'])
+
+
 def test_guided_requests_refused_with_the_field(engine):
   from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match='cannot be compiled'):
@@ -574,6 +613,7 @@ def test_generate_cli_writes_results_in_input_order(tiny_workdir, tiny_served, p
   assert [o['token_ids'] for o in out] == expected
   assert [o['text'] for o in out] == [tiny_served.tokenizer.decode(e) for e in expected]
   assert all(o['finish_reason'] == 'length' for o in out)
+  assert out[-1]['num_prompt_tokens'] == 4   # 'zz def ' cut to 'def '
 
 
 @pytest.mark.parametrize('line, message', [

@@ -209,9 +209,21 @@ def test_models_health_and_completion_stream(fake_server, fake):
   seen = [c.usage.completion_tokens for c in chunks]
   assert seen == sorted(seen) and seen[0] == 0 and seen[-1] == 5 and len(set(seen)) == 6
   assert {c.usage.prompt_tokens for c in chunks} == {len('user: abc\nassistant: ')}
-  resp = httpx.post(fake_server.url + '/v1/completions', json={
-      'prompt': 'a', 'stream': True, 'stream_options': {'include_usages': True}})
-  assert resp.status_code == 400 and 'include_usages' in resp.json()['error']['message']
+  # Per choice, as vLLM counts (n=2); continuous_usage_stats alone turns usage on.
+  chunks = list(client.completions.create(
+      model='fake', prompt='ab', max_tokens=3, n=2, stream=True,
+      stream_options={'continuous_usage_stats': True}))
+  per_choice = {}
+  for c in chunks[:-1]:
+    per_choice.setdefault(c.choices[0].index, []).append(c.usage.completion_tokens)
+    assert c.usage.prompt_tokens == 2
+  assert per_choice == {0: [1, 2, 3], 1: [1, 2, 3]}
+  assert chunks[-1].usage.completion_tokens == 6
+  for options, needle in (({'include_usages': True}, 'include_usages'),
+                          ({'include_usage': 'false'}, 'true or false')):
+    resp = httpx.post(fake_server.url + '/v1/completions', json={
+        'prompt': 'a', 'stream': True, 'stream_options': options})
+    assert resp.status_code == 400 and needle in resp.json()['error']['message']
   assert fake.held == 0
 
 
@@ -273,7 +285,11 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(fake_server, fake):
                                  max_tokens=1, extra_body={'truncate_prompt_tokens': 4})
   assert fake.prompts[-1] == list(b'nt: ')   # "...assistant: "
   assert sp_lib.truncate_prompt([1, 2, 3], {'truncate_prompt_tokens': -1}, 2) == [2, 3]
-  for bad in (0, -2, '3', True):
+  # Truncated before the context check: a prompt longer than the context (64) runs.
+  client.completions.create(model='fake', prompt='x' * 100 + 'end', max_tokens=1,
+                            extra_body={'truncate_prompt_tokens': 3})
+  assert fake.prompts[-1] == list(b'end')
+  for bad in (0, -2, '3', True, 65):
     resp = httpx.post(fake_server.url + '/v1/completions',
                       json={'prompt': 'ab', 'truncate_prompt_tokens': bad})
     assert resp.status_code == 400, bad
@@ -450,6 +466,13 @@ def test_text_prompts_get_the_tokenizers_special_tokens_chat_prompts_do_not(fake
     client.chat.completions.create(model='fake', messages=messages, max_tokens=1,
                                    extra_body={'add_special_tokens': True})
     assert fake.prompts == [[bos] + words, words, words, rendered, [bos] + rendered]
+    # truncate_prompt_tokens keeps the BOS and cuts the text's tokens, as vLLM does.
+    assert hf.special_tokens_around('w1 w2') == (1, 0)
+    client.completions.create(model='fake', prompt='w1 w2 w1', max_tokens=1,
+                              extra_body={'truncate_prompt_tokens': 2})
+    client.completions.create(model='fake', prompt=[bos] + words, max_tokens=1,
+                              extra_body={'truncate_prompt_tokens': 2})   # ids: the last 2
+    assert fake.prompts[-2:] == [[bos, words[0]], words]
     tokenize = lambda **body: httpx.post(url + '/tokenize', json=body).json()['tokens']  # noqa
     assert tokenize(prompt='w1 w2') == [bos] + words
     assert tokenize(prompt='w1 w2', add_special_tokens=False) == words

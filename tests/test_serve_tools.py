@@ -210,6 +210,12 @@ LLAMA_CASES = [   # text, content, calls
     ('{"name": "f", "parameters": {}}; {"name": "g", "param', '{"name": "g", "param',
      [('f', '{}')]),                                          # cut short
     ('<|python_', '<|python_', []),
+    # Text around and between objects is content, as written (but separators).
+    ('{"answer": 1}\nSo {x} is it.', '{"answer": 1}\nSo {x} is it.', []),
+    ('<|python_tag|>Sure: {"name": "f", "parameters": {}} ; {"name": "g", "parameters": {}}',
+     'Sure: ', [('f', '{}'), ('g', '{}')]),
+    ('{"name": "f", "parameters": {}}} {"name": "g", "arguments": {}}', '} ',   # stray "}"
+     [('f', '{}'), ('g', '{}')]),
 ]
 
 

@@ -31,6 +31,10 @@ class ByteTokenizer:
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
     return [self.encode(t) for t in texts]
 
+  def special_tokens_around(self, text: str) -> tuple[int, int]:
+    del text
+    return 0, 0   # none added
+
   def decode(self, ids, skip_special_tokens: bool = True) -> str:
     del skip_special_tokens   # eos has no text
     ids = np.asarray(ids).reshape(-1)
@@ -79,6 +83,17 @@ class HFTokenizer:
     # served completion prompt wants them (a Llama's BOS), as transformers and vLLM add.
     ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
     return np.asarray(ids, np.int32)
+
+  def special_tokens_around(self, text: str) -> tuple[int, int]:
+    """How many special tokens encode(text, add_special_tokens=True) puts before and
+    after the text's own (a Llama's BOS: (1, 0))."""
+    bare = self.encode(text).tolist()
+    full = self.encode(text, add_special_tokens=True).tolist()
+    extra = len(full) - len(bare)
+    for pre in range(max(extra, 0) + 1):
+      if full[pre:pre + len(bare)] == bare:
+        return pre, extra - pre
+    return 0, 0
 
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
     encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
