@@ -38,9 +38,10 @@ def pytest_configure(config):
   flags.FLAGS.mark_as_parsed()
 
 
-# The files that take longest (about 11, 4 and 2.5 minutes of one core of the ~28 the
-# suite's tests take with a warm compilation cache): run first, so that `-n 2 --dist loadfile`, which hands each worker whole
-# files in collection order, does not end on one worker running a long file alone.
+# The files that take longest (from a cold cache about 10, 2.5, 2 and 2.5 minutes of one
+# core of the ~37 the suite's tests take): run first, so that `-n 2 --dist loadfile`, which
+# hands each worker whole files in collection order, does not end on one worker running a
+# long file alone.
 LONGEST_FIRST = ('test_flash_attention_mgpu.py', 'test_planner.py', 'test_readme.py',
                  'test_fault_tolerance.py', 'test_benchmarks.py')
 
