@@ -33,7 +33,7 @@ from serve.hf_llama import with_dtype
 from serve.kv_cache_manager import KVCacheManager
 from serve.model_runner import ModelRunner, RunnerConfig, seq_bucket, token_buckets
 from serve.request import Request, RequestStatus
-from serve.sampling_params import MAX_LOGPROBS, SamplingParams
+from serve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from serve.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from sharding.mesh import MeshConfig, make_mesh
 
@@ -201,7 +201,8 @@ def bad_word_ids(tokenizer, words: list[str]) -> list[list[int]]:
     alone = tokenizer.encode(word.lstrip()).tolist()
     spaced = tokenizer.encode(' ' + word.lstrip()).tolist()
     if not alone:
-      raise ValueError(f'bad_words: {word!r} is no token of this tokenizer; leave it out.')
+      raise SamplingParamsError('bad_words', f'{word!r} is no token of this tokenizer; leave '
+                                'it out')
     out.append(alone)
     if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
       out.append(spaced)

@@ -8,10 +8,9 @@ the model's chat template), plus sampling fields by their OpenAI and vLLM names 
 SamplingParams field: max_tokens, temperature, top_p, top_k, min_p, seed, stop,
 stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, logprobs, the
 penalties, logit_bias, allowed_token_ids, bad_words, skip_special_tokens, guided_regex,
-truncate_prompt_tokens;
-response_format, guided_json and guided_choice for
-structured output; those left out take the model's generation_config.json defaults) and
-an optional `id` copied to the output. Output lines come in input order. A bad line stops
+truncate_prompt_tokens; response_format, guided_json and guided_choice for structured
+output; those left out take the model's generation_config.json defaults) and an optional
+`id` copied to the output. Output lines come in input order. A bad line stops
 the run before any generation, with one line naming the line and the field (exit status
 2).
 """
@@ -24,6 +23,7 @@ import sys
 from rich import progress
 
 from serve import config as config_lib
+from serve.engine import bad_word_ids
 from serve.sampling_params import (SamplingParams, SamplingParamsError, from_openai,
                                    guided_field, truncate_prompt)
 
@@ -95,6 +95,7 @@ def prepare(job: Job, served, engine, path: str) -> None:
                 if k not in (*PROMPT_KEYS, 'id', 'truncate_prompt_tokens')}
     job.params = from_openai(sampling, engine.vocab_size, chat='messages' in body,
                              defaults=served.sampling_defaults)
+    bad_word_ids(served.tokenizer, job.params.bad_words)   # each spells some token
     engine.check_prompt(job.prompt_ids, job.params)
     if job.params.guided_regex is not None:
       try:

@@ -403,7 +403,7 @@ def _submit(state: ServerState, prompts: list[list[int]], params: list,
     raise ApiError(503, str(e), type_='server_error', code='shutting_down') from None
   except ValueError as e:   # the engine refusing a request that can never fit
     _abort(state, reqs)
-    raise ApiError(400, str(e)) from None
+    raise ApiError(400, str(e), param=getattr(e, 'param', None)) from None
   return reqs
 
 
