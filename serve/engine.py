@@ -412,12 +412,16 @@ class Engine:
 
   def _warmup_sampler(self, logits: dict) -> None:
     # The runner's logits are [bucket, V] cut to the n sampled rows outside jit, and the
-    # sampler pads them back: both small ops compile once per (bucket, n).
+    # sampler pads them back: both small ops compile once per (bucket, n). Structured
+    # output's variant (the allowed-token bits) too, greedy and sampled.
     modes = (SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_p=0.9))
+    every = sampler.pack_bits(range(self.vocab_size), self.vocab_size)
     for s, full in logits.items():
       for n in range(1, s + 1):
         for params in modes:
           self.sampler(full[:n], [params] * n, [0] * n, self.vocab_size)
+        for params in modes[:2]:
+          self.sampler(full[:n], [params] * n, [0] * n, self.vocab_size, allowed=[every] * n)
 
   # ---------------------------------------------------------------- public API
 

@@ -545,6 +545,20 @@ def test_warmup_with_token_buckets_past_the_context(varied, prompts, reference):
     assert ids(eng.generate(prompts[:2], GREEDY)) == reference[:2]
 
 
+def test_warmup_compiles_the_structured_output_sampler_too(varied, prompts):
+  """After warm-up, greedy and sampled structured output compile no sampler program."""
+  from serve import sampler  # pylint: disable=import-outside-toplevel
+  sampler._sample_rows.clear_cache()   # what earlier tests compiled must not hide a gap
+  cfg = ServeConfig(num_blocks=40, max_num_seqs=2, max_num_batched_tokens=32, warmup=True)
+  with Engine(varied, cfg) as eng:
+    compiled = sampler._sample_rows._cache_size()  # pylint: disable=protected-access
+    guided = SamplingParams(max_tokens=4, guided_regex='(yes|no)')
+    got = eng.generate(prompts[:2], [dataclasses.replace(guided, temperature=0.0),
+                                     dataclasses.replace(guided, seed=1)])
+    assert all(r.text in ('yes', 'no') for r in got)
+    assert sampler._sample_rows._cache_size() == compiled  # pylint: disable=protected-access
+
+
 def test_generate_with_a_refused_prompt_leaves_nothing_running(engine, prompts):
   """The prompts queued before a refused one are aborted, not left to run unread."""
   before = engine.stats()
