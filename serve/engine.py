@@ -74,6 +74,7 @@ class TokenLogprob:
   token_id: int
   logprob: float
   top: list[tuple[int, float]] | None   # the top N (token id, logprob) when asked
+  rank: int | None = None   # a prompt token's: 1 + the tokens the model found likelier
 
 
 @dataclasses.dataclass
@@ -705,7 +706,7 @@ class Engine:
   def _gather_prompt_logprobs(self, out, targets, scores) -> None:
     """Appends each scored chunk's entries to its request, in prompt order (its scored
     rows are consecutive positions from the first it lacks: _prompt_targets)."""
-    target, top = jax.device_get(scores)
+    target, rank, top = jax.device_get(scores)
     row = 0
     for c, want in zip(out.chunks, targets):
       if want is not None:
@@ -714,7 +715,8 @@ class Engine:
         for k in np.flatnonzero(want >= 0) + row:
           pairs = ([(int(i), float(v)) for i, v in zip(top[1][k, :count], top[0][k, :count])]
                    if count else [])
-          t.prompt_logprobs.append(TokenLogprob(int(want[k - row]), float(target[k]), pairs))
+          t.prompt_logprobs.append(TokenLogprob(int(want[k - row]), float(target[k]), pairs,
+                                                int(rank[k])))
       row += len(c.token_ids)
 
   def _emit(self, tokens: dict, logprobs: dict, finished) -> None:

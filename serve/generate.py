@@ -8,7 +8,7 @@ the model's chat template), plus sampling fields by their OpenAI and vLLM names 
 SamplingParams field: max_tokens, temperature, top_p, top_k, min_p, seed, stop,
 stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, logprobs, the
 penalties, logit_bias, allowed_token_ids, bad_words, skip_special_tokens, guided_regex,
-truncate_prompt_tokens; response_format, guided_json and guided_choice for structured
+prompt_logprobs, truncate_prompt_tokens; response_format, guided_json and guided_choice for structured
 output; those left out take the model's generation_config.json defaults) and an optional
 `id` copied to the output. Output lines come in input order. A bad line stops
 the run before any generation, with one line naming the line and the field (exit status
@@ -135,6 +135,8 @@ def result_line(job: Job, result) -> dict:
              num_output_tokens=len(result.token_ids))
   if result.logprobs is not None:
     out['logprobs'] = [dataclasses.asdict(lp) for lp in result.logprobs]
+  if result.prompt_logprobs is not None:   # [None, then one per prompt token after the first]
+    out['prompt_logprobs'] = [lp and dataclasses.asdict(lp) for lp in result.prompt_logprobs]
   if result.error:
     out['error'] = result.error
   return out

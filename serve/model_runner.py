@@ -108,8 +108,9 @@ class StepResult(NamedTuple):
   """One step's sampled rows, on the device: logits [S, vocab] (rows past num_sampled are
   padding) and each row's greedy token [S] (argmax over the first `vocab_size` ids, as
   the sampler's greedy rows take it), so an all-greedy step needs no sampler. With
-  targets (`step`), `scores` is (log p of each token's target [T], and the top_n
-  (log p [T, n], ids [T, n]) or None) over the batch's token rows."""
+  targets (`step`), `scores` is (log p of each token's target [T], its rank [T] (1 + the
+  tokens more likely), and the top_n (log p [T, n], ids [T, n]) or None) over the batch's
+  token rows."""
   logits: jax.Array
   greedy: jax.Array
   num_sampled: int
@@ -198,11 +199,12 @@ class ModelRunner:
       h, t = args
       logp = jax.nn.log_softmax(model_logits(params, h, cfg, self.plan)[0, :, :vocab], -1)
       target = jnp.take_along_axis(logp, jnp.maximum(t, 0)[:, None], axis=1)[:, 0]
-      return target, (jax.lax.top_k(logp, top_n) if top_n else None)
+      rank = 1 + jnp.sum(logp > target[:, None], axis=1, dtype=jnp.int32)
+      return target, rank, (jax.lax.top_k(logp, top_n) if top_n else None)
 
-    target, top = jax.lax.map(score, (h, t))
+    target, rank, top = jax.lax.map(score, (h, t))
     flat = lambda x: x.reshape(slices * size, *x.shape[2:])[:rows]  # noqa: E731
-    return logits, greedy, cache, (flat(target), top and jax.tree.map(flat, top))
+    return logits, greedy, cache, (flat(target), flat(rank), top and jax.tree.map(flat, top))
 
   @property
   def num_compiles(self) -> int:

@@ -207,7 +207,7 @@ def _logit_bias(bias) -> dict:
 # server takes n itself, a request per choice; the batch CLI wants one completion a line.
 # Prompt logprobs come with completions' echo and logprobs, in OpenAI's shape.
 _UNSUPPORTED = {
-    'n': (1,), 'best_of': (1,), 'prompt_logprobs': (), 'use_beam_search': (False,),
+    'n': (1,), 'best_of': (1,), 'use_beam_search': (False,),
     'guided_grammar': (), 'structured_outputs': (), 'logits_processors': (),
 }
 _UNSUPPORTED_CHAT = {   # with no tools, tool_choice 'none' and 'auto' both mean plain text
@@ -223,7 +223,6 @@ _HINTS = {
     'functions': 'send "tools" to the HTTP server (python -m serve)',
     'chat_template_kwargs': 'the HTTP server (python -m serve) takes them',
     'chat_template': 'the server renders with its model\'s template (or --chat-template)',
-    'prompt_logprobs': 'completions with "echo": true and "logprobs" give the prompt\'s',
 }
 
 
@@ -261,7 +260,8 @@ def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
       repetition_penalty=get('repetition_penalty', 1.0),
       logit_bias=_logit_bias(get('logit_bias', {})), guided_regex=_guided_regex(body),
       skip_special_tokens=get('skip_special_tokens', True),
-      allowed_token_ids=body.get('allowed_token_ids'), bad_words=get('bad_words', []))
+      allowed_token_ids=body.get('allowed_token_ids'), bad_words=get('bad_words', []),
+      prompt_logprobs=body.get('prompt_logprobs'))
   params.validate(vocab_size)
   return params
 

@@ -121,7 +121,9 @@ class _Req:
   counts_prompt: bool = True  # the first of its prompt's n choices (usage counts it once)
   echo: str | None = None     # completions' echo: the prompt text, sent before the output
   prompt_only: bool = False   # echo with max_tokens 0: the one token generated is dropped
+  vllm_prompt_logprobs: bool = False   # vLLM's prompt_logprobs asked for: in the answer
   prompt_logprobs: list | None = None
+  first: '_Req | None' = None    # its prompt's first choice, which scores the prompt
   tools: tools_lib.ToolChoice | None = None   # chat's tools, and a parser of the output
   tool_parser: object = None
   text: str = ''
@@ -344,6 +346,13 @@ def _sampling_params(state: ServerState, body: dict, prompt_len: int, chat: bool
     params = sp_lib.from_openai(fields, state.vocab_size, chat=chat,
                                 default_max_tokens=default,
                                 defaults=state.served.sampling_defaults)
+    if params.prompt_logprobs is not None:   # vLLM's field
+      if body.get('stream'):
+        raise ApiError(400, 'prompt_logprobs: not available with "stream": true (as in '
+                       'vLLM); ask without streaming.', param='prompt_logprobs')
+      if body.get('echo') and params.logprobs is not None:
+        raise ApiError(400, 'prompt_logprobs: give either it (vLLM\'s) or "echo" with '
+                       '"logprobs" (OpenAI\'s), not both.', param='prompt_logprobs')
     if body.get('echo') and not chat and params.logprobs is not None:
       params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     if _prompt_only(body, chat):   # the dropped token: greedy, and nothing can stop it
@@ -373,12 +382,13 @@ def _prompt_only(body: dict, chat: bool) -> bool:
 # --- the engine side of a request ---
 
 def _submit(state: ServerState, prompts: list[list[int]], params: list,
-            n: int | None = 1) -> list[_Req]:
+            n: int | None = 1, score_once: bool = False) -> list[_Req]:
   """Adds n requests per prompt to the engine, or none at all (429 when the queue is full).
 
   A prompt's n choices are independent requests; with a seed, choice j samples with
   seed + j, as vLLM's parallel sampling does, so the n differ and each can be reproduced
-  alone."""
+  alone. score_once: only the first choice computes the prompt's logprobs (the others
+  read them from it: `_prompt_scores`)."""
   base, n = uuid.uuid4().hex, n or 1
   limit = state.engine.max_waiting_requests
   if len(prompts) * n > limit:
@@ -390,9 +400,12 @@ def _submit(state: ServerState, prompts: list[list[int]], params: list,
     for i, (ids, p) in enumerate(zip(prompts, params)):
       for j in range(n):
         child = p if p.seed is None else dataclasses.replace(p, seed=p.seed + j)
+        if j and score_once:
+          child = dataclasses.replace(child, prompt_logprobs=None)
         rid = f'{base}-{i * n + j}'
         stream = state.engine.add_request(ids, child, request_id=rid)
         reqs.append(_Req(rid, i * n + j, ids, stream, counts_prompt=j == 0))
+        reqs[-1].first = reqs[-1] if j == 0 else reqs[-1 - j]
         state.active[rid] = reqs[-1]
   except QueueFull as e:
     _abort(state, reqs)
@@ -621,10 +634,30 @@ async def _events(state, reqs, body, meta, choice_fn):
   yield 'data: [DONE]\n\n'
 
 
+def _prompt_scores(r: _Req) -> list:
+  """The prompt's logprob entries ([None] + one per token after the first), from the
+  choice that computed them."""
+  return r.prompt_logprobs or r.first.prompt_logprobs or [None]
+
+
 def _echo_entries(r: _Req) -> list:
   """The echoed prompt's logprob entries: its first token has none."""
   first = [(r.prompt_ids[0], None, None)]
-  return first + [(e.token_id, e.logprob, e.top) for e in (r.prompt_logprobs or [None])[1:]]
+  return first + [(e.token_id, e.logprob, e.top) for e in _prompt_scores(r)[1:]]
+
+
+def _vllm_prompt_logprobs(tokenizer, r: _Req) -> list:
+  """vLLM's prompt_logprobs: None for the first token, then per token {id: {logprob,
+  rank, decoded_token}} for the prompt's own token and the top N."""
+  out = [None]
+  for e in _prompt_scores(r)[1:]:
+    item = {str(e.token_id): {'logprob': e.logprob, 'rank': e.rank,
+                              'decoded_token': _token_text(tokenizer, e.token_id)}}
+    for rank, (token, logprob) in enumerate(e.top or (), 1):
+      item.setdefault(str(token), {'logprob': logprob, 'rank': rank,
+                                   'decoded_token': _token_text(tokenizer, token)})
+    out.append(item)
+  return out
 
 
 def _completion_events(state, reqs, body: CompletionBody, want_logprobs: bool):
@@ -654,7 +687,9 @@ def _completion_json(state, reqs, want_logprobs: bool) -> dict:
 
   choices = [{'index': r.index, 'text': (r.echo or '') + r.text,
               'finish_reason': r.finish_reason,
-              'logprobs': logprobs(r) if want_logprobs else None} for r in reqs]
+              'logprobs': logprobs(r) if want_logprobs else None,
+              **({'prompt_logprobs': _vllm_prompt_logprobs(tokenizer, r)}
+                 if r.vllm_prompt_logprobs else {})} for r in reqs]
   return {**_meta('text_completion', state), 'choices': choices, 'usage': _usage(reqs)}
 
 
@@ -713,7 +748,10 @@ def _chat_json(state, reqs, want_logprobs: bool) -> dict:
               'finish_reason': _chat_finish_reason(r),
               'logprobs': (_chat_logprobs(state.served.tokenizer, r.logprobs)
                            if want_logprobs else None)} for r in reqs]
-  return {**_meta('chat.completion', state), 'choices': choices, 'usage': _usage(reqs)}
+  scores = reqs[0].first.prompt_logprobs is not None   # vLLM's prompt_logprobs (top level)
+  return {**_meta('chat.completion', state), 'choices': choices, 'usage': _usage(reqs),
+          **({'prompt_logprobs': _vllm_prompt_logprobs(state.served.tokenizer, reqs[0])}
+             if scores else {})}
 
 
 async def _compile_guided(state: ServerState, body: dict, params,
@@ -749,8 +787,9 @@ async def _completions(state: ServerState, request: fastapi.Request):
   prompts, texts = _completion_prompts(state, body)
   params = [_sampling_params(state, raw, len(p), chat=False) for p in prompts]
   await _compile_guided(state, raw, params[0])
-  reqs = _submit(state, prompts, params, body.n)
+  reqs = _submit(state, prompts, params, body.n, score_once=not body.stream)
   for r in reqs:
+    r.vllm_prompt_logprobs = raw.get('prompt_logprobs') is not None
     if body.echo:
       r.echo = texts[r.index // (body.n or 1)]
       r.prompt_only = _prompt_only(raw, chat=False)
@@ -767,7 +806,7 @@ async def _chat(state: ServerState, request: fastapi.Request):
   params = _sampling_params(state, fields, len(prompt), chat=True)
   await _compile_guided(state, fields, params,
                         'tools' if tools is not None and tools.schema() else None)
-  reqs = _submit(state, [prompt], [params], body.n)
+  reqs = _submit(state, [prompt], [params], body.n, score_once=True)
   for r in reqs:
     r.tools = tools
     r.tool_parser = tools.parser() if tools else None

@@ -368,6 +368,11 @@ def test_prompt_logprobs_equal_the_training_forwards_over_chunks_and_cached_pref
     assert [e.token_id for e in entries[1:]] == prompt[1:]
     want = logp[np.arange(len(prompt) - 1), prompt[1:]]
     np.testing.assert_allclose([e.logprob for e in entries[1:]], want, atol=2e-4)
+    # rank: 1 + the tokens likelier than the prompt's (ties within float error aside)
+    above = (logp[:len(prompt) - 1] > want[:, None] + 1e-4).sum(1) + 1
+    within = (logp[:len(prompt) - 1] > want[:, None] - 1e-4).sum(1)
+    ranks = np.array([e.rank for e in entries[1:]])
+    assert np.all((above <= ranks) & (ranks <= within)) and len(set(ranks)) > 3, ranks
     for q, e in enumerate(entries[1:]):
       assert len(e.top) == ask.prompt_logprobs
       n = ask.prompt_logprobs
@@ -615,6 +620,7 @@ def test_generate_cli_writes_results_in_input_order(tiny_workdir, tiny_served, p
   # Lengths 6, 5, ..., 1 in input order: the output order shows in the lengths too.
   lines = [{'prompt_token_ids': p, 'max_tokens': 6 - i, 'temperature': 0,
             'ignore_eos': True, 'id': f'p{i}'} for i, p in enumerate(prompts[:6])]
+  lines[1]['prompt_logprobs'] = 1
   lines.append({'prompt': 'zz def ', 'max_tokens': 4, 'temperature': 0, 'ignore_eos': True,
                 'truncate_prompt_tokens': 4})   # 'def '
   (tmp_path / 'in.jsonl').write_text(''.join(json.dumps(l) + '\n' for l in lines))
@@ -628,6 +634,10 @@ def test_generate_cli_writes_results_in_input_order(tiny_workdir, tiny_served, p
   assert [o['text'] for o in out] == [tiny_served.tokenizer.decode(e) for e in expected]
   assert all(o['finish_reason'] == 'length' for o in out)
   assert out[-1]['num_prompt_tokens'] == 4   # 'zz def ' cut to 'def '
+  scored = out[1]['prompt_logprobs']   # the engine's entries, as JSON
+  assert scored[0] is None and [e['token_id'] for e in scored[1:]] == prompts[1][1:]
+  assert all(len(e['top']) == 1 and e['rank'] >= 1 for e in scored[1:])
+  assert 'prompt_logprobs' not in out[0]
 
 
 @pytest.mark.parametrize('line, message', [

@@ -354,7 +354,11 @@ BAD_INPUTS = [
     ('/v1/completions', {'prompt': 'hi', 'best_of': 3}, 'best_of', 'best_of'),
     ('/v1/completions', {'prompt': 'hi', 'max_tokens': 0, 'echo': False}, 'max_tokens',
      'max_tokens'),
-    ('/v1/completions', {'prompt': 'hi', 'prompt_logprobs': 1}, 'prompt_logprobs',
+    ('/v1/completions', {'prompt': 'hi', 'prompt_logprobs': 1, 'stream': True},
+     'not available with "stream": true', 'prompt_logprobs'),
+    ('/v1/completions', {'prompt': 'hi', 'prompt_logprobs': 1, 'echo': True, 'logprobs': 1},
+     'not both', 'prompt_logprobs'),
+    ('/v1/completions', {'prompt': 'hi', 'prompt_logprobs': 21}, 'prompt_logprobs',
      'prompt_logprobs'),
     ('/v1/chat/completions', {'messages': [{'role': 'user', 'content': 'hi'}],
                               'response_format': {'type': 'xml'}},
@@ -795,6 +799,28 @@ def test_echo_scores_the_prompt_as_the_training_forward_does(real_server, real_e
       [choice.text] * 2 + [bytes(prompt[:5]).decode()] * 2)
   np.testing.assert_allclose(many.choices[3].logprobs.token_logprobs[1:], want[:4], atol=2e-4)
   assert all(c.finish_reason == 'length' for c in many.choices)
+  # vLLM's prompt_logprobs (n=2: one choice scores the prompt, both carry it), and chat's
+  # at the top level
+  rows = full[np.arange(len(prompt) - 1)]   # rank: 1 + the likelier tokens, within float error
+  above, within = ((rows > want[:, None] + 1e-4).sum(1) + 1, (rows > want[:, None] - 1e-4).sum(1))
+  scored = httpx.post(real_server.url + '/v1/completions', json={
+      'prompt': prompt, 'max_tokens': 1, 'prompt_logprobs': 2, 'n': 2}).json()
+  for c in scored['choices']:
+    entries = c['prompt_logprobs']
+    assert entries[0] is None and len(entries) == len(prompt)
+    for q, (token, item) in enumerate(zip(prompt[1:], entries[1:])):
+      own = item[str(token)]
+      assert own['decoded_token'] == chr(token) and above[q] <= own['rank'] <= within[q]
+      np.testing.assert_allclose(own['logprob'], want[q], atol=2e-4)
+      top = np.argsort(-full[q])[:2]
+      assert all(item[str(t)]['rank'] == r for r, t in enumerate(top, 1))
+      assert set(item) == {str(token), *map(str, top)}
+  chat = httpx.post(real_server.url + '/v1/chat/completions', json={
+      'messages': [{'role': 'user', 'content': 'hi'}], 'max_tokens': 1,
+      'prompt_logprobs': 0}).json()
+  assert chat['prompt_logprobs'][0] is None
+  assert len(chat['prompt_logprobs']) == chat['usage']['prompt_tokens']
+  assert all(len(item) == 1 for item in chat['prompt_logprobs'][1:])
   # echo with a completion: the prompt text, then what the same request without it gives
   plain = client.completions.create(model='tiny', prompt='def ', max_tokens=4, temperature=0)
   echoed = client.completions.create(model='tiny', prompt='def ', max_tokens=4,
