@@ -74,7 +74,7 @@ class TokenLogprob:
   token_id: int
   logprob: float
   top: list[tuple[int, float]] | None   # the top N (token id, logprob) when asked
-  rank: int | None = None   # a prompt token's: 1 + the tokens the model found likelier
+  rank: int | None = None   # a prompt token's: the tokens at least as likely, it included
 
 
 @dataclasses.dataclass
@@ -203,7 +203,7 @@ def bad_word_ids(tokenizer, words: list[str]) -> list[list[int]]:
     spaced = tokenizer.encode(' ' + word.lstrip()).tolist()
     if not alone:
       raise SamplingParamsError('bad_words', f'{word!r} is no token of this tokenizer; leave '
-                                'it out')
+                                'it out.')
     out.append(alone)
     if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
       out.append(spaced)
@@ -413,16 +413,20 @@ class Engine:
 
   def _warmup_sampler(self, logits: dict) -> None:
     # The runner's logits are [bucket, V] cut to the n sampled rows outside jit, and the
-    # sampler pads them back: both small ops compile once per (bucket, n). Structured
-    # output's variant (the allowed-token bits) too, greedy and sampled.
-    modes = (SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_p=0.9))
+    # sampler pads them back: both small ops compile once per (bucket, n). Each mode
+    # plain and with structured output's allowed-token bits; the model's own sampling
+    # defaults (generation_config.json) are a mode too (a repetition_penalty among them
+    # warms its shortest history width only: penalties compile per width).
+    modes = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_p=0.9)]
+    if self.served.sampling_defaults:
+      modes.append(SamplingParams(**self.served.sampling_defaults))
     every = sampler.pack_bits(range(self.vocab_size), self.vocab_size)
     for s, full in logits.items():
       for n in range(1, s + 1):
         for params in modes:
-          self.sampler(full[:n], [params] * n, [0] * n, self.vocab_size)
-        for params in modes[:2]:
-          self.sampler(full[:n], [params] * n, [0] * n, self.vocab_size, allowed=[every] * n)
+          for allowed in (None, [every] * n):
+            self.sampler(full[:n], [params] * n, [0] * n, self.vocab_size,
+                         history=[([0], [])] * n, allowed=allowed)
 
   # ---------------------------------------------------------------- public API
 

@@ -10,9 +10,8 @@ stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, logprobs, th
 penalties, logit_bias, allowed_token_ids, bad_words, skip_special_tokens, guided_regex,
 prompt_logprobs, truncate_prompt_tokens; response_format, guided_json and guided_choice for structured
 output; those left out take the model's generation_config.json defaults) and an optional
-`id` copied to the output. Output lines come in input order. A bad line stops
-the run before any generation, with one line naming the line and the field (exit status
-2).
+`id` copied to the output. Output lines come in input order. A bad line stops the run
+before any generation, with one line naming the line and the field (exit status 2).
 """
 
 import argparse
@@ -128,15 +127,24 @@ def _prompt_ids(body: dict, served) -> list[int]:
   return served.tokenizer.encode(body['prompt'], add_special_tokens=True).tolist()
 
 
+def _entry(lp) -> dict:
+  """A TokenLogprob as JSON: token_id, logprob, top [[id, logprob], ...], and rank where
+  known (prompt tokens)."""
+  out = dataclasses.asdict(lp)
+  if out['rank'] is None:
+    del out['rank']
+  return out
+
+
 def result_line(job: Job, result) -> dict:
   out = {'id': job.body['id']} if 'id' in job.body else {}
   out.update(index=job.line, text=result.text, token_ids=result.token_ids,
              finish_reason=result.finish_reason, num_prompt_tokens=len(job.prompt_ids),
              num_output_tokens=len(result.token_ids))
   if result.logprobs is not None:
-    out['logprobs'] = [dataclasses.asdict(lp) for lp in result.logprobs]
+    out['logprobs'] = [_entry(lp) for lp in result.logprobs]
   if result.prompt_logprobs is not None:   # [None, then one per prompt token after the first]
-    out['prompt_logprobs'] = [lp and dataclasses.asdict(lp) for lp in result.prompt_logprobs]
+    out['prompt_logprobs'] = [lp and _entry(lp) for lp in result.prompt_logprobs]
   if result.error:
     out['error'] = result.error
   return out

@@ -108,8 +108,8 @@ class StepResult(NamedTuple):
   """One step's sampled rows, on the device: logits [S, vocab] (rows past num_sampled are
   padding) and each row's greedy token [S] (argmax over the first `vocab_size` ids, as
   the sampler's greedy rows take it), so an all-greedy step needs no sampler. With
-  targets (`step`), `scores` is (log p of each token's target [T], its rank [T] (1 + the
-  tokens more likely), and the top_n (log p [T, n], ids [T, n]) or None) over the batch's
+  targets (`step`), `scores` is (log p of each token's target [T], its rank [T] (the
+  tokens at least as likely, itself included, as vLLM counts), and the top_n (log p [T, n], ids [T, n]) or None) over the batch's
   token rows."""
   logits: jax.Array
   greedy: jax.Array
@@ -199,7 +199,7 @@ class ModelRunner:
       h, t = args
       logp = jax.nn.log_softmax(model_logits(params, h, cfg, self.plan)[0, :, :vocab], -1)
       target = jnp.take_along_axis(logp, jnp.maximum(t, 0)[:, None], axis=1)[:, 0]
-      rank = 1 + jnp.sum(logp > target[:, None], axis=1, dtype=jnp.int32)
+      rank = jnp.sum(logp >= target[:, None], axis=1, dtype=jnp.int32)   # vLLM's (v1)
       return target, rank, (jax.lax.top_k(logp, top_n) if top_n else None)
 
     target, rank, top = jax.lax.map(score, (h, t))

@@ -205,7 +205,6 @@ def _logit_bias(bias) -> dict:
 # implemented here: refused unless absent, null or one of the values that ask for nothing
 # (the tuple), so a client never silently gets something other than it asked for. The
 # server takes n itself, a request per choice; the batch CLI wants one completion a line.
-# Prompt logprobs come with completions' echo and logprobs, in OpenAI's shape.
 _UNSUPPORTED = {
     'n': (1,), 'best_of': (1,), 'use_beam_search': (False,),
     'guided_grammar': (), 'structured_outputs': (), 'logits_processors': (),

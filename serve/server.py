@@ -12,6 +12,7 @@ while draining, and the metrics.
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import importlib.metadata
 import json
@@ -122,6 +123,7 @@ class _Req:
   echo: str | None = None     # completions' echo: the prompt text, sent before the output
   prompt_only: bool = False   # echo with max_tokens 0: the one token generated is dropped
   vllm_prompt_logprobs: bool = False   # vLLM's prompt_logprobs asked for: in the answer
+  vllm_json: list | None = None        # the first choice's: that answer, once built
   prompt_logprobs: list | None = None
   first: '_Req | None' = None    # its prompt's first choice, which scores the prompt
   tools: tools_lib.ToolChoice | None = None   # chat's tools, and a parser of the output
@@ -648,15 +650,20 @@ def _echo_entries(r: _Req) -> list:
 
 def _vllm_prompt_logprobs(tokenizer, r: _Req) -> list:
   """vLLM's prompt_logprobs: None for the first token, then per token {id: {logprob,
-  rank, decoded_token}} for the prompt's own token and the top N."""
+  rank, decoded_token}} for the prompt's own token and the top N. Built once per prompt
+  (its choices share it), each token decoded once."""
+  if r.first.vllm_json is not None:
+    return r.first.vllm_json
+  text = functools.lru_cache(maxsize=None)(lambda token: _token_text(tokenizer, token))
   out = [None]
   for e in _prompt_scores(r)[1:]:
     item = {str(e.token_id): {'logprob': e.logprob, 'rank': e.rank,
-                              'decoded_token': _token_text(tokenizer, e.token_id)}}
+                              'decoded_token': text(e.token_id)}}
     for rank, (token, logprob) in enumerate(e.top or (), 1):
       item.setdefault(str(token), {'logprob': logprob, 'rank': rank,
-                                   'decoded_token': _token_text(tokenizer, token)})
+                                   'decoded_token': text(token)})
     out.append(item)
+  r.first.vllm_json = out
   return out
 
 
@@ -748,10 +755,9 @@ def _chat_json(state, reqs, want_logprobs: bool) -> dict:
               'finish_reason': _chat_finish_reason(r),
               'logprobs': (_chat_logprobs(state.served.tokenizer, r.logprobs)
                            if want_logprobs else None)} for r in reqs]
-  scores = reqs[0].first.prompt_logprobs is not None   # vLLM's prompt_logprobs (top level)
   return {**_meta('chat.completion', state), 'choices': choices, 'usage': _usage(reqs),
           **({'prompt_logprobs': _vllm_prompt_logprobs(state.served.tokenizer, reqs[0])}
-             if scores else {})}
+             if reqs[0].vllm_prompt_logprobs else {})}   # vLLM's, at the top level
 
 
 async def _compile_guided(state: ServerState, body: dict, params,
@@ -808,6 +814,7 @@ async def _chat(state: ServerState, request: fastapi.Request):
                         'tools' if tools is not None and tools.schema() else None)
   reqs = _submit(state, [prompt], [params], body.n, score_once=True)
   for r in reqs:
+    r.vllm_prompt_logprobs = params.prompt_logprobs is not None
     r.tools = tools
     r.tool_parser = tools.parser() if tools else None
   return await _run(state, request, reqs, body, params.logprobs is not None,

@@ -20,7 +20,7 @@ import model
 from serve.config import ServeConfig
 from serve.engine import Engine, EngineClosed, QueueFull, bad_word_ids
 from serve.hf_llama import with_dtype
-from serve.sampling_params import SamplingParams
+from serve.sampling_params import SamplingParams, SamplingParamsError
 from tests.test_serve_sampler import np_adjusted
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -320,8 +320,9 @@ def test_bad_word_sequences_and_when_they_bar():
     def encode(self, text):
       del text
       return np.asarray([], int)
-  with pytest.raises(ValueError, match='bad_words'):
+  with pytest.raises(SamplingParamsError) as err:
     bad_word_ids(Empty(), ['x'])
+  assert err.value.param == 'bad_words'
 
 
 def test_guided_requests_refused_with_the_field(engine):
@@ -368,9 +369,9 @@ def test_prompt_logprobs_equal_the_training_forwards_over_chunks_and_cached_pref
     assert [e.token_id for e in entries[1:]] == prompt[1:]
     want = logp[np.arange(len(prompt) - 1), prompt[1:]]
     np.testing.assert_allclose([e.logprob for e in entries[1:]], want, atol=2e-4)
-    # rank: 1 + the tokens likelier than the prompt's (ties within float error aside)
-    above = (logp[:len(prompt) - 1] > want[:, None] + 1e-4).sum(1) + 1
-    within = (logp[:len(prompt) - 1] > want[:, None] - 1e-4).sum(1)
+    # rank: the tokens at least as likely as the prompt's (within float error)
+    above = (logp[:len(prompt) - 1] >= want[:, None] + 1e-4).sum(1) + 1
+    within = (logp[:len(prompt) - 1] >= want[:, None] - 1e-4).sum(1)
     ranks = np.array([e.rank for e in entries[1:]])
     assert np.all((above <= ranks) & (ranks <= within)) and len(set(ranks)) > 3, ranks
     for q, e in enumerate(entries[1:]):
@@ -551,16 +552,23 @@ def test_warmup_with_token_buckets_past_the_context(varied, prompts, reference):
 
 
 def test_warmup_compiles_the_structured_output_sampler_too(varied, prompts):
-  """After warm-up, greedy and sampled structured output compile no sampler program."""
+  """After warm-up, structured output (greedy, sampled, top_p, the model's sampling
+  defaults) and plain requests with those defaults compile no sampler program."""
   from serve import sampler  # pylint: disable=import-outside-toplevel
   sampler._sample_rows.clear_cache()   # what earlier tests compiled must not hide a gap
+  defaults = {'temperature': 0.6, 'top_p': 0.9, 'top_k': 20}
+  served = dataclasses.replace(varied, sampling_defaults=defaults)
   cfg = ServeConfig(num_blocks=40, max_num_seqs=2, max_num_batched_tokens=32, warmup=True)
-  with Engine(varied, cfg) as eng:
+  with Engine(served, cfg) as eng:
     compiled = sampler._sample_rows._cache_size()  # pylint: disable=protected-access
     guided = SamplingParams(max_tokens=4, guided_regex='(yes|no)')
-    got = eng.generate(prompts[:2], [dataclasses.replace(guided, temperature=0.0),
-                                     dataclasses.replace(guided, seed=1)])
-    assert all(r.text in ('yes', 'no') for r in got)
+    asks = [dataclasses.replace(guided, temperature=0.0), dataclasses.replace(guided, seed=1),
+            dataclasses.replace(guided, top_p=0.9, seed=2),
+            dataclasses.replace(guided, **defaults, seed=3)]
+    for ask in asks:   # each kind in batches of its own (a mix is a program of its own)
+      got = eng.generate(prompts[:2], ask)
+      assert all(r.text in ('yes', 'no') for r in got)
+    eng.generate(prompts[:2], SamplingParams(max_tokens=3, **defaults))
     assert sampler._sample_rows._cache_size() == compiled  # pylint: disable=protected-access
 
 

@@ -270,6 +270,24 @@ def test_n_choices_per_prompt_with_seeds_and_usage(fake_server, fake):
   assert fake.held == 0
 
 
+def test_a_prompts_n_choices_score_it_once_unless_streamed(fake_server, fake):
+  """prompt_logprobs (or echo's logprobs) with n=3: only the first choice asks the engine
+  for the prompt's logprobs; streamed echo needs each choice's own."""
+  httpx.post(fake_server.url + '/v1/completions', json={
+      'prompt': ['ab', 'cd'], 'max_tokens': 1, 'n': 3, 'prompt_logprobs': 1}).raise_for_status()
+  assert [p.prompt_logprobs for p in fake.params] == [1, None, None] * 2
+  httpx.post(fake_server.url + '/v1/chat/completions', json={
+      'messages': [{'role': 'user', 'content': 'hi'}], 'max_tokens': 1, 'n': 2,
+      'prompt_logprobs': 0}).raise_for_status()
+  assert [p.prompt_logprobs for p in fake.params[-2:]] == [0, None]
+  list(_client(fake_server).completions.create(model='fake', prompt='ab', max_tokens=1, n=2,
+                                               echo=True, logprobs=1, stream=True))
+  assert [p.prompt_logprobs for p in fake.params[-2:]] == [1, 1]
+  resp = httpx.post(fake_server.url + '/v1/chat/completions', json={
+      'messages': [{'role': 'user', 'content': 'hi'}], 'stream': True, 'prompt_logprobs': 0})
+  assert resp.status_code == 400 and resp.json()['error']['param'] == 'prompt_logprobs'
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(fake_server, fake):
   """vLLM's truncate_prompt_tokens: the engine gets the last k tokens, usage counts them,
   echo repeats them; the batch CLI's helper does the same; bad values are a 400."""
@@ -801,8 +819,9 @@ def test_echo_scores_the_prompt_as_the_training_forward_does(real_server, real_e
   assert all(c.finish_reason == 'length' for c in many.choices)
   # vLLM's prompt_logprobs (n=2: one choice scores the prompt, both carry it), and chat's
   # at the top level
-  rows = full[np.arange(len(prompt) - 1)]   # rank: 1 + the likelier tokens, within float error
-  above, within = ((rows > want[:, None] + 1e-4).sum(1) + 1, (rows > want[:, None] - 1e-4).sum(1))
+  rows = full[np.arange(len(prompt) - 1)]   # rank: the tokens at least as likely (float error)
+  above = (rows >= want[:, None] + 1e-4).sum(1) + 1
+  within = (rows >= want[:, None] - 1e-4).sum(1)
   scored = httpx.post(real_server.url + '/v1/completions', json={
       'prompt': prompt, 'max_tokens': 1, 'prompt_logprobs': 2, 'n': 2}).json()
   for c in scored['choices']:
