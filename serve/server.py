@@ -310,7 +310,7 @@ def _chat_text(state: ServerState, body: ChatBody | TokenizeBody, tools=None) ->
 
 def _chat_tools(state: ServerState, raw: dict):
   """The request's tools and tool_choice (None without), and the body from_openai reads:
-  a named function's or "required"'s schema as guided_json, tool fields dropped."""
+  a named function's or "required"'s expression as guided_regex, tool fields dropped."""
   try:
     tools = tools_lib.parse(raw, state.tool_parser)
   except sp_lib.SamplingParamsError as e:
@@ -318,8 +318,9 @@ def _chat_tools(state: ServerState, raw: dict):
   # chat_template_kwargs is read by _chat_text
   fields = {k: v for k, v in raw.items()
             if k not in (*tools_lib.FIELDS, 'chat_template_kwargs')}
-  if tools is not None and tools.schema() is not None:
-    fields['guided_json'] = tools.schema()
+  if tools is not None and tools.regex is not None:   # built from the schema once, in parse
+    fields['guided_regex'] = tools.regex
+    fields.pop('guided_whitespace_pattern', None)      # in it already
   if tools is not None and tools.mode == 'auto':
     # The parser reads the call tags, which a tokenizer may hold as special tokens: kept
     # in the text whatever the request says (as vLLM's Hermes parser sets it).
@@ -811,7 +812,7 @@ async def _chat(state: ServerState, request: fastapi.Request):
   prompt = _chat_prompt(state, body, tools)
   params = _sampling_params(state, fields, len(prompt), chat=True)
   await _compile_guided(state, fields, params,
-                        'tools' if tools is not None and tools.schema() else None)
+                        'tools' if tools is not None and tools.regex else None)
   reqs = _submit(state, [prompt], [params], body.n, score_once=True)
   for r in reqs:
     r.vllm_prompt_logprobs = params.prompt_logprobs is not None

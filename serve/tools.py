@@ -71,6 +71,8 @@ class ToolChoice:
   name: str | None = None   # the named function
   parallel: bool = True     # parallel_tool_calls
   auto_parser: str = 'hermes'   # how "auto" reads calls (PARSERS)
+  # 'named' and 'required': schema()'s regular expression, the output's guide (parse)
+  regex: str | None = None
 
   @property
   def template_tools(self) -> list[dict] | None:
@@ -170,10 +172,15 @@ def parse(body: dict, auto_parser: str | None) -> ToolChoice | None:
       raise SamplingParamsError(field, f'cannot be combined with tool_choice {choice!r}, '
                                 'which holds the output to the tools\' JSON schemas')
   out = ToolChoice(tuple(tools), mode, name, parallel is not False, auto_parser or 'hermes')
-  if out.schema() is not None:
-    from serve import guided  # pylint: disable=import-outside-toplevel
-    guided.json_schema_regex(out.schema(), 'tools')   # SamplingParamsError naming tools
-  return out
+  schema = out.schema()
+  if schema is None:
+    return out
+  space = body.get('guided_whitespace_pattern')
+  if space is not None and not isinstance(space, str):
+    raise SamplingParamsError('guided_whitespace_pattern', f'must be a regular expression, '
+                              f'got {space!r}')
+  from serve import guided  # pylint: disable=import-outside-toplevel
+  return dataclasses.replace(out, regex=guided.json_schema_regex(schema, 'tools', space))
 
 
 def _named_choice(choice: dict) -> str:
