@@ -33,14 +33,18 @@ TOKENS = 65_536
 
 
 def implementations(smoke: bool) -> dict:
-  impls = {'pallas': functools.partial(flash_attention, causal=True)}
+  """The timed implementations, cuDNN (the reference) first and XLA last: a run that
+  stops part way still has the ratios of what it timed."""
+  impls = {}
+  if not smoke:
+    impls['cudnn'] = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                       implementation='cudnn')
+  impls['pallas'] = functools.partial(flash_attention, causal=True, backend='triton')
   if not smoke:
     impls['pallas_mosaic'] = functools.partial(flash_attention, causal=True,
                                                backend='mosaic_gpu')
     impls['pallas_mosaic_fused'] = functools.partial(
         flash_attention, causal=True, backend='mosaic_gpu', backend_bwd='mosaic_gpu_fused')
-    impls['cudnn'] = functools.partial(jax.nn.dot_product_attention, is_causal=True,
-                                       implementation='cudnn')
   impls['xla'] = functools.partial(jax.nn.dot_product_attention, is_causal=True,
                                    implementation='xla')
   return impls
@@ -123,17 +127,19 @@ def add_ratios(rows):
       r['bwd_vs_cudnn'] = r['bwd_tflops'] / ref['bwd_tflops']
 
 
-def print_table(rows):
-  print(f"{'impl':20}{'T':>7}{'Hkv':>5}{'fwd TF/s':>10}{'bwd TF/s':>10}"
-        f"{'fwd/cuDNN':>11}{'bwd/cuDNN':>11}")
+def print_table(rows, header=True, flush=False):
+  if header:
+    print(f"{'impl':20}{'T':>7}{'Hkv':>5}{'fwd TF/s':>10}{'bwd TF/s':>10}"
+          f"{'fwd/cuDNN':>11}{'bwd/cuDNN':>11}")
   for r in rows:
     if 'error' in r:
-      print(f"{r['impl']:20}{r['seq_len']:>7}{r['kv_heads']:>5}  {r['error'][:60]}")
+      print(f"{r['impl']:20}{r['seq_len']:>7}{r['kv_heads']:>5}  {r['error'][:60]}",
+            flush=flush)
       continue
     ratios = ''.join(f"{r[k]:>11.2f}" if k in r else f"{'':>11}"
                      for k in ('fwd_vs_cudnn', 'bwd_vs_cudnn'))
     print(f"{r['impl']:20}{r['seq_len']:>7}{r['kv_heads']:>5}{r['fwd_tflops']:>10.1f}"
-          f"{r['bwd_tflops']:>10.1f}{ratios}")
+          f"{r['bwd_tflops']:>10.1f}{ratios}", flush=flush)
 
 
 DOC_LENS = (8192, 2048, 512)
@@ -194,6 +200,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--smoke', action='store_true', help='tiny CPU run; writes nothing')
   parser.add_argument('--iters', type=int, default=20)
+  parser.add_argument('--impls', default='',
+                      help='comma-separated implementations to time (default: all)')
   parser.add_argument('--tiles', action='store_true',
                       help='time our kernel under each tile choice in TILES (8K tokens)')
   parser.add_argument('--packed', action='store_true',
@@ -208,14 +216,27 @@ def main(argv=None):
   else:
     cases = [(TOKENS // t, t, 32, hkv) for t in (8192, 16384, 65536) for hkv in (32, 8)]
     d, dtype, iters = 128, jnp.bfloat16, args.iters
-  rows = []
-  for b, t, hq, hkv in cases:
-    rows += run_case(implementations(args.smoke), b, t, hq, hkv, d, dtype, iters)
+  impls = implementations(args.smoke)
+  if args.impls:
+    unknown = set(args.impls.split(',')) - set(impls)
+    if unknown:
+      parser.error(f'--impls: unknown {sorted(unknown)}; choose from {sorted(impls)}')
+    impls = {k: v for k, v in impls.items() if k in args.impls.split(',')}
+  # One implementation at a time over every shape, each row printed as it is measured and
+  # the JSON rewritten after each implementation: a kernel that crashes the process or a
+  # time limit that stops it leaves the rows before it.
+  rows, name = [], f'attention_{jax.devices()[0].device_kind.replace(" ", "_")}'
+  for impl, fn in impls.items():
+    for b, t, hq, hkv in cases:
+      rows += run_case({impl: fn}, b, t, hq, hkv, d, dtype, iters)
+      print_table(rows[-1:], header=False, flush=True)
+    if not args.smoke:
+      add_ratios(rows)
+      write_result(name, {'rows': rows})
   add_ratios(rows)
   print_table(rows)
   if not args.smoke:
-    print(write_result(f'attention_{jax.devices()[0].device_kind.replace(" ", "_")}',
-                       {'rows': rows}))
+    print(write_result(name, {'rows': rows}))
   return rows
 
 

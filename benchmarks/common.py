@@ -19,6 +19,7 @@ def environment() -> dict:
       'device_kind': device.device_kind, 'platform': device.platform,
       'device_count': jax.device_count(), 'jax_version': jax.__version__,
       'python': platform.python_version(), 'host_cpus': os.cpu_count(),
+      'xla_flags': os.environ.get('XLA_FLAGS', ''),
       'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
   }
 

@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # What a GPU session checks and measures for the kernels, run from the repository root by
-# the device tool; logs and JSON land in $OUT. The kernel stages (tests .. packed) need
-# only jax, numpy and pytest, which the GPU image has; planner and train_* import the
-# training stack (flax, optax, orbax, grain, ml_collections, rich, tensorboardX), which
-# `machine` lists as found or missing: the machine has no network to install them. The
-# image lacks grain, ml_collections and tensorboardX: run benchmarks/gpu_wheels.sh here
-# first and name .whl in the call's carry; the wheels found there are installed into
-# /tmp/site before the first stage.
+# the device tool; logs and JSON land in $OUT. The benchmark stages attention .. packed
+# need only jax and numpy, which the GPU image has; tests (the suite's conftest loads the
+# serving fixtures, which import training), planner and train_* import the training
+# stack (flax, optax, orbax, grain, ml_collections, rich, tensorboardX), which `machine`
+# lists as found or missing: the machine has no network to install them. The image lacks
+# grain, ml_collections and tensorboardX: run benchmarks/gpu_wheels.sh here first and
+# name .whl in every call's carry; the wheels found there are installed into /tmp/site
+# before the first stage. (Without them, on 2026-11-26, the tests stage stopped at
+# collection: "No module named 'grain'".)
+#
+# Measured on an H200 on 2026-11-26 (the first GPU session): machine ~10 s; test_gpu.py
+# alone 40 s with 8 workers; tests (both files, 4 workers) did not finish in 200 s;
+# attention (four implementations, no XLA) 150 s; paged_decode 40 s; paged_tiles 70 s;
+# train_64k (pallas with Triton kernels, then cudnn) 150 s; starting the machine ~30 s.
 # Stages, run in the order given (default: all of them):
 #
 #   machine       GPU, clocks, jax and jaxlib versions                          ~10 s
 #   tests         kernels compiled on the GPU against their references, and the
 #                 cuDNN path (tests/test_gpu.py, tests/test_flash_attention.py)  ~3 min
 #   attention     benchmarks.attention: Triton and Mosaic GPU kernels (two-kernel
-#                 and fused backward) vs cuDNN vs XLA, 8K/16K/64K               ~5 min
+#                 and fused backward) vs cuDNN, 8K/16K/64K (ATTENTION_IMPLS)   ~3 min
 #   tiles         benchmarks.attention --tiles: our tile choices at 8K          ~4 min
 #   paged_decode  benchmarks.paged_decode: 8x4K .. 256x8K vs copy bandwidth     ~1 min
 #   paged_tiles   benchmarks.paged_decode --tiles: the kernel's tile choices    ~1 min
@@ -69,9 +76,12 @@ stage() {  # stage NAME SECONDS COMMAND...: runs it with a limit, log in $OUT/NA
   echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.txt"
 }
 
-train() {  # train SEQ BATCH: gpt_64k's model, pallas then cudnn attention
+train() {  # train SEQ BATCH: gpt_64k's model, pallas (auto: Mosaic GPU on Hopper) then cudnn
   local seq=$1 batch=$2 impl
   for impl in pallas cudnn; do
+    # Command buffers off: the profile then times each kernel, not whole CUDA graphs (on,
+    # a 64K step was three opaque buffers). A step is seconds long: launches are noise.
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
     "$PY" -m benchmarks.train_throughput --config=gpt_64k.py --config.steps=6 --warmup=2 \
       --config.data.seq_len="$seq" --config.data.batch_size="$batch" \
       --config.optim.grad_accum=1 --config.model.attention_impl="$impl" --profile_steps=1 \
@@ -102,9 +112,13 @@ run_stage() {
     machine) stage machine 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,\
 clocks.max.sm,driver_version --format=csv; $PY -c 'import jax, jaxlib; print(\"jax\", \
 jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'; packages" ;;
-    tests) stage tests "${TEST_LIMIT:-480}" env MESHLM_TEST_GPU=1 "$PY" -m pytest -rs \
+    # Eight workers (compiling is most of it), each allocating as it goes, not 75% of the
+    # GPU; a test that hangs fails at 120 s instead of taking the stage's whole limit.
+    tests) stage tests "${TEST_LIMIT:-480}" env MESHLM_TEST_GPU=1 \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -rA -n 8 --timeout=120 \
       tests/test_gpu.py tests/test_flash_attention.py ;;
-    attention) stage attention "${ATTENTION_LIMIT:-420}" "$PY" -m benchmarks.attention ;;
+    attention) stage attention "${ATTENTION_LIMIT:-420}" "$PY" -m benchmarks.attention \
+      --impls="${ATTENTION_IMPLS:-cudnn,pallas,pallas_mosaic,pallas_mosaic_fused}" ;;
     tiles) stage tiles "${TILES_LIMIT:-480}" "$PY" -m benchmarks.attention --tiles ;;
     paged_decode) stage paged_decode "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode ;;
     paged_tiles) stage paged_tiles "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode \

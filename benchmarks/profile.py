@@ -12,6 +12,12 @@ inserts itself (no op_name) `copies XLA inserted`. Control flow (while,
 conditional, call) is left out: its body's ops are timed themselves. The summary gives
 seconds per step per scope and the ten most expensive ops, and names the three largest
 costs. train_throughput --profile_steps uses it; so does the GPU session (issue 16).
+
+On a GPU, XLA runs runs of kernels as command buffers (CUDA graphs), and the trace then
+times each buffer as one op that names no instruction: `command buffers` in the summary.
+Profile with XLA_FLAGS=--xla_gpu_enable_command_buffer= (gpu_session.sh's train stages
+set it) so each kernel is timed under its own instruction. Seen on an H200, 2026-11-26:
+with command buffers on, the whole 64K-token step of gpt_64k was three buffers.
 """
 
 import collections
@@ -79,6 +85,13 @@ def scope_of(ins, comps) -> str:
   return f'{label} (forward)'
 
 
+def not_in_hlo(op: str) -> str:
+  """The scope of a traced op that names no instruction of the module."""
+  if op.startswith('command_buffer'):
+    return 'command buffers (set XLA_FLAGS=--xla_gpu_enable_command_buffer=)'
+  return 'other (not in the HLO)'
+
+
 def summarize(times: dict[str, float], hlo_text: str, steps: int, top: int = 10) -> dict:
   comps, _ = hlo._parse_module(hlo_text)   # pylint: disable=protected-access
   instrs = {i.name: i for c in comps.values() for i in c.instrs}
@@ -87,7 +100,7 @@ def summarize(times: dict[str, float], hlo_text: str, steps: int, top: int = 10)
     ins = instrs.get(op)
     if ins is not None and ins.opcode in _CONTROL:
       continue
-    scope = scope_of(ins, comps) if ins is not None else 'other (forward)'
+    scope = scope_of(ins, comps) if ins is not None else not_in_hlo(op)
     by_scope[scope] += seconds / steps
     ops.append({'op': op, 'opcode': ins.opcode if ins else '?', 'scope': scope,
                 'seconds_per_step': seconds / steps})

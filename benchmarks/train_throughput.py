@@ -22,12 +22,24 @@ from absl import flags
 import model
 from benchmarks import profile
 from benchmarks.common import peak_memory_bytes, write_result
+from pallas_kernels.flash_attention import default_backend
 from sharding.mesh import mesh_shape
 from training import cli, trainer
 
 _WARMUP = flags.DEFINE_integer('warmup', 5, 'steps left out of the medians')
 _NAME = flags.DEFINE_string('result_name', '', 'results/<this>.json (default: '
                             'train_<config>_<platform>)')
+
+
+def attention_kernels(m) -> str:
+  """attention_impl, and for pallas the flash kernels that ran ('auto' resolved)."""
+  if m.attention_impl != 'pallas':
+    return m.attention_impl
+  backend = m.pallas_backend
+  if backend == 'auto':
+    q = jax.ShapeDtypeStruct((1, 1, m.num_heads, m.resolved_head_dim), m.dtype)
+    backend = default_backend(q)
+  return f'pallas/{backend}'
 
 
 def benchmark(cfg) -> dict:
@@ -48,6 +60,7 @@ def benchmark(cfg) -> dict:
       'steps': cfg.steps, 'batch_size': cfg.data.batch_size, 'seq_len': cfg.data.seq_len,
       'params': model.count_params(cfg.model),
       'mesh': mesh_shape(cfg.mesh, jax.device_count()), 'zero_stage': cfg.parallel.zero_stage,
+      'attention': attention_kernels(cfg.model),
       'median_step_time_s': step_time,
       'tokens_per_sec': cfg.data.batch_size * cfg.data.seq_len / step_time,
       'median_mfu': statistics.median(mfus) if mfus else None,

@@ -119,6 +119,30 @@ def test_profile_files_each_ops_time_under_its_scope():
   assert summary['top_ops'][0]['scope'] == 'mlp (forward)'
 
 
+def test_profile_files_ops_outside_the_hlo_apart():
+  """A GPU trace with command buffers on times buffers, not instructions (seen on an
+  H200): they must show as such, not as forward work of the model."""
+  import jax   # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
+  from benchmarks import profile   # pylint: disable=import-outside-toplevel
+
+  def f(a):
+    with jax.named_scope('mlp'):
+      return jnp.tanh(a @ a)
+
+  text = jax.jit(f).lower(jnp.ones((64, 64))).compile().as_text()
+  from sharding import hlo   # pylint: disable=import-outside-toplevel
+  comps, _ = hlo._parse_module(text)   # pylint: disable=protected-access
+  matmul = hlo._does_matmul   # pylint: disable=protected-access
+  dot = next(i.name for c in comps.values() for i in c.instrs if matmul(i, comps))
+  summary = profile.summarize({dot: 1.0, 'command_buffer_7': 6.0, 'mystery': 1.0}, text, 2)
+  shares = {r['scope']: r['seconds_per_step'] for r in summary['by_scope']}
+  assert shares == {
+      'command buffers (set XLA_FLAGS=--xla_gpu_enable_command_buffer=)': 3.0,
+      'mlp (forward)': 0.5, 'other (not in the HLO)': 0.5}, shares
+  assert summary['largest_three'][0].startswith('command buffers')
+
+
 def test_planner_check_smoke_runs_the_planners_top_layouts_and_fits(tmp_path, monkeypatch):
   from benchmarks import planner_check   # pylint: disable=import-outside-toplevel
   monkeypatch.setenv('MESHLM_RESULTS_DIR', str(tmp_path))
