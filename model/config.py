@@ -4,7 +4,7 @@ import dataclasses
 
 ATTENTION_IMPLS = ('xla', 'cudnn', 'pallas')
 # The flash kernels attention_impl='pallas' runs (pallas_kernels.flash_attention's backend).
-PALLAS_BACKENDS = ('triton', 'mosaic_gpu', 'mosaic_gpu_fused')
+PALLAS_BACKENDS = ('auto', 'triton', 'mosaic_gpu', 'mosaic_gpu_fused')
 REMAT_POLICIES = ('none', 'full', 'save_matmuls', 'offload')
 ROUTERS = ('softmax', 'sigmoid')
 MOE_DISPATCH = ('capacity', 'dropless')
@@ -54,9 +54,11 @@ class ModelConfig:
   projections and mid-block residual saved in pinned host memory, the rest recomputed)."""
   attention_impl: str = 'xla'
   """Attention: xla (einsums), cudnn (GPU only) or pallas (our flash kernels)."""
-  pallas_backend: str = 'triton'
-  """Flash kernels for attention_impl=pallas: triton, mosaic_gpu (Hopper, bf16/fp16) or
-  mosaic_gpu_fused (the same forward, one-kernel backward, head_dim 64/128)."""
+  pallas_backend: str = 'auto'
+  """Flash kernels for attention_impl=pallas: auto (mosaic_gpu on a Hopper GPU where it
+  takes the dtype and head_dim, else triton: flash_attention.default_backend), triton,
+  mosaic_gpu (Hopper, bf16/fp16) or mosaic_gpu_fused (the same forward, one-kernel
+  backward, head_dim 64/128)."""
   init_std: float = 0.02
   """Standard deviation of the initial weights (residual outputs scaled by depth)."""
   loss_chunk: int = 0

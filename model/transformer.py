@@ -190,12 +190,14 @@ def attention_cudnn(q, k, v, segment_ids):
 
 
 def _flash_kernels(backend: str) -> dict:
+  if backend == 'auto':   # flash_attention.default_backend picks, per call
+    return {}
   if backend == 'mosaic_gpu_fused':
     return dict(backend='mosaic_gpu', backend_bwd=backend)
   return dict(backend=backend)
 
 
-def attention_pallas(q, k, v, segment_ids, plan, backend='triton'):
+def attention_pallas(q, k, v, segment_ids, plan, backend='auto'):
   """The Pallas flash kernel, run per shard: a pallas_call is opaque to the partitioner.
   backend: model.pallas_backend ('mosaic_gpu_fused': the Mosaic GPU forward and its
   one-kernel backward)."""

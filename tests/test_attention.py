@@ -46,6 +46,7 @@ def xla_loss_and_grads():
 
 
 @pytest.mark.parametrize('pallas_backend, kernels', [
+    ('auto', (None, None)),   # flash_attention.default_backend picks
     ('triton', ('triton', None)),
     ('mosaic_gpu', ('mosaic_gpu', None)),
     ('mosaic_gpu_fused', ('mosaic_gpu', 'mosaic_gpu_fused'))])

@@ -338,3 +338,50 @@ def test_rejects_bad_arguments(shapes, kwargs, match):
   q, k = jnp.zeros(shapes[0]), jnp.zeros(shapes[1])
   with pytest.raises(ValueError, match=match):
     fa.flash_attention(q, k, k, **kwargs)
+
+
+class _FakeDevice:
+  def __init__(self, platform, compute_capability=None):
+    self.platform, self.compute_capability = platform, compute_capability
+
+
+HOPPER, AMPERE, BLACKWELL = (_FakeDevice('gpu', c) for c in ('9.0', '8.0', '10.0'))
+
+
+@pytest.mark.parametrize('device, dtype, d, tiles, interpret, want', [
+    (HOPPER, jnp.bfloat16, 128, {}, None, 'mosaic_gpu'),
+    (HOPPER, jnp.float16, 64, {}, None, 'mosaic_gpu'),
+    (HOPPER, jnp.bfloat16, 256, dict(block_q=None), None, 'mosaic_gpu'),
+    (HOPPER, jnp.float32, 128, {}, None, 'triton'),                  # its dtypes: bf16/fp16
+    (HOPPER, jnp.bfloat16, 80, {}, None, 'triton'),                  # its head dims
+    (HOPPER, jnp.bfloat16, 128, dict(num_warps=4), None, 'triton'),  # Triton's tiles named
+    (HOPPER, jnp.bfloat16, 128, dict(block_k=128), None, 'triton'),
+    (HOPPER, jnp.bfloat16, 128, {}, True, 'triton'),                 # the Pallas interpreter
+    (AMPERE, jnp.bfloat16, 128, {}, None, 'triton'),                 # no wgmma or TMA
+    (BLACKWELL, jnp.bfloat16, 128, {}, None, 'triton'),
+    (_FakeDevice('cpu'), jnp.bfloat16, 128, {}, None, 'triton'),
+])
+def test_default_backend_is_mosaic_only_where_it_runs(device, dtype, d, tiles, interpret,
+                                                      want):
+  from pallas_kernels import flash_attention_mgpu
+  q = jax.ShapeDtypeStruct((1, 256, 4, d), dtype)
+  if flash_attention_mgpu.plgpu is None:   # a jax without Pallas Mosaic GPU
+    want = 'triton'
+  assert fa.default_backend(q, tiles, interpret, device) == want
+
+
+def test_flash_attention_asks_default_backend_only_when_none_is_named(monkeypatch):
+  seen, real = [], fa.default_backend
+
+  def recording(q, tiles, interpret):
+    seen.append(dict(tiles))
+    return 'triton'
+
+  monkeypatch.setattr(fa, 'default_backend', recording)
+  _, q, k, v = _inputs(5, 1, 32, 32, 2, 1, 16, jnp.float32)
+  fa.flash_attention(q, k, v, block_k=16)
+  fa.flash_attention(q, k, v, backend='triton')
+  assert seen == [dict(block_q=None, block_k=16, block_q_bwd=None, block_k_bwd=None,
+                       num_warps=None, num_stages=None)]
+  # On this (CPU) machine the default is the portable kernels.
+  assert real(q) == 'triton'
