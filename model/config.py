@@ -5,7 +5,7 @@ import dataclasses
 ATTENTION_IMPLS = ('xla', 'cudnn', 'pallas')
 # The flash kernels attention_impl='pallas' runs (pallas_kernels.flash_attention's backend).
 PALLAS_BACKENDS = ('auto', 'triton', 'mosaic_gpu', 'mosaic_gpu_fused')
-REMAT_POLICIES = ('none', 'full', 'save_matmuls', 'offload')
+REMAT_POLICIES = ('none', 'full', 'save_attention', 'save_matmuls', 'offload')
 ROUTERS = ('softmax', 'sigmoid')
 MOE_DISPATCH = ('capacity', 'dropless')
 
@@ -50,7 +50,9 @@ class ModelConfig:
   param_dtype: str = 'float32'
   """Master-weight dtype (and optimizer state): float32, bfloat16 or float16."""
   remat: str = 'none'
-  """Activation recomputation per block: none, full, save_matmuls, or offload (the block's
+  """Activation recomputation per block: none, full, save_attention (full, but the fused
+  attention kernel's inputs and outputs are kept: the backward runs no attention forward;
+  attention_impl pallas or cudnn), save_matmuls, or offload (the block's
   projections and mid-block residual saved in pinned host memory, the rest recomputed)."""
   attention_impl: str = 'xla'
   """Attention: xla (einsums), cudnn (GPU only) or pallas (our flash kernels)."""
@@ -122,6 +124,10 @@ class ModelConfig:
          f"model.dtype='bfloat16' (it is {self.dtype!r}) or model.pallas_backend='triton'.")
     need(self.remat in REMAT_POLICIES,
          f'model.remat={self.remat!r}: choose one of {REMAT_POLICIES}.')
+    need(self.remat != 'save_attention' or self.attention_impl in ('pallas', 'cudnn'),
+         f"model.remat='save_attention' keeps attention's inputs and outputs, which only a "
+         f"fused kernel makes small (attention_impl={self.attention_impl!r} would keep its "
+         f"scores): set model.attention_impl to pallas or cudnn, or use remat='full'.")
     for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads'):
       need(getattr(self, name) > 0, f'model.{name} must be positive, got {getattr(self, name)}.')
     need(self.num_heads % self.num_kv_heads == 0,

@@ -235,6 +235,13 @@ def project_qkv(x, layer, rope: Rope, plan):
 
 def attention(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan):
   q, k, v = project_qkv(x, layer, rope, plan)
+  out = attention_core(q, k, v, cfg, segment_ids, plan)
+  return output_projection(checkpoint_name(out, 'context'), layer)
+
+
+def attention_core(q, k, v, cfg: ModelConfig, segment_ids, plan):
+  """Attention itself, between the projections: q [b,t,h,e], k/v [b,t,k,e] -> [b,t,h,e],
+  by cfg.attention_impl, over the context axis where the sequence is split."""
   if context.context_size(plan) > 1:   # the sequence split over devices
     flash = None
     if cfg.attention_impl == 'pallas':
@@ -246,7 +253,7 @@ def attention(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan):
     out = attention_cudnn(q, k, v, segment_ids)
   else:
     out = attention_pallas(q, k, v, segment_ids, plan, cfg.pallas_backend)
-  return output_projection(checkpoint_name(out, 'context'), layer)
+  return out
 
 
 def output_projection(out, layer):
@@ -268,6 +275,9 @@ def mlp(x, layer, plan):
 
 
 def block(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan):
+  if cfg.remat == 'save_attention':
+    ffn = lambda h, layer: (feed_forward(h, layer, cfg, plan), None)
+    return _block_saving_attention(x, layer, cfg, rope, segment_ids, plan, ffn, 'mlp')[0]
   attend = lambda h: (attention(h, layer, cfg, rope, segment_ids, plan), None)
   return residual_block(x, layer, cfg, plan, attend)[0]
 
@@ -294,6 +304,9 @@ def feed_forward(h, layer, cfg: ModelConfig, plan):
 
 def moe_block(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan):
   """A block whose MLP is the mixture of experts: (x, its aux values)."""
+  if cfg.remat == 'save_attention':
+    ffn = lambda h, layer: moe.moe_mlp(h, layer, cfg, plan)
+    return _block_saving_attention(x, layer, cfg, rope, segment_ids, plan, ffn, 'moe')
   with jax.named_scope('attention'):
     h = rms_norm(x, layer['attn_norm'], cfg.norm_eps)
     h = attention(h, layer, cfg, rope, segment_ids, plan)
@@ -303,8 +316,34 @@ def moe_block(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan):
     return constrain(x + h, RESIDUAL, plan), aux
 
 
+def _block_saving_attention(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan, ffn,
+                            scope):
+  """remat='save_attention': a block recomputed in the backward pass as under 'full',
+  except attention itself. The fused kernel (pallas or cudnn) runs outside the two
+  checkpointed parts, so autodiff keeps what its backward needs (q, k, v, the output
+  and the log-sum-exp) and the backward runs no attention forward again: at long
+  sequences that forward costs more than every matmul of the block. ffn(h, layer) ->
+  (out, aux). Returns (x, aux)."""
+  def before(x, layer):
+    with jax.named_scope('attention'):
+      return project_qkv(rms_norm(x, layer['attn_norm'], cfg.norm_eps), layer, rope, plan)
+
+  def after(x, out, layer):
+    with jax.named_scope('attention'):
+      x = checkpoint_name(constrain(x + output_projection(out, layer), RESIDUAL, plan),
+                          'mid_residual')
+    with jax.named_scope(scope):
+      h, aux = ffn(rms_norm(x, layer['mlp_norm'], cfg.norm_eps), layer)
+      return constrain(x + h, RESIDUAL, plan), aux
+
+  q, k, v = jax.checkpoint(before)(x, layer)
+  with jax.named_scope('attention'):
+    out = attention_core(q, k, v, cfg, segment_ids, plan)
+  return jax.checkpoint(after)(x, out, layer)
+
+
 def _remat(fn, policy: str):
-  if policy == 'none':
+  if policy in ('none', 'save_attention'):   # save_attention: the block checkpoints its parts
     return fn
   if policy == 'full':
     return jax.checkpoint(fn)

@@ -447,7 +447,8 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
   if q_seg is not None:
     q_seg, kv_seg = _pad(q_seg, {1: t_pad}), _pad(kv_seg, {1: s_pad})
   out, lse = _flash(q, k, v, q_seg, kv_seg, cfg)
-  out, lse = out[:, :t, :, :d], lse[:, :, :t]
+  if (t_pad, d_pad) != (t, d):   # unpadded, out stays the kernel's own (one residual)
+    out, lse = out[:, :t, :, :d], lse[:, :, :t]
   return (out, lse) if return_lse else out
 
 

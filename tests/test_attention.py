@@ -73,6 +73,17 @@ def test_model_with_pallas_matches_xla_sharded(monkeypatch, xla_loss_and_grads,
   assert max(jax.tree.leaves(jax.tree.map(rel_err, p_grads, grads))) < 1e-5
 
 
+def test_save_attention_sharded_matches_xla(xla_loss_and_grads):
+  """remat='save_attention' with the kernel's shard_map between the block's checkpointed
+  parts, under FSDP x tensor with sequence parallelism: loss and grads as without remat."""
+  cfg = tiny_config()
+  cfg.model = dataclasses.replace(cfg.model, attention_impl='pallas', remat='save_attention')
+  loss, grads = sharded_loss_and_grads(cfg, MESH, 3, True)
+  ref_loss, ref_grads = xla_loss_and_grads
+  assert rel_err(loss, ref_loss) < 1e-5
+  assert max(jax.tree.leaves(jax.tree.map(rel_err, grads, ref_grads))) < 1e-5
+
+
 def test_pallas_under_per_shard_grad_accumulation():
   """The kernel's shard_map also runs inside the vmapped ZeRO-1 microbatch loop."""
   cfg = tiny_config()

@@ -146,13 +146,16 @@ def test_validate_context_axis():
       config_lib.validate(cfg, 8, platform='gpu')
 
 
-@pytest.mark.parametrize('lb', [True, False], ids=['balanced', 'unbalanced'])
-def test_ring_with_the_flash_kernel_equals_one_device(lb):
+@pytest.mark.parametrize('lb, remat', [(True, 'none'), (False, 'none'),
+                                       (True, 'save_attention')],
+                         ids=['balanced', 'unbalanced', 'balanced-save_attention'])
+def test_ring_with_the_flash_kernel_equals_one_device(lb, remat):
   """attention_impl=pallas: the ring's blocks are flash-kernel calls (interpreted on CPU)
-  on 16-token pieces, merged by the kernel's log-sum-exp; packed documents."""
+  on 16-token pieces, merged by the kernel's log-sum-exp; packed documents. With
+  remat='save_attention' the ring runs between the block's two checkpointed parts."""
   cfg = tiny_config()
   cfg.model = dataclasses.replace(cfg.model, num_heads=4, num_kv_heads=2, max_seq_len=64,
-                                  attention_impl='pallas')
+                                  attention_impl='pallas', remat=remat)
   cfg.data.batch_size, cfg.data.seq_len = 2, 64
   batch = random_batch(cfg)
   want = loss_and_grads(dataclasses.replace(cfg, model=dataclasses.replace(

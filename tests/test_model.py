@@ -252,6 +252,37 @@ def test_remat_same_logits_and_grads(policy):
   assert_trees_close(grads, grads0)
 
 
+@pytest.mark.parametrize('moe', [False, True], ids=['dense', 'moe'])
+def test_save_attention_runs_no_attention_forward_in_the_backward(moe):
+  """remat='save_attention': the same loss and gradients as no remat and as 'full', and
+  the compiled step runs the flash forward kernel once a layer (with 'full' twice: the
+  backward recomputes it); the backward kernels once either way."""
+  from sharding import hlo   # pylint: disable=import-outside-toplevel
+  extra = dict(num_experts=4, experts_per_token=2, moe_every=2) if moe else {}
+  base = tiny_cfg(attention_impl='pallas', num_layers=4, **extra)
+  params = make_params(base)
+  batch = make_batch(base, packed=True)
+  loss0, grads0 = loss_and_grads(base, params, batch)
+  calls = {}
+  for policy in ('full', 'save_attention'):
+    cfg = dataclasses.replace(base, remat=policy)
+    loss, grads = loss_and_grads(cfg, params, batch)
+    assert rel_err(loss, loss0) < RTOL, policy
+    assert_trees_close(grads, grads0)
+    step = jax.jit(jax.grad(lambda p, cfg=cfg: transformer.summed_nll(p, batch, cfg)))
+    calls[policy] = hlo.hlo_stats(step.lower(params).compile().as_text()).kernel_calls
+  layers = base.num_layers
+  backward = {'flash_attention_dq': layers, 'flash_attention_dkv': layers}
+  assert calls['full'] == {'flash_attention_fwd': 2 * layers, **backward}, calls
+  assert calls['save_attention'] == {'flash_attention_fwd': layers, **backward}, calls
+
+
+def test_save_attention_needs_a_fused_kernel():
+  with pytest.raises(ValueError, match="set model.attention_impl to pallas or cudnn"):
+    tiny_cfg(remat='save_attention')
+  tiny_cfg(remat='save_attention', attention_impl='cudnn')
+
+
 # -------------------------------------------------------------------------------- loss
 
 @pytest.mark.parametrize('packed', [False, True], ids=['causal', 'packed'])

@@ -193,6 +193,10 @@ def plan_layouts(cfg: config_lib.Config, devices: int, device: str = 'h100', *,
     layouts, rejected = _validated(cfg, layouts, devices)
   if not layouts:
     reasons = sorted({why for _, why in rejected})[:3]
+    if not reasons:   # candidates skips ZeRO >= 1 where mesh.fsdp is 1 (it is ZeRO-0 there)
+      zero = candidate_args.get('zero_stages', (0, 1, 3))
+      reasons = [f'the ZeRO stages asked for, {zero}, shard over mesh.fsdp, and no layout '
+                 'tried has fsdp > 1: add 0 to --zero']
     raise ValueError(f'no layout of this config runs on {devices} devices; e.g. '
                      + ' | '.join(reasons))
   tokens = cfg.data.batch_size * cfg.data.seq_len
