@@ -31,7 +31,9 @@
 #   planner_64k   the same for gpt_64k.py (grad_accum 4 and 8, 3 steps each),
 #                 then the efficiency fit over both configs' runs               ~8 min
 #   train_64k     benchmarks.train_throughput, gpt_64k's model on this GPU, one
-#                 65,536-token sequence a step, attention_impl pallas and cudnn:
+#                 65,536-token sequence a step, each attention_impl:remat of
+#                 TRAIN_RUNS (default pallas:save_attention pallas:full
+#                 cudnn:save_attention):
 #                 tokens/s, MFU, peak memory, one step profiled (the three
 #                 largest costs)                                                ~8 min
 #   train_8k      the same at 8,192 tokens, 8 sequences a step                  ~6 min
@@ -68,6 +70,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then   # carried wheels (benchmarks/gpu_
     --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
+START=$(mktemp)   # results newer than this were written by this session
+
 stage() {  # stage NAME SECONDS COMMAND...: runs it with a limit, log in $OUT/NAME.txt
   local name=$1 limit=$2
   shift 2
@@ -76,16 +80,20 @@ stage() {  # stage NAME SECONDS COMMAND...: runs it with a limit, log in $OUT/NA
   echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.txt"
 }
 
-train() {  # train SEQ BATCH: gpt_64k's model, pallas (auto: Mosaic GPU on Hopper) then cudnn
-  local seq=$1 batch=$2 impl
-  for impl in pallas cudnn; do
+train() {  # train SEQ BATCH: gpt_64k's model, each attention_impl:remat of TRAIN_RUNS
+  local seq=$1 batch=$2 run impl remat
+  # pallas is auto: the Mosaic GPU kernels on Hopper. save_attention: the backward runs no
+  # attention forward (the planner predicts ~10% off a 64K step; not yet measured).
+  for run in ${TRAIN_RUNS:-pallas:save_attention pallas:full cudnn:save_attention}; do
+    impl=${run%%:*} remat=${run#*:}
     # Command buffers off: the profile then times each kernel, not whole CUDA graphs (on,
     # a 64K step was three opaque buffers). A step is seconds long: launches are noise.
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
     "$PY" -m benchmarks.train_throughput --config=gpt_64k.py --config.steps=6 --warmup=2 \
       --config.data.seq_len="$seq" --config.data.batch_size="$batch" \
-      --config.optim.grad_accum=1 --config.model.attention_impl="$impl" --profile_steps=1 \
-      --result_name="train_gpt_64k_${seq}_${impl}_gpu"
+      --config.optim.grad_accum=1 --config.model.attention_impl="$impl" \
+      --config.model.remat="$remat" --profile_steps=1 \
+      --result_name="train_gpt_64k_${seq}_${impl}_${remat}_gpu"
   done
 }
 export -f train
@@ -139,11 +147,8 @@ paste -sd,)" ;;
 paged_tiles, packed, planner, planner_64k, train_64k, train_8k or serve"
        return 2 ;;
   esac
-  # The JSON results, where this stage wrote one (at most 8 files come back from $OUT).
-  cp benchmarks/results/attention_*.json benchmarks/results/paged_decode_*.json \
-    benchmarks/results/planner_*.json benchmarks/results/train_gpt_64k_*.json \
-    benchmarks/results/serve_throughput_1b_*.json "$OUT/" \
-    2>/dev/null
+  # The JSON results this session wrote (at most 8 files come back from $OUT).
+  find benchmarks/results -name '*.json' -newer "$START" -exec cp {} "$OUT/" \;
   return 0
 }
 
