@@ -33,7 +33,7 @@
 #   train_64k     benchmarks.train_throughput, gpt_64k's model on this GPU, one
 #                 65,536-token sequence a step, each attention_impl:remat of
 #                 TRAIN_RUNS (default pallas:save_attention pallas:full
-#                 cudnn:save_attention):
+#                 cudnn:full cudnn:save_attention; remat full if not named):
 #                 tokens/s, MFU, peak memory, one step profiled (the three
 #                 largest costs)                                                ~8 min
 #   train_8k      the same at 8,192 tokens, 8 sequences a step                  ~6 min
@@ -59,6 +59,8 @@
 #   bash benchmarks/gpu_session.sh train_8k
 #   bash benchmarks/gpu_session.sh serve
 # A failing stage does not stop the next, so one call reports both failures and speed.
+# At most 8 files come back from a call: each stage's log, plus each JSON it wrote
+# (train_64k: 4), so train_64k and train_8k go in separate calls.
 # The times above are estimates, not measurements; each stage has its own time limit.
 set -uo pipefail
 OUT=${OUT:-/tmp/meshlm_gpu}
@@ -84,10 +86,13 @@ train() {  # train SEQ BATCH: gpt_64k's model, each attention_impl:remat of TRAI
   local seq=$1 batch=$2 run impl remat
   # pallas is auto: the Mosaic GPU kernels on Hopper. save_attention: the backward runs no
   # attention forward (the planner predicts ~10% off a 64K step; not yet measured).
-  for run in ${TRAIN_RUNS:-pallas:save_attention pallas:full cudnn:save_attention}; do
-    impl=${run%%:*} remat=${run#*:}
+  for run in ${TRAIN_RUNS:-pallas:save_attention pallas:full cudnn:full cudnn:save_attention}; do
+    impl=${run%%:*} remat=full
+    [[ $run == *:* ]] && remat=${run#*:}
     # Command buffers off: the profile then times each kernel, not whole CUDA graphs (on,
-    # a 64K step was three opaque buffers). A step is seconds long: launches are noise.
+    # three opaque buffers held 98% of a 64K step). Off for the timed steps too: compare
+    # runs of one session (cudnn:full is the baseline the first session measured with
+    # them on: 4.14 s a step).
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
     "$PY" -m benchmarks.train_throughput --config=gpt_64k.py --config.steps=6 --warmup=2 \
       --config.data.seq_len="$seq" --config.data.batch_size="$batch" \
@@ -126,7 +131,7 @@ jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'; packages" ;;
       XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -rA -n 8 --timeout=120 \
       tests/test_gpu.py tests/test_flash_attention.py ;;
     attention) stage attention "${ATTENTION_LIMIT:-420}" "$PY" -m benchmarks.attention \
-      --impls="${ATTENTION_IMPLS:-cudnn,pallas,pallas_mosaic,pallas_mosaic_fused}" ;;
+      ${ATTENTION_IMPLS:+--impls="$ATTENTION_IMPLS"} ;;
     tiles) stage tiles "${TILES_LIMIT:-480}" "$PY" -m benchmarks.attention --tiles ;;
     paged_decode) stage paged_decode "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode ;;
     paged_tiles) stage paged_tiles "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode \

@@ -276,8 +276,8 @@ def mlp(x, layer, plan):
 
 def block(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan):
   if cfg.remat == 'save_attention':
-    ffn = lambda h, layer: (feed_forward(h, layer, cfg, plan), None)
-    return _block_saving_attention(x, layer, cfg, rope, segment_ids, plan, ffn, 'mlp')[0]
+    return _block_saving_attention(x, layer, cfg, rope, segment_ids, plan,
+                                   _dense_ffn(cfg, plan), 'mlp')[0]
   attend = lambda h: (attention(h, layer, cfg, rope, segment_ids, plan), None)
   return residual_block(x, layer, cfg, plan, attend)[0]
 
@@ -287,11 +287,25 @@ def residual_block(x, layer, cfg: ModelConfig, plan, attend):
   serving path's attention also returns its updated KV cache as aux."""
   with jax.named_scope('attention'):
     h, aux = attend(rms_norm(x, layer['attn_norm'], cfg.norm_eps))
-    x = checkpoint_name(constrain(x + h, RESIDUAL, plan), 'mid_residual')
-  with jax.named_scope('mlp'):
-    h = rms_norm(x, layer['mlp_norm'], cfg.norm_eps)
-    x = constrain(x + feed_forward(h, layer, cfg, plan), RESIDUAL, plan)
-  return x, aux
+    x = _mid_residual(x, h, plan)
+  return _ffn_half(x, layer, cfg, plan, _dense_ffn(cfg, plan), 'mlp')[0], aux
+
+
+def _mid_residual(x, attention_out, plan):
+  return checkpoint_name(constrain(x + attention_out, RESIDUAL, plan), 'mid_residual')
+
+
+def _dense_ffn(cfg: ModelConfig, plan):
+  """feed_forward as _ffn_half takes it: (h, layer) -> (out, no aux)."""
+  return lambda h, layer: (feed_forward(h, layer, cfg, plan), None)
+
+
+def _ffn_half(x, layer, cfg: ModelConfig, plan, ffn, scope):
+  """A block's second half: ffn(h, layer) -> (out, aux) on the normed x, plus x.
+  Returns (x, aux)."""
+  with jax.named_scope(scope):
+    h, aux = ffn(rms_norm(x, layer['mlp_norm'], cfg.norm_eps), layer)
+    return constrain(x + h, RESIDUAL, plan), aux
 
 
 def feed_forward(h, layer, cfg: ModelConfig, plan):
@@ -304,16 +318,14 @@ def feed_forward(h, layer, cfg: ModelConfig, plan):
 
 def moe_block(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan):
   """A block whose MLP is the mixture of experts: (x, its aux values)."""
+  ffn = lambda h, layer: moe.moe_mlp(h, layer, cfg, plan)
   if cfg.remat == 'save_attention':
-    ffn = lambda h, layer: moe.moe_mlp(h, layer, cfg, plan)
     return _block_saving_attention(x, layer, cfg, rope, segment_ids, plan, ffn, 'moe')
   with jax.named_scope('attention'):
     h = rms_norm(x, layer['attn_norm'], cfg.norm_eps)
     h = attention(h, layer, cfg, rope, segment_ids, plan)
     x = constrain(x + h, RESIDUAL, plan)
-  with jax.named_scope('moe'):
-    h, aux = moe.moe_mlp(rms_norm(x, layer['mlp_norm'], cfg.norm_eps), layer, cfg, plan)
-    return constrain(x + h, RESIDUAL, plan), aux
+  return _ffn_half(x, layer, cfg, plan, ffn, 'moe')
 
 
 def _block_saving_attention(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan, ffn,
@@ -321,7 +333,8 @@ def _block_saving_attention(x, layer, cfg: ModelConfig, rope: Rope, segment_ids,
   """remat='save_attention': a block recomputed in the backward pass as under 'full',
   except attention itself. The fused kernel (pallas or cudnn) runs outside the two
   checkpointed parts, so autodiff keeps what its backward needs (q, k, v, the output
-  and the log-sum-exp) and the backward runs no attention forward again: at long
+  and the log-sum-exp) and the backward runs no attention forward again (with context
+  parallelism the ring's own backward still reruns each block's forward): at long
   sequences that forward costs more than every matmul of the block. ffn(h, layer) ->
   (out, aux). Returns (x, aux)."""
   def before(x, layer):
@@ -330,11 +343,8 @@ def _block_saving_attention(x, layer, cfg: ModelConfig, rope: Rope, segment_ids,
 
   def after(x, out, layer):
     with jax.named_scope('attention'):
-      x = checkpoint_name(constrain(x + output_projection(out, layer), RESIDUAL, plan),
-                          'mid_residual')
-    with jax.named_scope(scope):
-      h, aux = ffn(rms_norm(x, layer['mlp_norm'], cfg.norm_eps), layer)
-      return constrain(x + h, RESIDUAL, plan), aux
+      x = _mid_residual(x, output_projection(out, layer), plan)
+    return _ffn_half(x, layer, cfg, plan, ffn, scope)
 
   q, k, v = jax.checkpoint(before)(x, layer)
   with jax.named_scope('attention'):

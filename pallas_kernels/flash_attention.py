@@ -501,19 +501,35 @@ def default_backend(q, tiles=None, interpret=None, device=None) -> str:
   runs compiled on a Hopper GPU (compute capability 9.x: wgmma and TMA), takes q's dtype
   and head_dim, and no tile is named (tiles name one backend's own); else 'triton'.
 
-  Measured on an H200 (benchmarks/results/attention_NVIDIA_H200.json, 8K to 64K tokens,
-  head_dim 128, MHA and GQA): the Mosaic GPU kernels ran at 0.95-0.99x cuDNN's forward
-  and 0.88-0.90x its backward, the Triton ones at 0.44-0.50x and 0.25-0.29x. Its
-  backward follows it (two kernels: deterministic), as `backend_bwd` says.
+  Measured on an H200 (benchmarks/results/attention_NVIDIA_H200.json: causal, bf16,
+  head_dim 128, one document a row, 8K to 64K tokens, MHA and GQA): the Mosaic GPU
+  kernels ran at 0.95-0.99x cuDNN's forward and 0.88-0.90x its backward, the Triton
+  ones at 0.44-0.50x and 0.25-0.29x. Other head dims, fp16, packed documents and short
+  sequences are checked for correctness on the GPU (tests/test_gpu.py) but not timed.
+  Its backward follows it (two kernels: deterministic; the Triton backward at head_dim
+  256), as `backend_bwd` says. Tiles are one backend's: a call that names any (tuned
+  for the Triton kernels, say) keeps the Triton kernels; name backend='mosaic_gpu' to
+  tile those.
   """
   device = device or jax.devices()[0]
   tiles_named = any(v is not None for v in (tiles or {}).values())
   if interpret or tiles_named or device.platform != 'gpu':
     return 'triton'
-  capability = str(getattr(device, 'compute_capability', ''))
-  if capability.split('.')[0] != '9' or flash_attention_mgpu.unsupported_reason(q):
+  if _major_version(getattr(device, 'compute_capability', None)) != 9:
+    return 'triton'
+  if flash_attention_mgpu.unsupported_reason(q):
     return 'triton'
   return 'mosaic_gpu'
+
+
+def _major_version(capability) -> int | None:
+  """9 from '9.0', 9.0, (9, 0) or 9 (jax's CUDA devices say '9.0'); None if unreadable."""
+  if isinstance(capability, (tuple, list)):
+    capability = capability[0] if capability else None
+  try:
+    return int(str(capability).split('.')[0])
+  except ValueError:
+    return None
 
 
 def _mosaic_tiles(backend, q, tiles):

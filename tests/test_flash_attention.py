@@ -80,10 +80,13 @@ def _assert_close(got, want, limit, what):
 
 
 def _check_against_reference(seed, b, t, s, hq, hkv, d, dtype, causal, segments, window,
-                             blocks):
+                             blocks, backend='triton'):
+  """backend: the portable kernels by default (on a Hopper GPU, None would pick Mosaic
+  GPU for bf16: test_gpu.py checks that path by name)."""
   rng, q, k, v = _inputs(seed, b, t, s, hq, hkv, d, dtype)
   seg = _segment_ids(rng, segments, b, t, s)
-  opts = dict(causal=causal, segment_ids=seg, sliding_window=window, return_lse=True)
+  opts = dict(causal=causal, segment_ids=seg, sliding_window=window, return_lse=True,
+              backend=backend)
   # Every output buffer starts as NaN (aliased in): an element no program writes fails.
   tiles = dict(zip(('block_q', 'block_k', 'block_q_bwd', 'block_k_bwd'), blocks))
   kernel = lambda q, k, v: fa.flash_attention(q, k, v, _poison_outputs=True, **tiles, **opts)
@@ -360,6 +363,11 @@ HOPPER, AMPERE, BLACKWELL = (_FakeDevice('gpu', c) for c in ('9.0', '8.0', '10.0
     (AMPERE, jnp.bfloat16, 128, {}, None, 'triton'),                 # no wgmma or TMA
     (BLACKWELL, jnp.bfloat16, 128, {}, None, 'triton'),
     (_FakeDevice('cpu'), jnp.bfloat16, 128, {}, None, 'triton'),
+    (_FakeDevice('gpu', 9.0), jnp.bfloat16, 128, {}, None, 'mosaic_gpu'),   # other spellings
+    (_FakeDevice('gpu', (9, 0)), jnp.bfloat16, 128, {}, None, 'mosaic_gpu'),
+    (_FakeDevice('gpu', '9.0a'), jnp.bfloat16, 128, {}, None, 'mosaic_gpu'),
+    (_FakeDevice('gpu', (10, 0)), jnp.bfloat16, 128, {}, None, 'triton'),
+    (_FakeDevice('gpu'), jnp.bfloat16, 128, {}, None, 'triton'),             # none given
 ])
 def test_default_backend_is_mosaic_only_where_it_runs(device, dtype, d, tiles, interpret,
                                                       want):

@@ -42,6 +42,17 @@ def test_flash_attention_compiled(case):
                            (None, None))
 
 
+def test_default_backend_on_this_gpu():
+  """flash_attention with no backend named: Mosaic GPU on a Hopper GPU for bf16 at
+  head_dim 128 (the measured faster one), else the portable kernels; right either way."""
+  from pallas_kernels import flash_attention as fa   # pylint: disable=import-outside-toplevel
+  q = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)
+  hopper = str(jax.devices()[0].compute_capability).startswith('9')
+  assert fa.default_backend(q) == ('mosaic_gpu' if hopper else 'triton')
+  _check_against_reference(3, 1, 1024, 1024, 8, 2, 128, jnp.bfloat16, True, 'packed', None,
+                           (None, None), backend=None)
+
+
 # b, t, s, hq, hkv, d, causal, window, options: the wgmma path, TMA and barriers for real;
 # forward and (d <= 128) backward.
 MOSAIC = {

@@ -336,7 +336,7 @@ def cli(*args):
 @pytest.mark.parametrize('args, message', [
     (['--devices', '7'], 'no layout of this config runs on 7 devices'),
     (['--devices', '8', '--device', 'tpu9'], "unknown device 'tpu9'"),
-    (['--devices', '1', '--zero', '3'], 'no layout tried has fsdp > 1: add 0 to --zero'),
+    (['--devices', '1', '--zero', '3'], 'no layout tried has fsdp > 1: add ZeRO stage 0'),
 ])
 def test_cli_rejects_impossible_requests(args, message):
   result = cli('--config=default.py:tiny', *args)

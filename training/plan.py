@@ -187,16 +187,19 @@ def plan_layouts(cfg: config_lib.Config, devices: int, device: str = 'h100', *,
   device bytes of parameters, gradients and optimizer state, from abstract shapes).
   compile_on: the jax devices to compile for (default jax.devices())."""
   hw = planner.hardware(device)
+  layouts_given = layouts
   if layouts is None:
     layouts, rejected = candidates(cfg, devices, **candidate_args)
   else:
     layouts, rejected = _validated(cfg, layouts, devices)
   if not layouts:
     reasons = sorted({why for _, why in rejected})[:3]
-    if not reasons:   # candidates skips ZeRO >= 1 where mesh.fsdp is 1 (it is ZeRO-0 there)
+    if not reasons and layouts_given is None:   # candidates skips ZeRO >= 1 at fsdp 1
       zero = candidate_args.get('zero_stages', (0, 1, 3))
       reasons = [f'the ZeRO stages asked for, {zero}, shard over mesh.fsdp, and no layout '
-                 'tried has fsdp > 1: add 0 to --zero']
+                 'tried has fsdp > 1: add ZeRO stage 0 (--zero 0)']
+    elif not reasons:
+      reasons = ['no layout was given']
     raise ValueError(f'no layout of this config runs on {devices} devices; e.g. '
                      + ' | '.join(reasons))
   tokens = cfg.data.batch_size * cfg.data.seq_len
