@@ -47,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   calls.add_argument('--tool-call-parser', choices=tools.PARSERS, default=None,
                      help='how the model writes tool calls: hermes, <tool_call>{"name": ..., '
                      '"arguments": {...}}</tool_call> (Hermes 2 Pro and 3, Qwen 2.5 and 3); '
-                     'llama3_json, {"name": ..., "parameters": {...}} objects (Llama 3.1-3.3)')
+                     'llama3_json, {"name": ..., "parameters": {...}} objects (Llama 3.1-3.3); '
+                     'pythonic, [f(key=value), ...] (Llama 3.2 and 4)')
   args = parser.parse_args(argv)
   if args.enable_auto_tool_choice and args.tool_call_parser is None:
     parser.error('--enable-auto-tool-choice needs --tool-call-parser (one of '

@@ -15,7 +15,9 @@ them the way it was trained to. What the output becomes depends on `tool_choice`
                             {...}}</tool_call>` (Hermes' and Qwen's format), the text
                             around them the content; llama3_json, an output that starts
                             with <|python_tag|> or "{" as `{"name": ..., "parameters":
-                            {...}}` objects separated by ";" (Llama 3.1-3.3's)
+                            {...}}` objects separated by ";" (Llama 3.1-3.3's); pythonic,
+                            an output that starts with "[" as a Python list of calls with
+                            keyword arguments, `[f(city="Rome"), g()]` (Llama 3.2's and 4's)
 
 A call made under "required" or "auto" ends the choice with finish_reason "tool_calls".
 Each choice has its own parser (`ToolChoice.parser()`), fed the output text as it streams:
@@ -26,13 +28,14 @@ Under "required" and "auto", text that does not parse as a call (a truncated out
 back as content, never dropped; a named function's arguments are returned as written.
 """
 
+import ast
 import dataclasses
 import json
 import uuid
 
 from serve.sampling_params import SamplingParamsError, guided_field
 
-PARSERS = ('hermes', 'llama3_json')   # --tool-call-parser
+PARSERS = ('hermes', 'llama3_json', 'pythonic')   # --tool-call-parser
 FIELDS = ('tools', 'tool_choice', 'parallel_tool_calls')   # the request's, read here
 HERMES_OPEN, HERMES_CLOSE = '<tool_call>', '</tool_call>'
 SEPARATORS = ' \n\t,;[]'   # between JSON calls: dropped
@@ -107,7 +110,8 @@ class ToolChoice:
     if self.mode == 'required':
       return RequiredParser()
     if self.mode == 'auto':
-      kind = HermesParser if self.auto_parser == 'hermes' else Llama3JsonParser
+      kind = {'hermes': HermesParser, 'llama3_json': Llama3JsonParser,
+              'pythonic': PythonicParser}[self.auto_parser]
       return kind(self.parallel)
     return None
 
@@ -490,6 +494,126 @@ class HermesParser(_WholeCalls):
     if self.calls and not self._parallel:
       return Delta()            # parallel_tool_calls false: the first call only
     return Delta(tool_calls=[self._add(call['name'], arguments)])
+
+
+class _PythonStringState:
+  """Whether a scan of Python source is inside a '...' or "..." string."""
+
+  def __init__(self):
+    self._quote, self._escape = None, False
+
+  def step(self, c: str) -> bool:
+    """Advances over c; whether c belongs to a string (its quotes included)."""
+    if self._quote:
+      if self._escape:
+        self._escape = False
+      elif c == '\\':
+        self._escape = True
+      elif c == self._quote:
+        self._quote = None
+      return True
+    if c in '\'"':
+      self._quote = c
+    return self._quote is not None
+
+
+class PythonicParser(_WholeCalls):
+  """Pythonic calls (vLLM's pythonic; Llama 3.2's and 4's): an output that starts with
+  "[" (after <|python_start|> and blanks) is a Python list of calls with keyword arguments
+  of literal values, `[get_weather(city="Rome"), get_time()]`; any other output is
+  content, as written. Each item of the list that parses as such a call is a call, sent
+  when the "," or "]" after it arrives; text between calls is content unless only
+  brackets, separators and the <|python_end|> tag (so a list without calls, or a call
+  that does not parse, comes back as written), and so is what did not close by the end."""
+  START, END = '<|python_start|>', '<|python_end|>'
+
+  def __init__(self, parallel: bool = True):
+    super().__init__()
+    self._parallel = parallel
+    self._head = ''             # the output's start, until it shows which kind it is
+    self._calls_mode = None     # None: not yet known
+    self._text = ''             # in calls mode: the output after the start tag
+    self._done = 0              # text consumed: calls and what came before them
+    self._depth, self._string, self._item = 0, _PythonStringState(), None
+
+  def feed(self, text: str) -> Delta:
+    if self._calls_mode is None:
+      self._head += text
+      head = self._head.lstrip()
+      tagged = head.startswith(self.START)
+      body = head.removeprefix(self.START).lstrip()
+      if body.startswith('['):
+        self._calls_mode, text = True, self._head
+      elif body and (tagged or not self.START.startswith(head)):
+        self._calls_mode, text = False, self._head
+      else:
+        return Delta()          # blanks, or a proper prefix of the tag: wait
+    return self._scan(text) if self._calls_mode else Delta(content=text)
+
+  def _scan(self, text: str) -> Delta:
+    delta, begin = Delta(), len(self._text)
+    self._text += text
+    for i in range(begin, len(self._text)):
+      c = self._text[i]
+      if self._string.step(c):
+        if self._depth == 1 and self._item is None:
+          self._item = i
+        continue
+      if self._depth == 1 and c in ',]':   # an item of the list ends
+        if self._item is not None:
+          delta += self._end_item(self._item, i)
+        self._item = None
+      elif self._depth == 1 and self._item is None and not c.isspace():
+        self._item = i
+      if c in '([{':
+        self._depth += 1
+      elif c in ')]}' and self._depth > 0:
+        self._depth -= 1
+    return delta
+
+  def _end_item(self, start: int, end: int) -> Delta:
+    call = _pythonic_call(self._text[start:end])
+    if call is None:
+      return Delta()            # stays text: content with what comes around it
+    delta = self._between(self._text[self._done:start])
+    self._done = end
+    if self.calls and not self._parallel:
+      return delta
+    return delta + Delta(tool_calls=[self._add(*call)])
+
+  def _between(self, text: str) -> Delta:
+    tags_out = text.replace(self.START, '').replace(self.END, '')
+    return Delta(content=text if tags_out.strip(SEPARATORS) else '')
+
+  def finish(self) -> Delta:
+    """The end: an item still open is content from its start (cut short), and so is
+    other text after the last call."""
+    if self._calls_mode is None:   # blanks, or a prefix of the tag
+      return Delta(content=self._head)
+    if not self._calls_mode:
+      return Delta()
+    rest = self._text[self._done:]
+    if (self.calls and self._item is not None
+        and not self._between(self._text[self._done:self._item]).content):
+      rest = self._text[self._item:]   # after calls, the open one alone (no call: all)
+    return self._between(rest)
+
+
+def _pythonic_call(text: str) -> tuple[str, dict] | None:
+  """(name, arguments) of `name(key=literal, ...)`, or None."""
+  try:
+    node = ast.parse(text.strip(), mode='eval').body
+  except SyntaxError:
+    return None
+  if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args
+      or any(k.arg is None for k in node.keywords)):
+    return None
+  try:
+    arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    json.dumps(arguments)     # sets, bytes and complex numbers are not JSON
+  except (ValueError, TypeError, SyntaxError, RecursionError):
+    return None
+  return node.func.id, arguments
 
 
 def _json_object(text: str) -> dict | None:

@@ -228,6 +228,40 @@ def test_llama3_json_parser_in_any_chunking(text, content, calls):
     assert _run(tools.Llama3JsonParser(parallel=False), text, rng)[1] == calls[:1]
 
 
+PYTHONIC_CASES = [   # text, content, calls
+    ('It is sunny [today].', 'It is sunny [today].', []),
+    ('[get_weather(city="Rome", days=2), get_time()]', '',
+     [('get_weather', '{"city": "Rome", "days": 2}'), ('get_time', '{}')]),
+    # Llama 4's tags; strings, lists and dicts holding the list's own punctuation.
+    ('<|python_start|>[f(a=[1, "],)"], b={"k": None, "t": (True, -1.5)}, c=\'x"]\')]'
+     '<|python_end|>', '',
+     [('f', '{"a": [1, "],)"], "b": {"k": null, "t": [true, -1.5]}, "c": "x\\"]"}')]),
+    (r'[f(s="a\"b)")]', '', [('f', r'{"s": "a\"b)"}')]),   # an escaped quote
+    ('  [f(a=1)]', '', [('f', '{"a": 1}')]),
+    # Not calls: as written. Positional arguments, a name that is not a literal, a set.
+    ('[1, 2, 3] is a list', '[1, 2, 3] is a list', []),
+    ('[f(1)]', '[f(1)]', []),
+    ('[f(a=b)]', '[f(a=b)]', []),
+    ('[f(a={1, 2})]', '[f(a={1, 2})]', []),
+    ('[f(a=1), 2, g()] ok', ', 2, ] ok', [('f', '{"a": 1}'), ('g', '{}')]),
+    # Cut short: the open item is content; a prefix of the tag is content.
+    ('[f(a=1), g(b="x', 'g(b="x', [('f', '{"a": 1}')]),
+    ('[f(a=1)', '[f(a=1)', []),
+    ('<|python_st', '<|python_st', []),
+    (' \n', ' \n', []),
+    ('<|python_start|>Hi', '<|python_start|>Hi', []),
+]
+
+
+@pytest.mark.parametrize('text, content, calls', PYTHONIC_CASES)
+def test_pythonic_parser_in_any_chunking(text, content, calls):
+  rng = random.Random(text)
+  for trial in range(20):
+    assert _run(tools.PythonicParser(), text, rng if trial else None) == (content, calls)
+  if len(calls) > 1:
+    assert _run(tools.PythonicParser(parallel=False), text, rng)[1] == calls[:1]
+
+
 def test_required_parser_in_any_chunking_and_cut_anywhere():
   items = [{'name': 'get_weather', 'parameters': {'city': 'Paris'}},
            {'name': 'get_time', 'parameters': {'zone': -3}},
@@ -399,6 +433,21 @@ def test_auto_reads_llama3_json_calls(echo_server):
   assert _plain(client.chat.completions.create(**plain))[0]['content'] == 'No call {here}.'
 
 
+@pytest.mark.parametrize('echo_server', ['pythonic'], indirect=True)
+def test_auto_reads_pythonic_calls(echo_server):
+  server, _ = echo_server
+  client = _client(server)
+  text = '[w(c="R"), t()]'
+  kw = dict(model='fake', messages=[{'role': 'user', 'content': text}], tools=[W, T],
+            max_tokens=500)
+  want = [{'content': None, 'finish_reason': 'tool_calls',
+           'calls': [('w', '{"c": "R"}'), ('t', '{}')]}]
+  assert _plain(client.chat.completions.create(**kw)) == want
+  assert _streamed(client, **kw) == want
+  plain = dict(kw, messages=[{'role': 'user', 'content': 'No call [here].'}])
+  assert _plain(client.chat.completions.create(**plain))[0]['content'] == 'No call [here].'
+
+
 def test_tools_reach_the_template_and_earlier_calls_render():
   fake = FakeEngine(max_model_len=1024)
   template = ('{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}'
@@ -456,7 +505,7 @@ def test_serve_cli_needs_a_parser_for_auto():
   fake = FakeEngine()
   try:
     with pytest.raises(ValueError, match='--tool-call-parser'):
-      create_app(fake, FakeServed(), tool_parser='pythonic')
+      create_app(fake, FakeServed(), tool_parser='mistral')
   finally:
     fake.shutdown()
 
