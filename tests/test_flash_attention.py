@@ -85,11 +85,11 @@ def _check_against_reference(seed, b, t, s, hq, hkv, d, dtype, causal, segments,
   GPU for bf16: test_gpu.py checks that path by name)."""
   rng, q, k, v = _inputs(seed, b, t, s, hq, hkv, d, dtype)
   seg = _segment_ids(rng, segments, b, t, s)
-  opts = dict(causal=causal, segment_ids=seg, sliding_window=window, return_lse=True,
-              backend=backend)
+  opts = dict(causal=causal, segment_ids=seg, sliding_window=window, return_lse=True)
   # Every output buffer starts as NaN (aliased in): an element no program writes fails.
   tiles = dict(zip(('block_q', 'block_k', 'block_q_bwd', 'block_k_bwd'), blocks))
-  kernel = lambda q, k, v: fa.flash_attention(q, k, v, _poison_outputs=True, **tiles, **opts)
+  kernel = lambda q, k, v: fa.flash_attention(q, k, v, _poison_outputs=True,
+                                              backend=backend, **tiles, **opts)
   ref = lambda q, k, v: fa.flash_attention_reference(q, k, v, **opts)
   # Cotangents for both outputs: the lse one exercises dS += dlse * P.
   cot = (jnp.asarray(rng.normal(size=q.shape), dtype),
