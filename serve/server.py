@@ -126,6 +126,7 @@ class _Req:
   vllm_json: list | None = None        # the first choice's: that answer, once built
   prompt_logprobs: list | None = None
   first: '_Req | None' = None    # its prompt's first choice, which scores the prompt
+  waits_for_scores: bool = False   # streamed: its outputs wait for first's prompt scores
   tools: tools_lib.ToolChoice | None = None   # chat's tools, and a parser of the output
   tool_parser: object = None
   text: str = ''
@@ -385,13 +386,13 @@ def _prompt_only(body: dict, chat: bool) -> bool:
 # --- the engine side of a request ---
 
 def _submit(state: ServerState, prompts: list[list[int]], params: list,
-            n: int | None = 1, score_once: bool = False) -> list[_Req]:
+            n: int | None = 1) -> list[_Req]:
   """Adds n requests per prompt to the engine, or none at all (429 when the queue is full).
 
   A prompt's n choices are independent requests; with a seed, choice j samples with
   seed + j, as vLLM's parallel sampling does, so the n differ and each can be reproduced
-  alone. score_once: only the first choice computes the prompt's logprobs (the others
-  read them from it: `_prompt_scores`)."""
+  alone. Only the first choice computes the prompt's logprobs: the others read them from
+  it (`_prompt_scores`), and `_outputs` holds their outputs until it has them."""
   base, n = uuid.uuid4().hex, n or 1
   limit = state.engine.max_waiting_requests
   if len(prompts) * n > limit:
@@ -403,11 +404,13 @@ def _submit(state: ServerState, prompts: list[list[int]], params: list,
     for i, (ids, p) in enumerate(zip(prompts, params)):
       for j in range(n):
         child = p if p.seed is None else dataclasses.replace(p, seed=p.seed + j)
-        if j and score_once:
+        waits = bool(j) and p.prompt_logprobs is not None
+        if waits:
           child = dataclasses.replace(child, prompt_logprobs=None)
         rid = f'{base}-{i * n + j}'
         stream = state.engine.add_request(ids, child, request_id=rid)
-        reqs.append(_Req(rid, i * n + j, ids, stream, counts_prompt=j == 0))
+        reqs.append(_Req(rid, i * n + j, ids, stream, counts_prompt=j == 0,
+                         waits_for_scores=waits))
         reqs[-1].first = reqs[-1] if j == 0 else reqs[-1 - j]
         state.active[rid] = reqs[-1]
   except QueueFull as e:
@@ -465,20 +468,33 @@ async def _outputs(state: ServerState, reqs: list[_Req]):
     finally:
       queue.put_nowait((r, None))
 
+  def scored(first):   # its prompt's scores are there, or will never come
+    return first.prompt_logprobs is not None or first.finish_reason is not None
+
   tasks = [asyncio.ensure_future(pump(r)) for r in reqs]
+  held = {}   # a first choice's rid -> its siblings' items, in order, until scored(first)
   try:
     remaining = len(reqs)
     while remaining:
-      r, out = await queue.get()
-      if out is None or isinstance(out, Exception):
-        remaining -= out is None
-        if r.finish_reason is None:
-          if out is not None:   # a broken stream: make sure the engine lets it go too
-            state.engine.abort(r.rid)
-          _finish(state, r, 'abort' if out is None else 'error')
-          yield r, None         # readers learn of the early end (_ended_early says why)
+      item = await queue.get()
+      r = item[0]
+      if r.waits_for_scores and (r.first.rid in held or not scored(r.first)):
+        held.setdefault(r.first.rid, []).append(item)
         continue
-      yield r, _apply(state, r, out)
+      pending = [item]
+      while pending:
+        r, out = pending.pop(0)
+        if out is None or isinstance(out, Exception):
+          remaining -= out is None
+          if r.finish_reason is None:
+            if out is not None:   # a broken stream: make sure the engine lets it go too
+              state.engine.abort(r.rid)
+            _finish(state, r, 'abort' if out is None else 'error')
+            yield r, None         # readers learn of the early end (_ended_early says why)
+        else:
+          yield r, _apply(state, r, out)
+        if r.rid in held and scored(r):
+          pending += held.pop(r.rid)
   finally:
     for t in tasks:
       t.cancel()
@@ -794,7 +810,7 @@ async def _completions(state: ServerState, request: fastapi.Request):
   prompts, texts = _completion_prompts(state, body)
   params = [_sampling_params(state, raw, len(p), chat=False) for p in prompts]
   await _compile_guided(state, raw, params[0])
-  reqs = _submit(state, prompts, params, body.n, score_once=not body.stream)
+  reqs = _submit(state, prompts, params, body.n)
   for r in reqs:
     r.vllm_prompt_logprobs = raw.get('prompt_logprobs') is not None
     if body.echo:
@@ -813,7 +829,7 @@ async def _chat(state: ServerState, request: fastapi.Request):
   params = _sampling_params(state, fields, len(prompt), chat=True)
   await _compile_guided(state, fields, params,
                         'tools' if tools is not None and tools.regex else None)
-  reqs = _submit(state, [prompt], [params], body.n, score_once=True)
+  reqs = _submit(state, [prompt], [params], body.n)
   for r in reqs:
     r.vllm_prompt_logprobs = params.prompt_logprobs is not None
     r.tools = tools

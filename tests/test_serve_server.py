@@ -57,6 +57,7 @@ class FakeEngine:
     self.stop_after_prompt = stop_after_prompt   # the echo ends ('stop') with the prompt
     self.vocab_size = 257
     self.paused = False
+    self.newest_first = False   # each step serves the latest request first
     self.aborted = []
     self.seeds = []            # of every request added, in order
     self.params = []           # the SamplingParams of every request added, in order
@@ -110,9 +111,13 @@ class FakeEngine:
     stream, prompt, params, _ = item
     logprobs = ([engine_lib.TokenLogprob(t, -0.5, [(t, -0.5)] * (params.logprobs or 0))
                  for t in tokens] if params.logprobs is not None else None)
+    scores = None   # asked for: on the first output, prompt token i's logprob -i / 100
+    if params.prompt_logprobs is not None and item[3] == 1:
+      scores = [None] + [engine_lib.TokenLogprob(t, -i / 100, [(t, -i / 100)], 1)
+                         for i, t in enumerate(prompt[1:], 1)]
     stream.put(engine_lib.RequestOutput(
         stream.request_id, tokens, ByteTokenizer().decode(tokens), logprobs, finished,
-        reason, len(prompt), item[3]))
+        reason, len(prompt), item[3], prompt_logprobs=scores))
 
   def _loop(self):
     while not self._stop:
@@ -121,7 +126,7 @@ class FakeEngine:
         continue
       with self._lock:
         items = list(self._live.items())
-      for rid, item in items:
+      for rid, item in items[::-1] if self.newest_first else items:
         prompt, params = item[1], item[2]
         token = prompt[item[3] % len(prompt)]
         item[3] += 1
@@ -272,7 +277,7 @@ def test_n_choices_per_prompt_with_seeds_and_usage(fake_server, fake):
 
 def test_a_prompts_n_choices_score_it_once_unless_streamed(fake_server, fake):
   """prompt_logprobs (or echo's logprobs) with n=3: only the first choice asks the engine
-  for the prompt's logprobs; streamed echo needs each choice's own."""
+  for the prompt's logprobs, streamed echo too (the others wait for its scores)."""
   httpx.post(fake_server.url + '/v1/completions', json={
       'prompt': ['ab', 'cd'], 'max_tokens': 1, 'n': 3, 'prompt_logprobs': 1}).raise_for_status()
   assert [p.prompt_logprobs for p in fake.params] == [1, None, None] * 2
@@ -282,7 +287,16 @@ def test_a_prompts_n_choices_score_it_once_unless_streamed(fake_server, fake):
   assert [p.prompt_logprobs for p in fake.params[-2:]] == [0, None]
   list(_client(fake_server).completions.create(model='fake', prompt='ab', max_tokens=1, n=2,
                                                echo=True, logprobs=1, stream=True))
-  assert [p.prompt_logprobs for p in fake.params[-2:]] == [1, 1]
+  assert [p.prompt_logprobs for p in fake.params[-2:]] == [1, None]
+  # Even when the others' outputs come first, each echo carries the first's scores.
+  fake.newest_first = True
+  per = {}
+  for chunk in _client(fake_server).completions.create(
+      model='fake', prompt='abcd', max_tokens=2, n=3, echo=True, logprobs=0, stream=True):
+    for c in chunk.choices:
+      per.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+  assert per == {i: [None, -0.01, -0.02, -0.03, -0.5, -0.5] for i in range(3)}, per
+  assert [p.prompt_logprobs for p in fake.params[-3:]] == [0, None, None]
   resp = httpx.post(fake_server.url + '/v1/chat/completions', json={
       'messages': [{'role': 'user', 'content': 'hi'}], 'stream': True, 'prompt_logprobs': 0})
   assert resp.status_code == 400 and resp.json()['error']['param'] == 'prompt_logprobs'
@@ -810,6 +824,17 @@ def test_echo_scores_the_prompt_as_the_training_forward_does(real_server, real_e
   streamed = [x for c in chunks if c.choices[0].logprobs
               for x in c.choices[0].logprobs.token_logprobs]
   assert streamed == lp.token_logprobs
+  # n=3 streamed: one choice scores the prompt; the others' echo waits for it and is equal
+  per = {}
+  for c in client.completions.create(model='tiny', prompt=prompt, max_tokens=2, echo=True,
+                                     logprobs=2, stream=True, n=3, temperature=1.0):
+    for ch in c.choices:
+      if ch.logprobs:
+        per.setdefault(ch.index, []).extend(ch.logprobs.token_logprobs)
+  assert sorted(per) == [0, 1, 2]
+  for index, values in per.items():
+    assert values[0] is None and len(values) == len(prompt) + 2, index
+    np.testing.assert_allclose(values[1:len(prompt)], want, atol=2e-4)
   # several prompts x n: choice i echoes prompt i // n
   many = client.completions.create(model='tiny', prompt=[prompt, prompt[:5]], max_tokens=0,
                                    echo=True, logprobs=0, n=2)
