@@ -420,13 +420,16 @@ class Engine:
     modes = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_p=0.9)]
     if self.served.sampling_defaults:
       modes.append(SamplingParams(**self.served.sampling_defaults))
+    # Logprobs, greedy and sampled: the sampled token's alone (chat's logprobs: true) and
+    # with the top N (any N: one program), without structured output.
+    scored = [SamplingParams(temperature=t, logprobs=k) for t in (0.0, 1.0) for k in (0, 1)]
     every = sampler.pack_bits(range(self.vocab_size), self.vocab_size)
     for s, full in logits.items():
       for n in range(1, s + 1):
-        for params in modes:
-          for allowed in (None, [every] * n):
-            self.sampler(full[:n], [params] * n, [0] * n, self.vocab_size,
-                         history=[([0], [])] * n, allowed=allowed)
+        for params, allowed in ([(p, a) for p in modes for a in (None, [every] * n)]
+                                + [(p, None) for p in scored]):
+          self.sampler(full[:n], [params] * n, [0] * n, self.vocab_size,
+                       history=[([0], [])] * n, allowed=allowed)
 
   # ---------------------------------------------------------------- public API
 

@@ -553,7 +553,8 @@ def test_warmup_with_token_buckets_past_the_context(varied, prompts, reference):
 
 def test_warmup_compiles_the_structured_output_sampler_too(varied, prompts):
   """After warm-up, structured output (greedy, sampled, top_p, the model's sampling
-  defaults) and plain requests with those defaults compile no sampler program."""
+  defaults), plain requests with those defaults and logprobs requests (greedy and sampled,
+  with and without top logprobs) compile no sampler program."""
   from serve import sampler  # pylint: disable=import-outside-toplevel
   sampler._sample_rows.clear_cache()   # what earlier tests compiled must not hide a gap
   defaults = {'temperature': 0.6, 'top_p': 0.9, 'top_k': 20}
@@ -569,6 +570,11 @@ def test_warmup_compiles_the_structured_output_sampler_too(varied, prompts):
       got = eng.generate(prompts[:2], ask)
       assert all(r.text in ('yes', 'no') for r in got)
     eng.generate(prompts[:2], SamplingParams(max_tokens=3, **defaults))
+    for temperature in (0.0, 1.0):   # logprobs: the sampled token's, and with the top 1 or 5
+      for k in (0, 1, 5):
+        got = eng.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=temperature,
+                                                       logprobs=k, seed=4))
+        assert all(len(r.logprobs) == 2 and len(r.logprobs[0].top or ()) == k for r in got)
     assert sampler._sample_rows._cache_size() == compiled  # pylint: disable=protected-access
 
 
