@@ -420,9 +420,9 @@ class Engine:
     modes = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_p=0.9)]
     if self.served.sampling_defaults:
       modes.append(SamplingParams(**self.served.sampling_defaults))
-    # Logprobs, greedy and sampled: the sampled token's alone (chat's logprobs: true) and
+    # Each mode with logprobs too: the sampled token's alone (chat's logprobs: true) and
     # with the top N (any N: one program), without structured output.
-    scored = [SamplingParams(temperature=t, logprobs=k) for t in (0.0, 1.0) for k in (0, 1)]
+    scored = [dataclasses.replace(m, logprobs=k) for m in modes for k in (0, 1)]
     every = sampler.pack_bits(range(self.vocab_size), self.vocab_size)
     for s, full in logits.items():
       for n in range(1, s + 1):

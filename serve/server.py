@@ -11,6 +11,7 @@ while draining, and the metrics.
 """
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import hmac
@@ -126,7 +127,7 @@ class _Req:
   vllm_json: list | None = None        # the first choice's: that answer, once built
   prompt_logprobs: list | None = None
   first: '_Req | None' = None    # its prompt's first choice, which scores the prompt
-  waits_for_scores: bool = False   # streamed: its outputs wait for first's prompt scores
+  waits_for_scores: bool = False   # its outputs wait for first's prompt scores
   tools: tools_lib.ToolChoice | None = None   # chat's tools, and a parser of the output
   tool_parser: object = None
   text: str = ''
@@ -481,9 +482,9 @@ async def _outputs(state: ServerState, reqs: list[_Req]):
       if r.waits_for_scores and (r.first.rid in held or not scored(r.first)):
         held.setdefault(r.first.rid, []).append(item)
         continue
-      pending = [item]
+      pending = collections.deque([item])
       while pending:
-        r, out = pending.pop(0)
+        r, out = pending.popleft()
         if out is None or isinstance(out, Exception):
           remaining -= out is None
           if r.finish_reason is None:
@@ -494,7 +495,7 @@ async def _outputs(state: ServerState, reqs: list[_Req]):
         else:
           yield r, _apply(state, r, out)
         if r.rid in held and scored(r):
-          pending += held.pop(r.rid)
+          pending.extend(held.pop(r.rid))
   finally:
     for t in tasks:
       t.cancel()

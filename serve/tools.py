@@ -519,12 +519,13 @@ class _PythonStringState:
 
 class PythonicParser(_WholeCalls):
   """Pythonic calls (vLLM's pythonic; Llama 3.2's and 4's): an output that starts with
-  "[" (after <|python_start|> and blanks) is a Python list of calls with keyword arguments
-  of literal values, `[get_weather(city="Rome"), get_time()]`; any other output is
-  content, as written. Each item of the list that parses as such a call is a call, sent
-  when the "," or "]" after it arrives; text between calls is content unless only
-  brackets, separators and the <|python_end|> tag (so a list without calls, or a call
-  that does not parse, comes back as written), and so is what did not close by the end."""
+  "[" (after <|python_start|> and blanks) is read as a Python list of calls with keyword
+  arguments of literal values, `[get_weather(city="Rome"), get_time()]`, up to the "]"
+  that closes it; any other output is content, as written. Each item of the list that
+  parses as such a call is a call, sent when the "," or "]" after it arrives. An output
+  in which no item is a call is content as written. Otherwise the text between calls is
+  content unless only brackets and separators, so is what follows the list (less the
+  <|python_start|> and <|python_end|> tags), and so is an item cut short by the end."""
   START, END = '<|python_start|>', '<|python_end|>'
 
   def __init__(self, parallel: bool = True):
@@ -532,9 +533,10 @@ class PythonicParser(_WholeCalls):
     self._parallel = parallel
     self._head = ''             # the output's start, until it shows which kind it is
     self._calls_mode = None     # None: not yet known
-    self._text = ''             # in calls mode: the output after the start tag
-    self._done = 0              # text consumed: calls and what came before them
+    self._text = ''             # in calls mode: the output
+    self._done = 0              # text consumed: sent, or calls and what came before them
     self._depth, self._string, self._item = 0, _PythonStringState(), None
+    self._closed = False        # the list's "]" has come: nothing after it is a call
 
   def feed(self, text: str) -> Delta:
     if self._calls_mode is None:
@@ -554,6 +556,8 @@ class PythonicParser(_WholeCalls):
     delta, begin = Delta(), len(self._text)
     self._text += text
     for i in range(begin, len(self._text)):
+      if self._closed:
+        break
       c = self._text[i]
       if self._string.step(c):
         if self._depth == 1 and self._item is None:
@@ -569,6 +573,14 @@ class PythonicParser(_WholeCalls):
         self._depth += 1
       elif c in ')]}' and self._depth > 0:
         self._depth -= 1
+        if self._depth == 0:
+          self._closed = True
+          if self.calls:        # what the list held after its last call
+            delta += self._between(self._text[self._done:i + 1])
+            self._done = i + 1
+    if self._closed and not self.calls:   # no call: the output as written, as it comes
+      delta += Delta(content=self._text[self._done:])
+      self._done = len(self._text)
     return delta
 
   def _end_item(self, start: int, end: int) -> Delta:
@@ -582,44 +594,43 @@ class PythonicParser(_WholeCalls):
     return delta + Delta(tool_calls=[self._add(*call)])
 
   def _between(self, text: str) -> Delta:
-    tags_out = text.replace(self.START, '').replace(self.END, '')
-    return Delta(content=text if tags_out.strip(SEPARATORS) else '')
+    """Text beside calls: content, less the tags, unless only brackets and separators."""
+    text = text.replace(self.START, '').replace(self.END, '')
+    return Delta(content=text if text.strip(SEPARATORS) else '')
 
   def finish(self) -> Delta:
-    """The end: an item still open is content from its start (cut short), and so is
-    other text after the last call."""
+    """The end: without calls, what was not sent (all, if the list never closed); after
+    calls, the text after the list, or an item cut short."""
     if self._calls_mode is None:   # blanks, or a prefix of the tag
       return Delta(content=self._head)
     if not self._calls_mode:
       return Delta()
     rest = self._text[self._done:]
-    if (self.calls and self._item is not None
-        and not self._between(self._text[self._done:self._item]).content):
-      rest = self._text[self._item:]   # after calls, the open one alone (no call: all)
+    if not self.calls:
+      return Delta(content=rest)
+    if not self._closed and self._item is not None and not self._between(self._text[self._done:self._item]).content:
+      rest = self._text[self._item:]   # the open item alone
     return self._between(rest)
 
 
 def _pythonic_call(text: str) -> tuple[str, dict] | None:
-  """(name, arguments) of `name(key=literal, ...)`, or None."""
+  """(name, arguments) of `name(key=literal, ...)` with JSON values, or None."""
   try:
     node = ast.parse(text.strip(), mode='eval').body
-  except SyntaxError:
-    return None
-  if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args
-      or any(k.arg is None for k in node.keywords)):
-    return None
-  try:
+    if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args
+        or any(k.arg is None for k in node.keywords)):
+      return None
     arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-    json.dumps(arguments)     # sets, bytes and complex numbers are not JSON
-  except (ValueError, TypeError, SyntaxError, RecursionError):
-    return None
+    json.dumps(arguments, allow_nan=False)   # sets, bytes, complex, inf and nan are not
+  except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+    return None               # (a model repeating "-" or "(" can nest past the parser)
   return node.func.id, arguments
 
 
 def _json_object(text: str) -> dict | None:
   try:
     value = json.loads(text)
-  except ValueError:
+  except (ValueError, RecursionError):   # RecursionError: arrays nested past the parser
     return None
   return value if isinstance(value, dict) else None
 

@@ -570,10 +570,11 @@ def test_warmup_compiles_the_structured_output_sampler_too(varied, prompts):
       got = eng.generate(prompts[:2], ask)
       assert all(r.text in ('yes', 'no') for r in got)
     eng.generate(prompts[:2], SamplingParams(max_tokens=3, **defaults))
-    for temperature in (0.0, 1.0):   # logprobs: the sampled token's, and with the top 1 or 5
+    # Logprobs (the sampled token's, and with the top 1 or 5): greedy, sampled, the defaults.
+    for kind in (dict(temperature=0.0), dict(temperature=1.0), defaults):
       for k in (0, 1, 5):
-        got = eng.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=temperature,
-                                                       logprobs=k, seed=4))
+        got = eng.generate(prompts[:2], SamplingParams(max_tokens=2, logprobs=k, seed=4,
+                                                       **kind))
         assert all(len(r.logprobs) == 2 and len(r.logprobs[0].top or ()) == k for r in got)
     assert sampler._sample_rows._cache_size() == compiled  # pylint: disable=protected-access
 

@@ -57,7 +57,7 @@ class FakeEngine:
     self.stop_after_prompt = stop_after_prompt   # the echo ends ('stop') with the prompt
     self.vocab_size = 257
     self.paused = False
-    self.newest_first = False   # each step serves the latest request first
+    self.first_last = False   # a request whose id ends in -0 waits for the others to end
     self.aborted = []
     self.seeds = []            # of every request added, in order
     self.params = []           # the SamplingParams of every request added, in order
@@ -126,7 +126,9 @@ class FakeEngine:
         continue
       with self._lock:
         items = list(self._live.items())
-      for rid, item in items[::-1] if self.newest_first else items:
+      if self.first_last and len(items) > 1:
+        items = [(rid, item) for rid, item in items if not rid.endswith('-0')]
+      for rid, item in items:
         prompt, params = item[1], item[2]
         token = prompt[item[3] % len(prompt)]
         item[3] += 1
@@ -288,8 +290,8 @@ def test_a_prompts_n_choices_score_it_once_unless_streamed(fake_server, fake):
   list(_client(fake_server).completions.create(model='fake', prompt='ab', max_tokens=1, n=2,
                                                echo=True, logprobs=1, stream=True))
   assert [p.prompt_logprobs for p in fake.params[-2:]] == [1, None]
-  # Even when the others' outputs come first, each echo carries the first's scores.
-  fake.newest_first = True
+  # The others end before the first starts: each echo still carries the first's scores.
+  fake.first_last = True
   per = {}
   for chunk in _client(fake_server).completions.create(
       model='fake', prompt='abcd', max_tokens=2, n=3, echo=True, logprobs=0, stream=True):

@@ -243,7 +243,16 @@ PYTHONIC_CASES = [   # text, content, calls
     ('[f(1)]', '[f(1)]', []),
     ('[f(a=b)]', '[f(a=b)]', []),
     ('[f(a={1, 2})]', '[f(a={1, 2})]', []),
-    ('[f(a=1), 2, g()] ok', ', 2, ] ok', [('f', '{"a": 1}'), ('g', '{}')]),
+    ('[f(a=1), 2, g()] ok', ', 2,  ok', [('f', '{"a": 1}'), ('g', '{}')]),
+    ('[]', '[]', []),
+    ('[ ] x', '[ ] x', []),
+    ('[f(a=1e999)]', '[f(a=1e999)]', []),                 # inf is not JSON
+    ('[f(a=' + '-' * 3000 + '1)]', '[f(a=' + '-' * 3000 + '1)]', []),   # past the parser
+    # Nothing after the list is a call: text after it is content, less the tags.
+    ('[1, 2] are numbers; call it like [f(a=1)] later',
+     '[1, 2] are numbers; call it like [f(a=1)] later', []),
+    ('[f()] and [g()]', ' and [g()]', [('f', '{}')]),
+    ('<|python_start|>[f()]<|python_end|> done', ' done', [('f', '{}')]),
     # Cut short: the open item is content; a prefix of the tag is content.
     ('[f(a=1), g(b="x', 'g(b="x', [('f', '{"a": 1}')]),
     ('[f(a=1)', '[f(a=1)', []),
