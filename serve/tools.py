@@ -295,23 +295,25 @@ class _WholeCalls:
 
 
 class _StringState:
-  """Whether a scan of JSON text is inside a string, a character at a time."""
+  """Whether a scan of text is inside a string, a character at a time: JSON's "..." by
+  default, quotes='\'"' for Python's '...' and "..." too."""
 
-  def __init__(self):
-    self.inside = self._escape = False
+  def __init__(self, quotes: str = '"'):
+    self._quotes, self._quote, self._escape = quotes, None, False
 
   def step(self, c: str) -> bool:
     """Advances over c; whether c belongs to a string (its quotes included)."""
-    if self.inside:
+    if self._quote:
       if self._escape:
         self._escape = False
       elif c == '\\':
         self._escape = True
-      elif c == '"':
-        self.inside = False
+      elif c == self._quote:
+        self._quote = None
       return True
-    self.inside = c == '"'
-    return self.inside
+    if c in self._quotes:
+      self._quote = c
+    return self._quote is not None
 
 
 class _ObjectsParser(_WholeCalls):
@@ -496,27 +498,6 @@ class HermesParser(_WholeCalls):
     return Delta(tool_calls=[self._add(call['name'], arguments)])
 
 
-class _PythonStringState:
-  """Whether a scan of Python source is inside a '...' or "..." string."""
-
-  def __init__(self):
-    self._quote, self._escape = None, False
-
-  def step(self, c: str) -> bool:
-    """Advances over c; whether c belongs to a string (its quotes included)."""
-    if self._quote:
-      if self._escape:
-        self._escape = False
-      elif c == '\\':
-        self._escape = True
-      elif c == self._quote:
-        self._quote = None
-      return True
-    if c in '\'"':
-      self._quote = c
-    return self._quote is not None
-
-
 class PythonicParser(_WholeCalls):
   """Pythonic calls (vLLM's pythonic; Llama 3.2's and 4's): an output that starts with
   "[" (after <|python_start|> and blanks) is read as a Python list of calls with keyword
@@ -535,7 +516,7 @@ class PythonicParser(_WholeCalls):
     self._calls_mode = None     # None: not yet known
     self._text = ''             # in calls mode: the output
     self._done = 0              # text consumed: sent, or calls and what came before them
-    self._depth, self._string, self._item = 0, _PythonStringState(), None
+    self._depth, self._string, self._item = 0, _StringState(quotes='\'"'), None
     self._closed = False        # the list's "]" has come: nothing after it is a call
 
   def feed(self, text: str) -> Delta:

@@ -219,15 +219,6 @@ LLAMA_CASES = [   # text, content, calls
 ]
 
 
-@pytest.mark.parametrize('text, content, calls', LLAMA_CASES)
-def test_llama3_json_parser_in_any_chunking(text, content, calls):
-  rng = random.Random(text)
-  for trial in range(20):
-    assert _run(tools.Llama3JsonParser(), text, rng if trial else None) == (content, calls)
-  if len(calls) > 1:
-    assert _run(tools.Llama3JsonParser(parallel=False), text, rng)[1] == calls[:1]
-
-
 PYTHONIC_CASES = [   # text, content, calls
     ('It is sunny [today].', 'It is sunny [today].', []),
     ('[get_weather(city="Rome", days=2), get_time()]', '',
@@ -262,13 +253,15 @@ PYTHONIC_CASES = [   # text, content, calls
 ]
 
 
-@pytest.mark.parametrize('text, content, calls', PYTHONIC_CASES)
-def test_pythonic_parser_in_any_chunking(text, content, calls):
+@pytest.mark.parametrize('parser, text, content, calls',
+                         [(tools.Llama3JsonParser, *c) for c in LLAMA_CASES]
+                         + [(tools.PythonicParser, *c) for c in PYTHONIC_CASES])
+def test_json_and_pythonic_parsers_in_any_chunking(parser, text, content, calls):
   rng = random.Random(text)
   for trial in range(20):
-    assert _run(tools.PythonicParser(), text, rng if trial else None) == (content, calls)
+    assert _run(parser(), text, rng if trial else None) == (content, calls)
   if len(calls) > 1:
-    assert _run(tools.PythonicParser(parallel=False), text, rng)[1] == calls[:1]
+    assert _run(parser(parallel=False), text, rng)[1] == calls[:1]
 
 
 def test_required_parser_in_any_chunking_and_cut_anywhere():
@@ -427,34 +420,23 @@ def test_auto_returns_the_calls_the_model_writes(echo_server, extra, want):
   assert [p.skip_special_tokens for p in fake.params] == [False, False]
 
 
-@pytest.mark.parametrize('echo_server', ['llama3_json'], indirect=True)
-def test_auto_reads_llama3_json_calls(echo_server):
+@pytest.mark.parametrize('echo_server, text, plain_text', [
+    ('llama3_json',
+     '<|python_tag|>{"name": "w", "parameters": {"c": "R"}}; {"name": "t", "parameters": {}}',
+     'No call {here}.'),
+    ('pythonic', '[w(c="R"), t()]', 'No call [here].'),
+], indirect=['echo_server'])
+def test_auto_reads_json_and_pythonic_calls(echo_server, text, plain_text):
   server, _ = echo_server
   client = _client(server)
-  text = '<|python_tag|>{"name": "w", "parameters": {"c": "R"}}; {"name": "t", "parameters": {}}'
   kw = dict(model='fake', messages=[{'role': 'user', 'content': text}], tools=[W, T],
             max_tokens=500)
   want = [{'content': None, 'finish_reason': 'tool_calls',
            'calls': [('w', '{"c": "R"}'), ('t', '{}')]}]
   assert _plain(client.chat.completions.create(**kw)) == want
   assert _streamed(client, **kw) == want
-  plain = dict(kw, messages=[{'role': 'user', 'content': 'No call {here}.'}])
-  assert _plain(client.chat.completions.create(**plain))[0]['content'] == 'No call {here}.'
-
-
-@pytest.mark.parametrize('echo_server', ['pythonic'], indirect=True)
-def test_auto_reads_pythonic_calls(echo_server):
-  server, _ = echo_server
-  client = _client(server)
-  text = '[w(c="R"), t()]'
-  kw = dict(model='fake', messages=[{'role': 'user', 'content': text}], tools=[W, T],
-            max_tokens=500)
-  want = [{'content': None, 'finish_reason': 'tool_calls',
-           'calls': [('w', '{"c": "R"}'), ('t', '{}')]}]
-  assert _plain(client.chat.completions.create(**kw)) == want
-  assert _streamed(client, **kw) == want
-  plain = dict(kw, messages=[{'role': 'user', 'content': 'No call [here].'}])
-  assert _plain(client.chat.completions.create(**plain))[0]['content'] == 'No call [here].'
+  plain = dict(kw, messages=[{'role': 'user', 'content': plain_text}])
+  assert _plain(client.chat.completions.create(**plain))[0]['content'] == plain_text
 
 
 def test_tools_reach_the_template_and_earlier_calls_render():
