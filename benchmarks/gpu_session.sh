@@ -147,7 +147,7 @@ paste -sd,)" ;;
     train_8k) stage train_8k "${TRAIN_LIMIT:-570}" bash -c 'train 8192 8' ;;
     # jax takes half the GPU, not its default 75%: torch runs in the same process.
     serve) stage serve "${SERVE_LIMIT:-570}" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 "$PY" -m \
-      benchmarks.serve_throughput --shapes=1b --repeats=2 ;;
+      benchmarks.serve_throughput --shapes=1b --repeats="${SERVE_REPEATS:-2}" ;;
     *) echo "unknown stage '$1': use machine, tests, attention, tiles, paged_decode, \
 paged_tiles, packed, planner, planner_64k, train_64k, train_8k or serve"
        return 2 ;;
