@@ -60,10 +60,11 @@
 #   bash benchmarks/gpu_session.sh serve
 # A failing stage does not stop the next, so one call reports both failures and speed.
 # At most 8 files come back from a call: each stage's log, plus each JSON it wrote
-# (train_64k: 4), so train_64k and train_8k go in separate calls.
+# (train_64k: 4, and the compiled HLO of its 2 save_attention runs), so train_64k and
+# train_8k go in separate calls.
 # The times above are estimates, not measurements; each stage has its own time limit.
 set -uo pipefail
-OUT=${OUT:-/tmp/meshlm_gpu}
+export OUT=${OUT:-/tmp/meshlm_gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
@@ -87,8 +88,13 @@ train() {  # train SEQ BATCH: gpt_64k's model, each attention_impl:remat of TRAI
   # pallas is auto: the Mosaic GPU kernels on Hopper. save_attention: the backward runs no
   # attention forward (the planner predicts ~10% off a 64K step; not yet measured).
   for run in ${TRAIN_RUNS:-pallas:save_attention pallas:full cudnn:full cudnn:save_attention}; do
-    impl=${run%%:*} remat=full
+    impl=${run%%:*} remat=full hlo=()
     [[ $run == *:* ]] && remat=${run#*:}
+    # save_attention's compiled step comes back too (gzipped HLO): on 2026-11-26 its
+    # profile showed two attention forward kernels where the program lowered for CUDA
+    # (jax 0.10.2 and 0.11.2, checked without a GPU) has one, and the full remat's step
+    # time (4.45 s, pallas, against 4.46).
+    [[ $remat == save_attention ]] && hlo=(--hlo_out="$OUT/hlo_${seq}_${impl}_${remat}.txt.gz")
     # Command buffers off: the profile then times each kernel, not whole CUDA graphs (on,
     # three opaque buffers held 98% of a 64K step). Off for the timed steps too: compare
     # runs of one session (cudnn:full is the baseline the first session measured with
@@ -97,7 +103,7 @@ train() {  # train SEQ BATCH: gpt_64k's model, each attention_impl:remat of TRAI
     "$PY" -m benchmarks.train_throughput --config=gpt_64k.py --config.steps=6 --warmup=2 \
       --config.data.seq_len="$seq" --config.data.batch_size="$batch" \
       --config.optim.grad_accum=1 --config.model.attention_impl="$impl" \
-      --config.model.remat="$remat" --profile_steps=1 \
+      --config.model.remat="$remat" --profile_steps=1 "${hlo[@]}" \
       --result_name="train_gpt_64k_${seq}_${impl}_${remat}_gpu"
   done
 }
@@ -127,9 +133,15 @@ clocks.max.sm,driver_version --format=csv; $PY -c 'import jax, jaxlib; print(\"j
 jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'; packages" ;;
     # Eight workers (compiling is most of it), each allocating as it goes, not 75% of the
     # GPU; a test that hangs fails at 120 s instead of taking the stage's whole limit.
+    # test_gpu.py (the compiled kernels against their references, 40 s on an H200) runs
+    # by itself first, so its summary comes back even when test_flash_attention.py (63
+    # tests, compiled on the GPU: 33 passes and no failure in 200 s on 2026-11-26, the
+    # two files together) runs out of time; -v names every result as it lands and
+    # --durations the slowest.
     tests) stage tests "${TEST_LIMIT:-480}" env MESHLM_TEST_GPU=1 \
-      XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -rA -n 8 --timeout=120 \
-      tests/test_gpu.py tests/test_flash_attention.py ;;
+      XLA_PYTHON_CLIENT_PREALLOCATE=false bash -c "$PY -m pytest -rfE -n 8 --timeout=120 \
+tests/test_gpu.py; $PY -m pytest -v -rfE -n 8 --timeout=120 --durations=15 \
+tests/test_flash_attention.py" ;;
     attention) stage attention "${ATTENTION_LIMIT:-420}" "$PY" -m benchmarks.attention \
       ${ATTENTION_IMPLS:+--impls="$ATTENTION_IMPLS"} ;;
     tiles) stage tiles "${TILES_LIMIT:-480}" "$PY" -m benchmarks.attention --tiles ;;

@@ -23,6 +23,7 @@ them 98% of it).
 
 import collections
 import glob
+import gzip
 import os
 import re
 import tempfile
@@ -37,6 +38,8 @@ from sharding.mesh import mesh_shape
 
 STEPS = flags.DEFINE_integer('profile_steps', 0, 'steps to trace (this module: 0 means 3; '
                              'train_throughput: 0 means no profile)')
+HLO_OUT = flags.DEFINE_string('hlo_out', '', "also write the profiled step's compiled HLO "
+                              'text here, gzipped (PATH.txt.gz)')
 SCOPES = ('embed', 'attention', 'mlp', 'moe', 'lm_head_loss', 'optimizer')
 _CONTROL = ('while', 'conditional', 'call')
 
@@ -61,16 +64,9 @@ def op_seconds(xspace_path: str, module: str) -> dict[str, float]:
 
 
 def scope_of(ins, comps) -> str:
-  """'attention/flash_attention_dq (backward)'-style label from an op's jax name scope.
-  A fusion's own op_name is its root's (often a reduction outside any scope), so its
-  body's dots come first, then the fusion, then the rest of its body: the first of those
-  inside a known scope names it."""
-  body = [i for c in hlo._refs(ins.attrs, 'calls') if c in comps   # pylint: disable=protected-access
-          for i in comps[c].instrs if i.op_name]
-  names = ([i.op_name for i in body if i.opcode in ('dot', 'convolution', 'custom-call')]
-           + [ins.op_name] + [i.op_name for i in body])
-  scoped = [n for n in names if any(p in SCOPES for p in n.split('/'))]
-  parts = (scoped or [n for n in names if n] or [''])[0].split('/')
+  """'attention/flash_attention_dq (backward)'-style label from an op's jax name scope
+  (its source_name)."""
+  parts = source_name(ins, comps).split('/')
   label = next((p for p in parts if p in SCOPES), 'other')
   if label == 'other' and ins.opcode == 'copy' and not ins.op_name:
     return 'copies XLA inserted'   # layout changes and loop-carried buffers
@@ -86,6 +82,19 @@ def scope_of(ins, comps) -> str:
   return f'{label} (forward)'
 
 
+def source_name(ins, comps) -> str:
+  """The jax op_name that says where an op came from. A fusion's own op_name is its
+  root's (often a reduction outside any scope), so its body's dots come first, then the
+  fusion, then the rest of its body: the first of those inside a known scope, else the
+  first at all."""
+  body = [i for c in hlo._refs(ins.attrs, 'calls') if c in comps   # pylint: disable=protected-access
+          for i in comps[c].instrs if i.op_name]
+  names = ([i.op_name for i in body if i.opcode in ('dot', 'convolution', 'custom-call')]
+           + [ins.op_name] + [i.op_name for i in body])
+  scoped = [n for n in names if any(p in SCOPES for p in n.split('/'))]
+  return (scoped or [n for n in names if n] or [''])[0]
+
+
 def not_in_hlo(op: str) -> str:
   """The scope of a traced op that names no instruction of the module."""
   if op.startswith('command_buffer'):
@@ -94,17 +103,24 @@ def not_in_hlo(op: str) -> str:
 
 
 def summarize(times: dict[str, float], hlo_text: str, steps: int, top: int = 10) -> dict:
-  comps, _ = hlo._parse_module(hlo_text)   # pylint: disable=protected-access
-  instrs = {i.name: i for c in comps.values() for i in c.instrs}
+  """Seconds per step by scope, and the `top` ops: each with its scope, its runs per
+  step (its computation's, loops weighed by trip count: a kernel in a 16-layer scan runs
+  16 times; None outside the HLO) and its jax op_name, which show where an op came from
+  when the scope alone does not (a kernel run more often than the model asks, say)."""
+  comps, entry = hlo._parse_module(hlo_text)   # pylint: disable=protected-access
+  runs, _ = hlo._multiplicities(comps, entry)   # pylint: disable=protected-access
+  instrs = {i.name: (i, c) for c, comp in comps.items() for i in comp.instrs}
   by_scope, ops = collections.Counter(), []
   for op, seconds in times.items():
-    ins = instrs.get(op)
+    ins, comp = instrs.get(op, (None, None))
     if ins is not None and ins.opcode in _CONTROL:
       continue
     scope = scope_of(ins, comps) if ins is not None else not_in_hlo(op)
     by_scope[scope] += seconds / steps
     ops.append({'op': op, 'opcode': ins.opcode if ins else '?', 'scope': scope,
-                'seconds_per_step': seconds / steps})
+                'seconds_per_step': seconds / steps,
+                'runs_per_step': runs.get(comp) if ins is not None else None,
+                'op_name': source_name(ins, comps)[:400] if ins is not None else ''})
   total = sum(by_scope.values())
   rows = [{'scope': s, 'seconds_per_step': t, 'fraction': t / total}
           for s, t in by_scope.most_common()]
@@ -126,12 +142,16 @@ def profile_config(cfg, steps: int = 3) -> dict:
   compiled, step = train_step_runner(cfg, layout_of(cfg))
   for _ in range(2):
     jax.block_until_ready(step())
-  return profile_compiled(compiled, step, steps)
+  return profile_compiled(compiled, step, steps, HLO_OUT.value)
 
 
-def profile_compiled(compiled, run, steps: int) -> dict:
-  """Traces `steps` calls of run() (which runs `compiled`) and summarizes them."""
+def profile_compiled(compiled, run, steps: int, hlo_out: str = '') -> dict:
+  """Traces `steps` calls of run() (which runs `compiled`) and summarizes them; hlo_out:
+  also write compiled's HLO text there, gzipped."""
   text = compiled.as_text()
+  if hlo_out:
+    with gzip.open(hlo_out, 'wt') as f:
+      f.write(text)
   module = re.match(r'HloModule\s+([^\s,]+)', text).group(1)
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir):
@@ -151,6 +171,10 @@ def report(summary: dict) -> str:
            + ', '.join(summary['largest_three'])]
   lines += [f"  {r['fraction']:6.1%} {r['seconds_per_step'] * 1e3:9.3f} ms  {r['scope']}"
             for r in summary['by_scope']]
+  lines += ['top ops (runs per step, seconds a run):']
+  lines += [f"  {r['fraction']:6.1%} {r['op']} x{r['runs_per_step'] or 0:g}, "
+            f"{r['seconds_per_step'] / (r['runs_per_step'] or 1) * 1e3:.3f} ms  {r['scope']}"
+            for r in summary['top_ops'][:5]]
   return '\n'.join(lines)
 
 

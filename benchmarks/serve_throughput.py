@@ -248,6 +248,17 @@ def _hf_batch(hf, prompts, num_tokens: int) -> list[list[int]]:
   return out[:, width:].tolist()
 
 
+def prefix_agreement(outputs, others) -> dict:
+  """Pairs of greedy outputs: the share whose first token agrees, and the mean share of
+  each output before the first token that differs."""
+  def common(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+  pairs = list(zip(outputs, others))
+  return {'first_token': sum(a[:1] == b[:1] for a, b in pairs) / len(pairs),
+          'mean_common_prefix': statistics.mean(common(a, b) / max(len(a), 1)
+                                                 for a, b in pairs)}
+
+
 def benchmark(shapes: Shapes, repeats: int = 3, attention: str = 'auto') -> dict:
   """`repeats` timed passes of continuous batching and of transformers' static batches,
   interleaved (a neighbour's load on the shared machine hits both alike); the rates
@@ -301,6 +312,12 @@ def benchmark(shapes: Shapes, repeats: int = 3, attention: str = 'auto') -> dict
       'greedy_agrees': {'batched_vs_one_at_a_time': batched[:alone] == single,
                         'requests_equal_to_transformers': sum(
                             a == b for a, b in zip(batched, peer))},
+      # How far outputs agree where they are not equal: in bfloat16 a batch's shape and
+      # the two libraries' kernels round differently, and one flipped near-tie changes
+      # the rest of a greedy output, so a wrong first token (the prefill's logits alone)
+      # points to a bug and a late split to rounding.
+      'greedy_prefix': {'batched_vs_one_at_a_time': prefix_agreement(batched[:alone], single),
+                        'batched_vs_transformers': prefix_agreement(batched, peer)},
       'load_average_1min': os.getloadavg()[0],   # the 2 cores are shared: context
       'versions': {'transformers': transformers.__version__, 'torch': torch.__version__},
       'torch_device': str(hf.device), 'torch_threads': threads,

@@ -1,5 +1,6 @@
 """The GPU benchmark scripts run end to end (CPU smoke mode: tiny shapes, interpret)."""
 
+import gzip
 import json
 import math
 import os
@@ -69,7 +70,8 @@ def test_train_throughput_on_a_config_outside_configs(tmp_path):
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'MESHLM_RESULTS_DIR': str(tmp_path / 'out')}
   result = subprocess.run(
       [sys.executable, '-m', 'benchmarks.train_throughput', f'--config={tmp_path}/mine.py',
-       '--config.optim.warmup_steps=1', '--warmup=1', '--profile_steps=2'],
+       '--config.optim.warmup_steps=1', '--warmup=1', '--profile_steps=2',
+       f'--hlo_out={tmp_path}/step.txt.gz'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   [name] = os.listdir(tmp_path / 'out')
@@ -89,6 +91,12 @@ def test_train_throughput_on_a_config_outside_configs(tmp_path):
   assert sum(r['fraction'] for r in prof['by_scope']) == pytest.approx(1)
   assert prof['largest_three'] == [r['scope'] for r in prof['by_scope'][:3]]
   assert 'largest: ' + ', '.join(prof['largest_three']) in result.stdout
+  # The profiled step's compiled HLO, for a look at what XLA made of it: every top op is
+  # an instruction there.
+  with gzip.open(tmp_path / 'step.txt.gz', 'rt') as f:
+    text = f.read()
+  assert text.startswith('HloModule')
+  assert all(f'%{r["op"]} = ' in text for r in prof['top_ops']), prof['top_ops']
 
 
 def test_profile_files_each_ops_time_under_its_scope():
@@ -117,6 +125,34 @@ def test_profile_files_each_ops_time_under_its_scope():
              if i.name == summary['top_ops'][0]['op'])
   assert hlo._does_matmul(top, comps), top   # pylint: disable=protected-access
   assert summary['top_ops'][0]['scope'] == 'mlp (forward)'
+  assert summary['top_ops'][0]['runs_per_step'] == 1
+  assert 'mlp' in summary['top_ops'][0]['op_name'].split('/')
+
+
+def test_profile_counts_an_ops_runs_per_step():
+  """An op in a scanned loop runs once per iteration: the summary must say so (a kernel
+  that runs more often than the model asks is told apart from a slow one that way)."""
+  import jax   # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
+  from benchmarks import profile   # pylint: disable=import-outside-toplevel
+  from sharding import hlo   # pylint: disable=import-outside-toplevel
+
+  def f(a, ws):
+    def layer(x, w):
+      with jax.named_scope('mlp'):
+        return jnp.tanh(x @ w), None
+    return jax.lax.scan(layer, a, ws)[0]
+
+  a, ws = jnp.ones((64, 64)), jnp.ones((7, 64, 64))
+  text = jax.jit(f).lower(a, ws).compile().as_text()
+  comps, _ = hlo._parse_module(text)   # pylint: disable=protected-access
+  matmul = hlo._does_matmul   # pylint: disable=protected-access
+  dot = next(i.name for c in comps.values() for i in c.instrs if matmul(i, comps))
+  summary = profile.summarize({dot: 7.0, 'mystery': 1.0}, text, 1)
+  rows = {r['op']: r for r in summary['top_ops']}
+  assert rows[dot]['runs_per_step'] == 7 and rows[dot]['scope'] == 'mlp (forward)'
+  assert rows['mystery']['runs_per_step'] is None
+  assert f'{dot} x7, 1000.000 ms  mlp (forward)' in profile.report(summary)
 
 
 def test_profile_files_ops_outside_the_hlo_apart():

@@ -775,10 +775,21 @@ def test_throughput_benchmark_smoke(tmp_path):
   # The same weights give the same greedy tokens in meshlm and transformers.
   assert result['greedy_agrees'] == {'batched_vs_one_at_a_time': True,
                                      'requests_equal_to_transformers': len(out_lens)}
+  assert result['greedy_prefix']['batched_vs_transformers'] == {
+      'first_token': 1.0, 'mean_common_prefix': 1.0}
   assert all(rate > 0 for rate in result['output_tokens_per_s'].values())
   assert result['one_at_a_time_requests'] == 3 < len(out_lens)
   assert result['seconds']['one_at_a_time_s'] * result['output_tokens_per_s'][
       'one_at_a_time'] == pytest.approx(sum(out_lens[:3]))
+
+
+def test_prefix_agreement_of_greedy_outputs():
+  """Where outputs split: first tokens that agree, and the share before the split."""
+  from benchmarks.serve_throughput import prefix_agreement  # pylint: disable=import-outside-toplevel
+  got = prefix_agreement([[5, 6, 7, 8], [1, 2], [9, 9, 9, 9]],
+                         [[5, 6, 0, 0], [3, 2], [9, 9, 9, 9]])
+  assert got == {'first_token': pytest.approx(2 / 3),
+                 'mean_common_prefix': pytest.approx((2 / 4 + 0 + 1) / 3)}
 
 
 def test_throughput_presets_count_their_parameters():
