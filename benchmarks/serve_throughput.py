@@ -248,6 +248,21 @@ def _hf_batch(hf, prompts, num_tokens: int) -> list[list[int]]:
   return out[:, width:].tolist()
 
 
+def float32_first_tokens(path: str, prompts, device) -> list[int]:
+  """Each prompt's greedy next token from the same weights in float32 (transformers, one
+  prompt at a time, no padding): the reference that tells a bfloat16 run's rounding
+  (near-ties flipped) from a bug."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  ref = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+  ref = ref.eval().to(device)
+  with torch.no_grad():
+    tokens = [int(ref(torch.tensor([p], device=device)).logits[0, -1].argmax())
+              for p in prompts]
+  del ref
+  return tokens
+
+
 def prefix_agreement(outputs, others) -> dict:
   """Pairs of greedy outputs: the share whose first token agrees, and the mean share of
   each output before the first token that differs."""
@@ -288,6 +303,7 @@ def benchmark(shapes: Shapes, repeats: int = 3, attention: str = 'auto') -> dict
       compiles = engine.runner.num_compiles
       assert compiles == warm, f'{compiles - warm} programs compiled after the warm-up'
       profile = profile_steps(engine, prompts, out_lens)
+    reference = float32_first_tokens(path, prompts, hf.device)
   tokens = sum(out_lens)
   median = lambda key: statistics.median(p[key] for p in passes)  # noqa: E731
   seconds = {'continuous_s': median('continuous_s'), 'static_s': median('static_s'),
@@ -318,6 +334,11 @@ def benchmark(shapes: Shapes, repeats: int = 3, attention: str = 'auto') -> dict
       # points to a bug and a late split to rounding.
       'greedy_prefix': {'batched_vs_one_at_a_time': prefix_agreement(batched[:alone], single),
                         'batched_vs_transformers': prefix_agreement(batched, peer)},
+      # Each side's first tokens against the float32 reference's: in bfloat16 both miss
+      # some near-ties; a bug falls far behind the other side.
+      'first_token_vs_float32': {
+          'meshlm': statistics.mean(o[0] == r for o, r in zip(batched, reference)),
+          'transformers': statistics.mean(o[0] == r for o, r in zip(peer, reference))},
       'load_average_1min': os.getloadavg()[0],   # the 2 cores are shared: context
       'versions': {'transformers': transformers.__version__, 'torch': torch.__version__},
       'torch_device': str(hf.device), 'torch_threads': threads,

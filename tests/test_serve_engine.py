@@ -777,6 +777,8 @@ def test_throughput_benchmark_smoke(tmp_path):
                                      'requests_equal_to_transformers': len(out_lens)}
   assert result['greedy_prefix']['batched_vs_transformers'] == {
       'first_token': 1.0, 'mean_common_prefix': 1.0}
+  # In float32 the reference's first tokens are both sides' own.
+  assert result['first_token_vs_float32'] == {'meshlm': 1.0, 'transformers': 1.0}
   assert all(rate > 0 for rate in result['output_tokens_per_s'].values())
   assert result['one_at_a_time_requests'] == 3 < len(out_lens)
   assert result['seconds']['one_at_a_time_s'] * result['output_tokens_per_s'][
