@@ -3,6 +3,8 @@
 import argparse
 import dataclasses
 
+from training import compile_cache
+
 ATTENTION_CHOICES = ('auto', 'xla', 'pallas')
 DTYPE_CHOICES = ('auto', 'float32', 'bfloat16', 'float16')
 GENERATION_CONFIG_CHOICES = ('auto', 'none')
@@ -62,6 +64,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       'tokenizer.json)')
   parser.add_argument('--chat-template', metavar='FILE', default=None,
                       help="a jinja2 chat template to use instead of the model's own")
+  parser.add_argument('--compilation-cache-dir', metavar='DIR', default=compile_cache.DEFAULT_DIR,
+                      help="jax's persistent compilation cache: a restart reads the compiled "
+                      "step programs from here; 'none' turns it off (default: %(default)s; "
+                      'JAX_COMPILATION_CACHE_DIR, when set, wins)')
   group = parser.add_argument_group('engine')
   for field in dataclasses.fields(ServeConfig):
     flag = f'--{_flag(field.name)}'

@@ -36,6 +36,7 @@ from serve.request import Request, RequestStatus
 from serve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from serve.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from sharding.mesh import MeshConfig, make_mesh
+from training import compile_cache
 
 class QueueFull(RuntimeError):
   """More requests wait than ServeConfig.max_waiting_requests allows (HTTP 429)."""
@@ -399,6 +400,7 @@ class Engine:
     """Compiles the runner for every token bucket and the sampler for every row count and
     mode, before the loop starts, so no request waits on a compile."""
     start, cfg = time.perf_counter(), self.runner.cfg
+    hits, programs = compile_cache.hits(), compile_cache.programs()
     logits = {}   # per sequence bucket: [bucket, V] as the runner lays them out
     smaller = 0
     for t in token_buckets(cfg):
@@ -408,8 +410,11 @@ class Engine:
         logits[s] = self.runner.execute(step)
       smaller = t
     self._warmup_sampler(logits)
+    cached, built = compile_cache.hits() - hits, compile_cache.programs() - programs
     print(f'Warm-up: {self.runner.num_compiles} step programs compiled in '
-          f'{time.perf_counter() - start:.1f}s.', flush=True)
+          f'{time.perf_counter() - start:.1f}s' + (
+              f' ({cached} of {built} programs, the sampler\'s included, read from the '
+              'compilation cache).' if cached else '.'), flush=True)
 
   def _warmup_sampler(self, logits: dict) -> None:
     # The runner's logits are [bucket, V] cut to the n sampled rows outside jit, and the

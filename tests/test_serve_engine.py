@@ -551,6 +551,21 @@ def test_warmup_with_token_buckets_past_the_context(varied, prompts, reference):
     assert ids(eng.generate(prompts[:2], GREEDY)) == reference[:2]
 
 
+def test_warmup_says_what_the_compilation_cache_gave(varied, capsys):
+  """A second engine of the same shapes reads every program of its warm-up from the
+  suite's compilation cache (tests/conftest.py; the first engine wrote what was missing),
+  and its warm-up line says so."""
+  cfg = ServeConfig(num_blocks=40, max_num_seqs=1, max_num_batched_tokens=32,
+                    max_model_len=64, warmup=True)
+  for _ in range(2):
+    with Engine(varied, cfg):
+      pass
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('Warm-up')]
+  got = re.search(r'\((\d+) of (\d+) programs, the sampler.s included, read from the '
+                  r'compilation cache\)\.$', lines[1])
+  assert got and got.group(1) == got.group(2) and int(got.group(1)) >= 3, lines
+
+
 def test_warmup_compiles_the_structured_output_sampler_too(varied, prompts):
   """After warm-up, structured output (greedy, sampled, top_p, the model's sampling
   defaults), plain requests with those defaults and logprobs requests (greedy and sampled,

@@ -83,12 +83,15 @@ def test_training_lowers_loss_and_writes_run_files(tmp_path, cache_dir):
     assert r['mfu'] == pytest.approx(step_flops / r['step_time_s'] / (0.5e12 * jax.device_count()))
 
 
-def test_resume_continues_exactly(tmp_path, cache_dir):
-  """Stop after 6 steps, rerun with steps=12: steps 7..12 match an uninterrupted run."""
+def test_resume_continues_exactly(tmp_path, cache_dir, capsys):
+  """Stop after 6 steps, rerun with steps=12: steps 7..12 match an uninterrupted run.
+  The reruns read the train step from the suite's compilation cache, and say so."""
   fixed = {'optim__decay_steps': 12, 'checkpoint__every_steps': 3, 'sample__num_tokens': 0}
   full = trainer.train(tiny(tmp_path / 'full', cache_dir, steps=12, **fixed))
   first = trainer.train(tiny(tmp_path / 'split', cache_dir, steps=6, **fixed))
+  capsys.readouterr()
   rest = trainer.train(tiny(tmp_path / 'split', cache_dir, steps=12, **fixed))
+  assert 'train step read from the compilation cache in' in capsys.readouterr().err
   assert [r['step'] for r in rest] == list(range(7, 13))
   np.testing.assert_allclose([r['loss'] for r in first + rest],
                              [r['loss'] for r in full], rtol=1e-6)

@@ -14,6 +14,7 @@ import jax
 from model.config import ModelConfig
 from sharding import offload
 from sharding.mesh import MeshConfig, mesh_shape
+from training import compile_cache
 
 
 @dataclasses.dataclass
@@ -161,6 +162,9 @@ class Config:
   """Run directory: config.json, metrics.jsonl, events.jsonl, tensorboard/, checkpoints/."""
   seed: int = 0
   """Seed of the initial weights and the data order."""
+  compilation_cache_dir: str = compile_cache.DEFAULT_DIR
+  """jax's persistent compilation cache: a rerun reads the compiled steps from here
+  instead of compiling them again; 'none' turns it off (training/compile_cache.py)."""
 
 
 def init_distributed(cfg: DistributedConfig) -> None:

@@ -13,8 +13,8 @@ import model
 from model import moe
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingPlan, check_divisible, make_plan
-from training import (checkpoint, config as config_lib, data, metrics, optimizer, resilience,
-                      sample, state)
+from training import (checkpoint, compile_cache, config as config_lib, data, metrics,
+                      optimizer, resilience, sample, state)
 
 console = Console(stderr=True)
 
@@ -112,12 +112,14 @@ def global_batch(t: Trainer, local: dict) -> dict:
 
 
 def compile_step(t: Trainer, train_state, batch):
-  start = time.perf_counter()
+  start, hits = time.perf_counter(), compile_cache.hits()
   step_fn = state.make_train_step(t.cfg, t.plan, t.tx, t.schedule)
   compiled = step_fn.lower(train_state, batch).compile()
   mem = compiled.memory_analysis()
   if t.is_main and mem is not None:
-    console.print(f'compiled train step in {time.perf_counter() - start:.1f}s; per device: '
+    what = ('train step read from the compilation cache' if compile_cache.hits() > hits
+            else 'compiled train step')
+    console.print(f'{what} in {time.perf_counter() - start:.1f}s; per device: '
                   f'arguments {mem.argument_size_in_bytes / 2**20:.1f} MiB, temporaries '
                   f'{mem.temp_size_in_bytes / 2**20:.1f} MiB')
   return compiled
