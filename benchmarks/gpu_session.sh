@@ -39,7 +39,9 @@
 #   train_8k      the same at 8,192 tokens, 8 sequences a step                  ~6 min
 #   serve         benchmarks.serve_throughput --shapes=1b: a random Llama-3.2-1B-shaped
 #                 model in bfloat16, continuous batching against transformers'
-#                 static batches of 64 on the same GPU, 256 requests, 2 passes   ~6 min
+#                 static batches of 64 on the same GPU, 256 requests, 2 passes
+#                 (SERVE_REPEATS); then the engine's start again, from the
+#                 compilation cache the first filled. One pass took 287 s    ~6 min
 #
 # All of it is far more than the 15 minutes of device time a session has now (the
 # machine's start, a few minutes, counts too): take the stages the open issues need

@@ -794,6 +794,9 @@ def test_throughput_benchmark_smoke(tmp_path):
       'first_token': 1.0, 'mean_common_prefix': 1.0}
   # In float32 the reference's first tokens are both sides' own.
   assert result['first_token_vs_float32'] == {'meshlm': 1.0, 'transformers': 1.0}
+  # The second engine's step programs came from the compilation cache (here the suite's).
+  startup = result['meshlm_startup']
+  assert startup['again_programs_from_cache'] >= 1 and startup['first_s'] > 0, startup
   assert all(rate > 0 for rate in result['output_tokens_per_s'].values())
   assert result['one_at_a_time_requests'] == 3 < len(out_lens)
   assert result['seconds']['one_at_a_time_s'] * result['output_tokens_per_s'][
