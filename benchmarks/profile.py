@@ -105,10 +105,15 @@ def not_in_hlo(op: str) -> str:
 def summarize(times: dict[str, float], hlo_text: str, steps: int, top: int = 10) -> dict:
   """Seconds per step by scope, and the `top` ops: each with its scope, its runs per
   step (its computation's, loops weighed by trip count: a kernel in a 16-layer scan runs
-  16 times; None outside the HLO) and its jax op_name, which show where an op came from
-  when the scope alone does not (a kernel run more often than the model asks, say)."""
-  comps, entry = hlo._parse_module(hlo_text)   # pylint: disable=protected-access
-  runs, _ = hlo._multiplicities(comps, entry)   # pylint: disable=protected-access
+  16 times; None outside the HLO or inside a loop of unknown trip count) and its jax
+  op_name, which show where an op came from when the scope alone does not (a kernel run
+  more often than the model asks, say)."""
+  # pylint: disable=protected-access
+  comps, entry = hlo._parse_module(hlo_text)
+  runs, unknown = hlo._multiplicities(comps, entry)
+  uncounted = hlo._reachable(comps, [c for comp in comps.values() for i in comp.instrs
+                                     if i.name in unknown for c, _ in hlo._callees(i)[0]])
+  # pylint: enable=protected-access
   instrs = {i.name: (i, c) for c, comp in comps.items() for i in comp.instrs}
   by_scope, ops = collections.Counter(), []
   for op, seconds in times.items():
@@ -119,7 +124,7 @@ def summarize(times: dict[str, float], hlo_text: str, steps: int, top: int = 10)
     by_scope[scope] += seconds / steps
     ops.append({'op': op, 'opcode': ins.opcode if ins else '?', 'scope': scope,
                 'seconds_per_step': seconds / steps,
-                'runs_per_step': runs.get(comp) if ins is not None else None,
+                'runs_per_step': None if ins is None or comp in uncounted else runs.get(comp),
                 'op_name': source_name(ins, comps)[:400] if ins is not None else ''})
   total = sum(by_scope.values())
   rows = [{'scope': s, 'seconds_per_step': t, 'fraction': t / total}
@@ -172,9 +177,10 @@ def report(summary: dict) -> str:
   lines += [f"  {r['fraction']:6.1%} {r['seconds_per_step'] * 1e3:9.3f} ms  {r['scope']}"
             for r in summary['by_scope']]
   lines += ['top ops (runs per step, seconds a run):']
-  lines += [f"  {r['fraction']:6.1%} {r['op']} x{r['runs_per_step'] or 0:g}, "
-            f"{r['seconds_per_step'] / (r['runs_per_step'] or 1) * 1e3:.3f} ms  {r['scope']}"
-            for r in summary['top_ops'][:5]]
+  lines += [f"  {r['fraction']:6.1%} {r['op']} " + (
+      f"x{r['runs_per_step']:g}, {r['seconds_per_step'] / r['runs_per_step'] * 1e3:.3f} ms"
+      if r['runs_per_step'] else f"x?, {r['seconds_per_step'] * 1e3:.3f} ms a step")
+            + f"  {r['scope']}" for r in summary['top_ops'][:5]]
   return '\n'.join(lines)
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from benchmarks.common import environment, write_result
 from serve.config import ATTENTION_CHOICES
-from training import compile_cache
+from sharding import compile_cache
 
 
 @dataclasses.dataclass
@@ -380,8 +380,7 @@ def main(argv=None) -> dict:
     parser.error(f'--repeats={repeats}: give at least 1.')
   # A fresh compilation cache (unless the process has one), so the first engine's start
   # is a cold one and the second's reads what it wrote.
-  with tempfile.TemporaryDirectory() as cache:
-    compile_cache.enable(cache)
+  with compile_cache.fresh():
     result = {'environment': environment(),
               **benchmark(PRESETS[preset], repeats, args.attention)}
   if args.output:

@@ -17,7 +17,7 @@ from serve import metrics
 from serve import tools
 from serve.engine import Engine
 from serve.server import create_app
-from training import compile_cache
+from sharding import compile_cache
 
 API_KEY_ENV = 'MESHLM_API_KEY'
 
@@ -107,7 +107,7 @@ def run(app, engine, *, host: str, port: int, grace_s: float, log_level: str = '
 def main(argv=None) -> int:
   args = parse_args(argv)
   try:
-    compile_cache.enable(args.compilation_cache_dir)   # before the first compile
+    compile_cache.enable(args.compilation_cache_dir)   # before the engine compiles
     cfg = config_lib.config_from_args(args)
     served = config_lib.load_served_model(args)
     engine = Engine(served, cfg)

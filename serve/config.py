@@ -3,7 +3,7 @@
 import argparse
 import dataclasses
 
-from training import compile_cache
+from sharding import compile_cache
 
 ATTENTION_CHOICES = ('auto', 'xla', 'pallas')
 DTYPE_CHOICES = ('auto', 'float32', 'bfloat16', 'float16')

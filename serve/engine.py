@@ -35,8 +35,8 @@ from serve.model_runner import ModelRunner, RunnerConfig, seq_bucket, token_buck
 from serve.request import Request, RequestStatus
 from serve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from serve.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from sharding import compile_cache
 from sharding.mesh import MeshConfig, make_mesh
-from training import compile_cache
 
 class QueueFull(RuntimeError):
   """More requests wait than ServeConfig.max_waiting_requests allows (HTTP 429)."""
@@ -411,8 +411,8 @@ class Engine:
       smaller = t
     self._warmup_sampler(logits)
     cached, built = compile_cache.hits() - hits, compile_cache.programs() - programs
-    print(f'Warm-up: {self.runner.num_compiles} step programs compiled in '
-          f'{time.perf_counter() - start:.1f}s' + (
+    print(f'Warm-up: {self.runner.num_compiles} step programs '
+          f'{"ready" if cached else "compiled"} in {time.perf_counter() - start:.1f}s' + (
               f' ({cached} of {built} programs, the sampler\'s included, read from the '
               'compilation cache).' if cached else '.'), flush=True)
 

@@ -25,7 +25,7 @@ from serve import config as config_lib
 from serve.engine import bad_word_ids
 from serve.sampling_params import (SamplingParams, SamplingParamsError, from_openai,
                                    guided_field, truncate_prompt)
-from training import compile_cache
+from sharding import compile_cache
 
 PROMPT_KEYS = ('prompt', 'prompt_token_ids', 'messages')
 OPENAI_EXTRA = ('max_completion_tokens', 'top_logprobs', 'n', 'best_of', 'response_format',
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   from serve.engine import Engine  # pylint: disable=import-outside-toplevel
   try:
-    compile_cache.enable(args.compilation_cache_dir)   # before the first compile
+    compile_cache.enable(args.compilation_cache_dir)   # before the engine compiles
     cfg = config_lib.config_from_args(args)
     jobs = read_jobs(args.prompts)
     served = config_lib.load_served_model(args)

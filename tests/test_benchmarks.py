@@ -154,6 +154,20 @@ def test_profile_counts_an_ops_runs_per_step():
   assert rows['mystery']['runs_per_step'] is None
   assert f'{dot} x7, 1000.000 ms  mlp (forward)' in profile.report(summary)
 
+  # A loop whose trip count is data: its ops' runs are not known, not 1.
+  def g(a, n):
+    def body(c):
+      with jax.named_scope('mlp'):
+        return jnp.tanh(c[0] @ c[0]), c[1] + 1
+    return jax.lax.while_loop(lambda c: c[1] < n, body, (a, 0))[0]
+
+  text = jax.jit(g).lower(a, 3).compile().as_text()
+  comps, _ = hlo._parse_module(text)   # pylint: disable=protected-access
+  dot = next(i.name for c in comps.values() for i in c.instrs if matmul(i, comps))
+  summary = profile.summarize({dot: 2.0}, text, 1)
+  assert summary['top_ops'][0]['runs_per_step'] is None
+  assert f'{dot} x?, 2000.000 ms a step  mlp (forward)' in profile.report(summary)
+
 
 def test_profile_files_ops_outside_the_hlo_apart():
   """A GPU trace with command buffers on times buffers, not instructions (seen on an

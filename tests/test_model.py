@@ -277,6 +277,44 @@ def test_save_attention_runs_no_attention_forward_in_the_backward(moe):
   assert calls['save_attention'] == {'flash_attention_fwd': layers, **backward}, calls
 
 
+@pytest.mark.parametrize('policy, forwards', [('full', 2), ('save_attention', 1)])
+def test_train_step_lowered_for_cuda_calls_the_mosaic_forward(policy, forwards, monkeypatch):
+  """gpt_64k's train step (shrunk: 2 layers, 512 tokens) with the Mosaic GPU kernels,
+  lowered for CUDA here (no GPU: lowered, not compiled): under save_attention the layer
+  scan calls the forward kernel once, under full twice (the backward recomputes it), and
+  the two backward kernels either way. On an H200, save_attention's profile showed two
+  forward kernels a step: this says jax emits one."""
+  import functools   # pylint: disable=import-outside-toplevel
+  import re   # pylint: disable=import-outside-toplevel
+  from pallas_kernels import flash_attention as fa   # pylint: disable=import-outside-toplevel
+  from sharding.mesh import make_mesh   # pylint: disable=import-outside-toplevel
+  from sharding.rules import make_plan   # pylint: disable=import-outside-toplevel
+  from training import state   # pylint: disable=import-outside-toplevel
+  from training.cli import load_config_file   # pylint: disable=import-outside-toplevel
+  # Compiled kernels, not the interpreter this CPU would pick.
+  monkeypatch.setattr(transformer, 'flash_attention',
+                      functools.partial(fa.flash_attention, interpret=False))
+  cfg = load_config_file('gpt_64k.py:smoke')
+  m = cfg.model
+  m.attention_impl, m.pallas_backend, m.remat = 'pallas', 'mosaic_gpu', policy
+  m.head_dim, m.dtype = 64, 'bfloat16'
+  cfg.mesh.fsdp, cfg.mesh.context = 1, 1
+  t = cfg.data.seq_len
+  plan = make_plan(make_mesh(cfg.mesh, jax.devices()[:1]), 3)
+  params = jax.eval_shape(lambda: model.init_params(m, jax.random.key(0)))
+  batch = {'inputs': jnp.zeros((1, t), jnp.int32), 'targets': jnp.zeros((1, t), jnp.int32),
+           'weights': jnp.ones((1, t), jnp.float32),
+           'positions': jnp.arange(t, dtype=jnp.int32)[None]}
+  step = jax.jit(lambda p, b: state.loss_and_grads(p, b, cfg, plan))
+  text = step.trace(params, batch).lower(lowering_platforms=('cuda',)).as_text()
+  # Each kernel call: its result types, (out, lse) for the forward, dq alone, (dk, dv).
+  calls = re.findall(r'custom_call @mosaic_gpu\w*\(.*\) -> (\(.*\)|tensor<[^>]*>)', text)
+  results = [c.count('tensor<') for c in calls]
+  lse = [c for c in calls if 'xf32>' in c]   # only the forward returns float32 (the lse)
+  assert len(calls) == forwards + 2 and len(lse) == forwards, (policy, calls)
+  assert sorted(results) == sorted([2] * forwards + [1, 2]), results
+
+
 def test_save_attention_needs_a_fused_kernel():
   with pytest.raises(ValueError, match="set model.attention_impl to pallas or cudnn"):
     tiny_cfg(remat='save_attention')

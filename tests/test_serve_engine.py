@@ -561,8 +561,8 @@ def test_warmup_says_what_the_compilation_cache_gave(varied, capsys):
     with Engine(varied, cfg):
       pass
   lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('Warm-up')]
-  got = re.search(r'\((\d+) of (\d+) programs, the sampler.s included, read from the '
-                  r'compilation cache\)\.$', lines[1])
+  got = re.search(r'step programs ready in [\d.]+s \((\d+) of (\d+) programs, the '
+                  r'sampler.s included, read from the compilation cache\)\.$', lines[1])
   assert got and got.group(1) == got.group(2) and int(got.group(1)) >= 3, lines
 
 

@@ -12,7 +12,8 @@ import jax
 from absl import flags, logging
 from ml_collections import config_flags
 
-from training import checkpoint, compile_cache, describe, resilience, trainer
+from sharding import compile_cache
+from training import checkpoint, describe, resilience, trainer
 from training import config as config_lib
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -132,10 +133,6 @@ def run(job=trainer.train) -> None:
   argv = [a for a in argv if a not in modes]
   check_overrides(argv[1:])
   cfg, spec = parse(argv)
-  try:   # before the first compile: jax checks once per process whether the cache is on
-    compile_cache.enable(cfg.compilation_cache_dir, '--config.compilation_cache_dir')
-  except ValueError as e:
-    fail(str(e))
   if modes & {'--help', '-h'}:
     module = load_config_module(spec.partition(':')[0])
     print(describe.help_text(cfg, spec, getattr(module, 'VARIANTS', ())))
@@ -146,6 +143,10 @@ def run(job=trainer.train) -> None:
     except ValueError as e:
       fail(str(e))
     return
+  try:   # before the step compiles: jax fixes the cache directory at its first use
+    compile_cache.enable(cfg.compilation_cache_dir, '--config.compilation_cache_dir')
+  except ValueError as e:
+    fail(str(e))
   logging.set_verbosity(logging.WARNING)   # orbax logs every file it writes at INFO
   # orbax logs a failed save with a traceback from each of its threads; the trainer
   # reports it in one line (training.trainer._save_failed).

@@ -12,9 +12,8 @@ import os
 import jax
 
 from model.config import ModelConfig
-from sharding import offload
+from sharding import compile_cache, offload
 from sharding.mesh import MeshConfig, mesh_shape
-from training import compile_cache
 
 
 @dataclasses.dataclass

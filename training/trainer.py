@@ -11,10 +11,11 @@ from rich.console import Console
 
 import model
 from model import moe
+from sharding import compile_cache
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingPlan, check_divisible, make_plan
-from training import (checkpoint, compile_cache, config as config_lib, data, metrics,
-                      optimizer, resilience, sample, state)
+from training import (checkpoint, config as config_lib, data, metrics, optimizer, resilience,
+                      sample, state)
 
 console = Console(stderr=True)
 
@@ -112,13 +113,14 @@ def global_batch(t: Trainer, local: dict) -> dict:
 
 
 def compile_step(t: Trainer, train_state, batch):
-  start, hits = time.perf_counter(), compile_cache.hits()
+  start, hits, programs = time.perf_counter(), compile_cache.hits(), compile_cache.programs()
   step_fn = state.make_train_step(t.cfg, t.plan, t.tx, t.schedule)
   compiled = step_fn.lower(train_state, batch).compile()
   mem = compiled.memory_analysis()
   if t.is_main and mem is not None:
-    what = ('train step read from the compilation cache' if compile_cache.hits() > hits
-            else 'compiled train step')
+    read = compile_cache.hits() - hits
+    what = ('train step read from the compilation cache'
+            if read and read == compile_cache.programs() - programs else 'compiled train step')
     console.print(f'{what} in {time.perf_counter() - start:.1f}s; per device: '
                   f'arguments {mem.argument_size_in_bytes / 2**20:.1f} MiB, temporaries '
                   f'{mem.temp_size_in_bytes / 2**20:.1f} MiB')
