@@ -163,7 +163,7 @@ class Config:
   """Seed of the initial weights and the data order."""
   compilation_cache_dir: str = compile_cache.DEFAULT_DIR
   """jax's persistent compilation cache: a rerun reads the compiled steps from here
-  instead of compiling them again; 'none' turns it off (training/compile_cache.py)."""
+  instead of compiling them again; 'none' turns it off (sharding/compile_cache.py)."""
 
 
 def init_distributed(cfg: DistributedConfig) -> None:
