@@ -504,7 +504,9 @@ def default_backend(q, tiles=None, interpret=None, device=None) -> str:
   Measured on an H200 (benchmarks/results/attention_NVIDIA_H200.json: causal, bf16,
   head_dim 128, one document a row, 8K to 64K tokens, MHA and GQA): the Mosaic GPU
   kernels ran at 0.95-0.99x cuDNN's forward and 0.88-0.90x its backward, the Triton
-  ones at 0.44-0.50x and 0.25-0.29x. Other head dims, fp16, packed documents and short
+  ones at 0.44-0.50x and 0.25-0.29x. In gpt_64k's train step (head_dim 64, GQA 32/8, one
+  64K sequence; train_gpt_64k_65536_*_full_gpu.json) they ran at 0.87x cuDNN's speed
+  forward and 0.89x backward. Other head dims, fp16, packed documents and short
   sequences are checked for correctness on the GPU (tests/test_gpu.py) but not timed.
   Its backward follows it (two kernels: deterministic; the Triton backward at head_dim
   256), as `backend_bwd` says. Tiles are one backend's: a call that names any (tuned
