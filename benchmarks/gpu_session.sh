@@ -91,14 +91,15 @@ stage() {  # stage NAME SECONDS COMMAND...: runs it with a limit, log in $OUT/NA
 train() {  # train SEQ BATCH: gpt_64k's model, each attention_impl:remat of TRAIN_RUNS
   local seq=$1 batch=$2 run impl remat
   # pallas is auto: the Mosaic GPU kernels on Hopper. save_attention: the backward runs no
-  # attention forward (the planner predicts ~10% off a 64K step; not yet measured).
+  # attention forward (the planner predicts ~10% off a 64K step; on 2026-11-26 it took
+  # the same time as full: see below).
   for run in ${TRAIN_RUNS:-pallas:save_attention pallas:full cudnn:full cudnn:save_attention}; do
     impl=${run%%:*} remat=full hlo=()
     [[ $run == *:* ]] && remat=${run#*:}
     # save_attention's compiled step comes back too (gzipped HLO): on 2026-11-26 its
-    # profile showed two attention forward kernels where the program lowered for CUDA
-    # (jax 0.10.2 and 0.11.2, checked without a GPU) has one, and the full remat's step
-    # time (4.45 s, pallas, against 4.46).
+    # profile showed two attention forward kernels a step where the program jax lowers
+    # for CUDA has one (tests/test_model.py counts them without a GPU), and it ran in
+    # full remat's time (4.45 s against 4.46, pallas).
     [[ $remat == save_attention ]] && hlo=(--hlo_out="$OUT/hlo_${seq}_${impl}_${remat}.txt.gz")
     # Command buffers off: the profile then times each kernel, not whole CUDA graphs (on,
     # three opaque buffers held 98% of a 64K step). Off for the timed steps too: compare
