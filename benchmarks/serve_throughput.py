@@ -276,6 +276,39 @@ def prefix_agreement(outputs, others) -> dict:
                                                  for a, b in pairs)}
 
 
+def agreement(batched, single, peer, reference) -> dict:
+  """How the greedy outputs agree: continuous batching's (`batched`), one at a time's
+  (`single`, the first requests only), transformers' (`peer`), and the float32
+  reference's first tokens (`reference`, one-token lists)."""
+  return {
+      'greedy_agrees': {'batched_vs_one_at_a_time': batched[:len(single)] == single,
+                        'requests_equal_to_transformers': sum(
+                            a == b for a, b in zip(batched, peer))},
+      # How far outputs agree where they are not equal: in bfloat16 a batch's shape and
+      # the two libraries' kernels round differently, and one flipped near-tie changes
+      # the rest of a greedy output, so a wrong first token (the prefill's logits alone)
+      # points to a bug and a late split to rounding.
+      'greedy_prefix': {'batched_vs_one_at_a_time': prefix_agreement(batched, single),
+                        'batched_vs_transformers': prefix_agreement(batched, peer)},
+      # Each side's first tokens against the float32 reference's: in bfloat16 both miss
+      # some near-ties; a bug falls far behind the other side.
+      'first_token_vs_float32': {
+          'meshlm': prefix_agreement(batched, reference)['first_token'],
+          'transformers': prefix_agreement(peer, reference)['first_token']},
+  }
+
+
+def start_again(path: str, shapes: Shapes, attention: str) -> dict:
+  """A second engine, as a restart would build it: its step programs come from the
+  persistent compilation cache the first one filled (the sampler's, in one process,
+  from jax's own in-memory cache)."""
+  start, hits = time.perf_counter(), compile_cache.hits()
+  with meshlm_engine(path, shapes, attention):
+    return {'again_s': time.perf_counter() - start,
+            'again_programs_from_cache': compile_cache.hits() - hits,
+            'cache_dir': jax.config.jax_compilation_cache_dir}
+
+
 def benchmark(shapes: Shapes, repeats: int = 3, attention: str = 'auto') -> dict:
   """`repeats` timed passes of continuous batching and of transformers' static batches,
   interleaved (a neighbour's load on the shared machine hits both alike); the rates
@@ -307,15 +340,8 @@ def benchmark(shapes: Shapes, repeats: int = 3, attention: str = 'auto') -> dict
       compiles = engine.runner.num_compiles
       assert compiles == warm, f'{compiles - warm} programs compiled after the warm-up'
       profile = profile_steps(engine, prompts, out_lens)
-    reference = float32_first_tokens(path, prompts, hf.device)
-    # A second engine, as a restart would build it: its step programs come from the
-    # persistent compilation cache the first one filled (the sampler's, in one process,
-    # from jax's own in-memory cache).
-    start, hits = time.perf_counter(), compile_cache.hits()
-    with meshlm_engine(path, shapes, attention):
-      startup = {'first_s': first_start_s, 'again_s': time.perf_counter() - start,
-                 'again_programs_from_cache': compile_cache.hits() - hits,
-                 'cache_dir': jax.config.jax_compilation_cache_dir}
+    reference = [[t] for t in float32_first_tokens(path, prompts, hf.device)]
+    startup = {'first_s': first_start_s, **start_again(path, shapes, attention)}
   tokens = sum(out_lens)
   median = lambda key: statistics.median(p[key] for p in passes)  # noqa: E731
   seconds = {'continuous_s': median('continuous_s'), 'static_s': median('static_s'),
@@ -337,20 +363,7 @@ def benchmark(shapes: Shapes, repeats: int = 3, attention: str = 'auto') -> dict
       'transformers_computed_tokens': sum(len(b) * max(out_lens[i] for i in b)
                                           for b in batches),
       'meshlm_compiles': compiles,
-      'greedy_agrees': {'batched_vs_one_at_a_time': batched[:alone] == single,
-                        'requests_equal_to_transformers': sum(
-                            a == b for a, b in zip(batched, peer))},
-      # How far outputs agree where they are not equal: in bfloat16 a batch's shape and
-      # the two libraries' kernels round differently, and one flipped near-tie changes
-      # the rest of a greedy output, so a wrong first token (the prefill's logits alone)
-      # points to a bug and a late split to rounding.
-      'greedy_prefix': {'batched_vs_one_at_a_time': prefix_agreement(batched[:alone], single),
-                        'batched_vs_transformers': prefix_agreement(batched, peer)},
-      # Each side's first tokens against the float32 reference's: in bfloat16 both miss
-      # some near-ties; a bug falls far behind the other side.
-      'first_token_vs_float32': {
-          'meshlm': float(statistics.mean(o[0] == r for o, r in zip(batched, reference))),
-          'transformers': float(statistics.mean(o[0] == r for o, r in zip(peer, reference)))},
+      **agreement(batched, single, peer, reference),
       'load_average_1min': os.getloadavg()[0],   # the 2 cores are shared: context
       'versions': {'transformers': transformers.__version__, 'torch': torch.__version__},
       'torch_device': str(hf.device), 'torch_threads': threads,
