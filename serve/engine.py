@@ -237,7 +237,7 @@ class _Tracked:
   metrics: RequestMetrics
   # Asked-for prompt logprobs gathered so far, [None] + one per prompt token scored.
   prompt_logprobs: list | None = None
-  guide: object = None   # guided.RequestGuide of a structured-output request
+  guide: object = None   # guided.RequestGuide or GrammarGuide of a structured-output request
   allowed: np.ndarray | None = None   # allowed_token_ids as the sampler's bits
   bad_words: list = dataclasses.field(default_factory=list)   # bad_word_ids of the request
 
@@ -449,7 +449,8 @@ class Engine:
     request = Request(request_id=request_id, prompt_token_ids=prompt_ids,
                       sampling_params=params, eos_token_id=eos, arrival_time=time.monotonic(),
                       output_token_ids=[])
-    guide = self._guide(params.guided_regex) if params.guided_regex else None
+    guide = self._guided_decoding().guide(
+        params.guided_regex, grammar=params.guided_grammar) if params.guided else None
     bad_words = bad_word_ids(self.served.tokenizer, params.bad_words)
     stream = RequestStream(request_id, prompt_ids, self)
     with self._lock:
@@ -468,16 +469,12 @@ class Engine:
     self._wake.set()
     return stream
 
-  def _guide(self, regex: str):
-    """A guide through `regex` (compiled once per expression; ValueError if it cannot be
-    followed with this vocabulary)."""
-    return self._guided_decoding().guide(regex)
-
-  def compile_guided(self, regex: str) -> None:
-    """Compiles (and caches) a guided output's expression ahead of add_request: seconds
-    for a large vocabulary, so the server runs it in a thread. ValueError if it cannot be
-    followed with this vocabulary."""
-    self._guided_decoding().compile(regex)
+  def compile_guided(self, params: SamplingParams) -> None:
+    """Compiles (and caches) a guided output's expression, or checks its grammar against
+    the vocabulary, ahead of add_request: seconds for a large vocabulary, so the server
+    runs it in a thread. ValueError if it cannot be followed with this vocabulary."""
+    if params.guided:
+      self._guided_decoding().compile(params.guided_regex, grammar=params.guided_grammar)
 
   def _guided_decoding(self):
     with self._guided_lock:

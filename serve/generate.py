@@ -8,8 +8,9 @@ the model's chat template), plus sampling fields by their OpenAI and vLLM names 
 SamplingParams field: max_tokens, temperature, top_p, top_k, min_p, seed, stop,
 stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, logprobs, the
 penalties, logit_bias, allowed_token_ids, bad_words, skip_special_tokens, guided_regex,
-prompt_logprobs, truncate_prompt_tokens; response_format, guided_json and guided_choice for structured
-output; those left out take the model's generation_config.json defaults) and an optional
+guided_grammar, prompt_logprobs, truncate_prompt_tokens; response_format, guided_json,
+guided_choice and structured_outputs for structured output; those left out take the
+model's generation_config.json defaults) and an optional
 `id` copied to the output. Output lines come in input order. A bad line stops the run
 before any generation, with one line naming the line and the field (exit status 2).
 """
@@ -29,7 +30,8 @@ from sharding import compile_cache
 
 PROMPT_KEYS = ('prompt', 'prompt_token_ids', 'messages')
 OPENAI_EXTRA = ('max_completion_tokens', 'top_logprobs', 'n', 'best_of', 'response_format',
-                'guided_json', 'guided_choice', 'truncate_prompt_tokens')
+                'guided_json', 'guided_choice', 'guided_whitespace_pattern',
+                'structured_outputs', 'truncate_prompt_tokens')
 KNOWN = {'id', *PROMPT_KEYS, *OPENAI_EXTRA,
          *(f.name for f in dataclasses.fields(SamplingParams))}
 # Chat fields only the HTTP server takes (tool calling, template variables).
@@ -97,9 +99,9 @@ def prepare(job: Job, served, engine, path: str) -> None:
                              defaults=served.sampling_defaults)
     bad_word_ids(served.tokenizer, job.params.bad_words)   # each spells some token
     engine.check_prompt(job.prompt_ids, job.params)
-    if job.params.guided_regex is not None:
+    if job.params.guided:
       try:
-        engine.compile_guided(job.params.guided_regex)
+        engine.compile_guided(job.params)
       except ValueError as e:
         raise SamplingParamsError(guided_field(body), str(e)) from None
   except SamplingParamsError as e:

@@ -1,12 +1,19 @@
-"""Structured output: a regular expression the output must match, token by token.
+"""Structured output: a regular expression or a grammar the output must match, token by token.
 
 JSON schemas (`response_format` json_schema / json_object, vLLM's `guided_json`), choices
 (`guided_choice`) and regular expressions (`guided_regex`) all become one regular
-expression (`to_regex`, when the request is parsed). The engine compiles it against the
-tokenizer's vocabulary into an index (outlines-core: a DFA over token byte strings; cached
-per expression, since a large vocabulary takes seconds) and gives each such request a
-`Guide`. Before each of its steps the sampler sees only the tokens that keep the output a
-prefix of a match; once the output matches in full and nothing can extend it, only eos is
+expression when the request is parsed. The engine compiles it against the tokenizer's
+vocabulary into an index (outlines-core: a DFA over token byte strings; cached per
+expression, since a large vocabulary takes seconds) and gives each such request a guide.
+
+Context-free grammars (vLLM's `guided_grammar`, in Lark or llama.cpp's GBNF syntax) go to
+llguidance instead, which no regular expression could express (nesting, recursion): the
+grammar is checked when the request is parsed (`grammar`), and each request's guide is an
+Earley parser over the vocabulary's token trie that computes the allowed tokens at each
+step, on the engine's thread, so nothing is compiled per vocabulary.
+
+Before each of its steps the sampler sees only the tokens that keep the output a prefix
+of a match; once the output matches in full and nothing can extend it, only eos is
 allowed, so the request ends as a match ('stop'), or at max_tokens ('length') with a
 prefix of one.
 
@@ -28,6 +35,8 @@ from serve.sampling_params import SamplingParamsError
 
 # Compiled expressions kept per engine: json_object's takes ~170 MB at a 128K vocabulary.
 INDEX_CACHE = 16
+# A grammar's text is parsed on the request path: bounded like the other request fields.
+MAX_GRAMMAR_CHARS = 64 * 1024
 
 
 def json_schema_regex(schema, param: str, whitespace: str | None = None) -> str:
@@ -48,6 +57,27 @@ def choice_regex(choices, param: str = 'guided_choice') -> str:
     raise SamplingParamsError(param, f'must be a non-empty list of non-empty strings, got '
                               f'{choices!r}')
   return '(' + '|'.join(re.escape(c) for c in choices) + ')'
+
+
+def grammar(text, param: str = 'guided_grammar') -> str:
+  """llguidance's form of a context-free grammar in Lark or GBNF syntax; a
+  SamplingParamsError naming `param` if it is not one."""
+  import llguidance  # pylint: disable=import-outside-toplevel
+  if not isinstance(text, str) or not text.strip():
+    raise SamplingParamsError(param, f'must be a grammar in Lark or GBNF syntax, got '
+                              f'{text!r}')
+  if len(text) > MAX_GRAMMAR_CHARS:
+    raise SamplingParamsError(param, f'at most {MAX_GRAMMAR_CHARS} characters, got '
+                              f'{len(text)}')
+  try:
+    out = llguidance.grammar_from('grammar', text)
+  except ValueError as e:
+    raise SamplingParamsError(param, f'is not a Lark or GBNF grammar: {e}') from None
+  error = llguidance.LLMatcher.validate_grammar(out)
+  if error:
+    raise SamplingParamsError(param, f'is not a grammar this server can follow: '
+                              f'{error.strip()}')
+  return out
 
 
 def response_format_regex(value, whitespace: str | None = None) -> str | None:
@@ -108,22 +138,27 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 class GuidedDecoding:
-  """One engine's vocabulary for outlines-core and its cache of compiled expressions.
+  """One engine's vocabulary for outlines-core (regular expressions) and llguidance
+  (grammars), and its caches of compiled expressions and checked grammars.
 
   eos_ids: the model's end tokens, the first the one outlines-core allows at a match's
   end; wherever it is allowed, so are the others (Llama-3.1 chat ends with <|eot_id|>)."""
 
   def __init__(self, tokenizer, eos_ids: list[int]):
     from outlines_core import Vocabulary  # pylint: disable=import-outside-toplevel
+    self._tokenizer = tokenizer
+    self._bytes = token_bytes(tokenizer)
     by_bytes: dict[bytes, list[int]] = {}
-    for i, b in token_bytes(tokenizer).items():
+    for i, b in self._bytes.items():
       if i not in eos_ids and b:
         by_bytes.setdefault(b, []).append(i)
     self.vocab_size = tokenizer.vocab_size
     self.eos_ids = [int(e) for e in eos_ids]
     self._vocabulary = Vocabulary(self.eos_ids[0], by_bytes)
     self._index = functools.lru_cache(maxsize=INDEX_CACHE)(self._compile)
+    self._matcher = functools.lru_cache(maxsize=INDEX_CACHE)(self._compile_grammar)
     self._lock = threading.Lock()
+    self._ll_tokenizer = None
 
   def _compile(self, regex: str):
     from outlines_core import Index  # pylint: disable=import-outside-toplevel
@@ -135,16 +170,100 @@ class GuidedDecoding:
                        'are not supported, and every character must be one the tokenizer '
                        'can spell.') from None
 
-  def compile(self, regex: str):
-    """The expression's index (cached; ValueError if it cannot be followed). Seconds for
-    a large vocabulary: callers on an event loop run it in a thread."""
-    return self._index(regex)
+  def compile(self, regex: str | None = None, *, grammar: str | None = None):
+    """The expression's index, or the grammar's parser at its start (cached; ValueError
+    if it cannot be followed). Seconds for a large vocabulary: callers on an event loop
+    run it in a thread."""
+    return self._matcher(grammar) if grammar is not None else self._index(regex)
 
-  def guide(self, regex: str) -> 'RequestGuide':
+  def guide(self, regex: str | None = None, *, grammar: str | None = None):
+    """A new request's guide through `regex` or `grammar` (one of them)."""
+    if grammar is not None:
+      return GrammarGuide(self._matcher(grammar).deep_copy(), self.vocab_size)
     return RequestGuide(self._index(regex), self.vocab_size, self.eos_ids)
 
+  def _compile_grammar(self, grammar: str):
+    import llguidance  # pylint: disable=import-outside-toplevel
+    matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
+    if matcher.is_error():
+      raise ValueError(f'this grammar cannot be followed with the model\'s vocabulary: '
+                       f'{_first_line(matcher.get_error())}')
+    GrammarGuide(matcher.deep_copy(), self.vocab_size)   # its first token can be spelled
+    return matcher
 
-class RequestGuide:
+  def _llguidance_tokenizer(self):
+    """The vocabulary as llguidance reads it (built once: about a second at 128K tokens).
+    Tokens without bytes of their own (special ones, eos) are special to it: no text of
+    the grammar can spell them."""
+    import llguidance  # pylint: disable=import-outside-toplevel
+    with self._lock:
+      if self._ll_tokenizer is None:
+        spelled = {b[0] for i, b in self._bytes.items() if len(b) == 1 and i not in self.eos_ids}
+        missing = sorted(set(range(256)) - spelled)
+        if missing:   # llguidance spells forced text with them; without, it goes astray
+          raise ValueError(
+              'guided_grammar needs a vocabulary with a token for each of the 256 bytes '
+              '(byte-level BPE, or SentencePiece with byte fallback: GPT-2, Llama, '
+              f'Mistral, Qwen); this tokenizer has none for {len(missing)} of them, '
+              f'{bytes(missing[:8])!r}...; use guided_regex, guided_json or guided_choice')
+        self._ll_tokenizer = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self._bytes,
+                                                    self.vocab_size, self.eos_ids)),
+            n_vocab=self.vocab_size, eos_token=self.eos_ids)
+      return self._ll_tokenizer
+
+
+class _Vocabulary:
+  """What llguidance.TokenizerWrapper reads: each token's bytes, the special ids, and
+  text -> ids. It asks for str (bytes are refused, which it reads as 'str only') and
+  trusts the ids to spell the text: the tokenizer's own ids where they do, else the
+  longest tokens first (SentencePiece's encode adds a '▁' in front)."""
+
+  def __init__(self, tokenizer, table: dict[int, bytes], vocab_size: int, eos_ids):
+    self._tokenizer = tokenizer
+    self.eos_token_id = eos_ids[0]
+    self.bos_token_id = None
+    plain = {i: b for i, b in table.items() if b and i not in eos_ids}
+    self.special_token_ids = [i for i in range(vocab_size) if i not in plain]
+    self.tokens = [plain.get(i, f'<special {i}>'.encode()) for i in range(vocab_size)]
+    self._by_bytes = {}
+    for i, b in sorted(plain.items(), reverse=True):   # the lowest id of equal bytes
+      self._by_bytes[b] = i
+    self._longest = max(map(len, self._by_bytes), default=1)
+
+  def __call__(self, text):
+    if not isinstance(text, str):
+      raise TypeError('text only')
+    ids = [int(i) for i in self._tokenizer.encode(text)]
+    data = text.encode('utf-8')
+    if b''.join(self.tokens[i] for i in ids if i < len(self.tokens)) == data:
+      return ids
+    out, at = [], 0
+    while at < len(data):   # every byte is a token (GuidedDecoding checks): size 1 hits
+      size = next(n for n in range(min(self._longest, len(data) - at), 0, -1)
+                  if data[at:at + n] in self._by_bytes)
+      out.append(self._by_bytes[data[at:at + size]])
+      at += size
+    return out
+
+
+def _first_line(message: str) -> str:
+  return message.strip().splitlines()[0] if message.strip() else 'unknown error'
+
+
+class _Guide:
+
+  _vocab_size: int
+
+  def words(self) -> np.ndarray:
+    raise NotImplementedError
+
+  def allowed(self) -> np.ndarray:
+    """[vocab_size] bool: the tokens that keep the output a prefix of a match."""
+    return unpack_bits(self.words(), self._vocab_size)
+
+
+class RequestGuide(_Guide):
   """One request's place in its expression: the tokens allowed next, advanced per token."""
 
   def __init__(self, index, vocab_size: int, eos_ids: list[int]):
@@ -163,10 +282,6 @@ class RequestGuide:
         words[e // 32] |= np.uint32(1 << (e % 32))
     return words
 
-  def allowed(self) -> np.ndarray:
-    """[vocab_size] bool: the tokens that keep the output a prefix of a match."""
-    return unpack_bits(self.words(), self._vocab_size)
-
   def advance(self, token: int) -> None:
     self._guide.advance(int(token), return_tokens=False)
 
@@ -174,3 +289,37 @@ class RequestGuide:
   def is_finished(self) -> bool:
     return self._guide.is_finished()
 
+
+class GrammarGuide(_Guide):
+  """One request's parse of its grammar (llguidance), with RequestGuide's interface. Every
+  eos id is allowed wherever the grammar may end. A grammar can need text no token of the
+  vocabulary spells: found when the guide is made or advanced (ValueError), so only its
+  own request fails, never a step of the batch."""
+
+  def __init__(self, matcher, vocab_size: int):
+    self._matcher = matcher
+    self._vocab_size = vocab_size
+    self._words = self._next_words()
+
+  def _next_words(self) -> np.ndarray:
+    words = np.zeros(-(-self._vocab_size // 32), np.uint32)
+    self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+    if not words.any():
+      raise ValueError('this grammar cannot be followed with the model\'s vocabulary: no '
+                       'token spells what it needs next'
+                       + (f' ({_first_line(self._matcher.get_error())})'
+                          if self._matcher.is_error() else ''))
+    return words
+
+  def words(self) -> np.ndarray:
+    return self._words
+
+  def advance(self, token: int) -> None:
+    if not self._matcher.consume_token(int(token)):
+      raise ValueError(f'token {int(token)} does not follow the grammar: '
+                       f'{_first_line(self._matcher.get_error())}')
+    self._words = self._next_words()
+
+  @property
+  def is_finished(self) -> bool:
+    return self._matcher.is_stopped()

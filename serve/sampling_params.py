@@ -60,8 +60,11 @@ class SamplingParams:
   repetition_penalty: float = 1.0
   logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
   # Structured output: the output must match this regular expression (serve/guided.py;
-  # from_openai turns JSON schemas and choices into one). Needs eos, and no min_tokens.
+  # from_openai turns JSON schemas and choices into one), or this context-free grammar
+  # (llguidance's form; from_openai reads Lark or GBNF). One of them; needs eos, and no
+  # min_tokens.
   guided_regex: str | None = None
+  guided_grammar: str | None = None
   # vLLM's: only these tokens may be drawn (eos too only if listed); None: any.
   allowed_token_ids: list[int] | None = None
   # vLLM's: no word of these may be completed in the output (serve/engine.py bad_word_ids).
@@ -69,6 +72,11 @@ class SamplingParams:
   # False: special tokens (a template's tags, eos) are written into the text, as their
   # tokenizer.json content.
   skip_special_tokens: bool = True
+
+  @property
+  def guided(self) -> bool:
+    """Whether the output must follow a regular expression or a grammar."""
+    return self.guided_regex is not None or self.guided_grammar is not None
 
   @property
   def greedy(self) -> bool:
@@ -116,10 +124,13 @@ class SamplingParams:
     _check_float('frequency_penalty', self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
     _check_float('repetition_penalty', self.repetition_penalty, 0.0, math.inf, low_open=True)
     _check_logit_bias(self.logit_bias, vocab_size)
-    if self.guided_regex is not None:
-      if not isinstance(self.guided_regex, str) or not self.guided_regex:
-        raise SamplingParamsError('guided_regex', f'must be a non-empty regular expression, '
-                                  f'got {self.guided_regex!r}')
+    for name in ('guided_regex', 'guided_grammar'):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, str) or not value):
+        raise SamplingParamsError(name, f'must be a non-empty string, got {value!r}')
+    if self.guided_regex is not None and self.guided_grammar is not None:
+      raise SamplingParamsError('guided_grammar', 'give either it or guided_regex, not both')
+    if self.guided:
       if self.ignore_eos or self.min_tokens:
         raise SamplingParamsError('ignore_eos' if self.ignore_eos else 'min_tokens',
                                   'cannot be combined with guided output, which ends with '
@@ -207,7 +218,7 @@ def _logit_bias(bias) -> dict:
 # server takes n itself, a request per choice; the batch CLI wants one completion a line.
 _UNSUPPORTED = {
     'n': (1,), 'best_of': (1,), 'use_beam_search': (False,),
-    'guided_grammar': (), 'structured_outputs': (), 'logits_processors': (),
+    'logits_processors': (),
 }
 _UNSUPPORTED_CHAT = {   # with no tools, tool_choice 'none' and 'auto' both mean plain text
     'tools': ([],), 'functions': ([],),
@@ -217,7 +228,6 @@ _UNSUPPORTED_CHAT = {   # with no tools, tool_choice 'none' and 'auto' both mean
 }
 _UNSUPPORTED_COMPLETION = {'suffix': ('',)}
 _HINTS = {
-    'guided_grammar': 'use guided_json, guided_regex or guided_choice',
     'tools': 'the HTTP server (python -m serve) calls tools; the batch CLI does not',
     'functions': 'send "tools" to the HTTP server (python -m serve)',
     'chat_template_kwargs': 'the HTTP server (python -m serve) takes them',
@@ -257,7 +267,8 @@ def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
       presence_penalty=get('presence_penalty', 0.0),
       frequency_penalty=get('frequency_penalty', 0.0),
       repetition_penalty=get('repetition_penalty', 1.0),
-      logit_bias=_logit_bias(get('logit_bias', {})), guided_regex=_guided_regex(body),
+      logit_bias=_logit_bias(get('logit_bias', {})),
+      **_guided(body),
       skip_special_tokens=get('skip_special_tokens', True),
       allowed_token_ids=body.get('allowed_token_ids'), bad_words=get('bad_words', []),
       prompt_logprobs=body.get('prompt_logprobs'))
@@ -265,7 +276,12 @@ def from_openai(body: dict, vocab_size: int, *, chat: bool = False,
   return params
 
 
-GUIDED_FIELDS = ('response_format', 'guided_json', 'guided_regex', 'guided_choice')
+GUIDED_FIELDS = ('response_format', 'guided_json', 'guided_regex', 'guided_choice',
+                 'guided_grammar', 'structured_outputs')
+# vLLM's structured_outputs object: each key and the older field that asks the same.
+STRUCTURED_OUTPUTS = {'json': 'guided_json', 'regex': 'guided_regex',
+                      'choice': 'guided_choice', 'grammar': 'guided_grammar',
+                      'whitespace_pattern': 'guided_whitespace_pattern'}
 
 
 def _guided_fields(body: dict) -> list[str]:
@@ -278,32 +294,72 @@ def guided_field(body: dict) -> str | None:
   return next(iter(_guided_fields(body)), None)
 
 
-def _guided_regex(body: dict) -> str | None:
-  """The regular expression of the structured output asked for, if any (one way only)."""
+def _guided(body: dict) -> dict:
+  """SamplingParams' guided_regex or guided_grammar for the structured output asked for,
+  if any (one way only)."""
   from serve import guided  # pylint: disable=import-outside-toplevel
   given = _guided_fields(body)
   if len(given) > 1:
     raise SamplingParamsError(given[1], f'give one of {", ".join(GUIDED_FIELDS)}, not '
                               f'{given}')
+  param = given[0] if given else None      # the field errors name
+  space_param = 'guided_whitespace_pattern'
+  if given == ['structured_outputs']:
+    body = {**body, **_structured_outputs(body['structured_outputs'])}
+    given = [k for k in _guided_fields(body) if k != 'structured_outputs']
+    space_param = param
   space = body.get('guided_whitespace_pattern')
   if space is not None and (not isinstance(space, str) or
                             given[:1] not in (['guided_json'], ['response_format'])):
-    raise SamplingParamsError('guided_whitespace_pattern', 'must be a regular expression, '
-                              'and only with guided_json or a JSON response_format')
+    raise SamplingParamsError(space_param, 'a whitespace pattern must be a regular '
+                              'expression, and goes only with a JSON schema or a JSON '
+                              'response_format')
   if not given:
-    return None
+    return {}
   name, value = given[0], body[given[0]]
   if name == 'response_format':
-    return guided.response_format_regex(value, space)
+    return {'guided_regex': guided.response_format_regex(value, space)}
   if name == 'guided_json':
     if not isinstance(value, (dict, str)):
-      raise SamplingParamsError(name, f'must be a JSON schema (an object), got {value!r}')
-    return guided.json_schema_regex(value, name, space)
+      raise SamplingParamsError(param, f'must be a JSON schema (an object), got {value!r}')
+    return {'guided_regex': guided.json_schema_regex(value, param, space)}
   if name == 'guided_choice':
-    return guided.choice_regex(value)
+    return {'guided_regex': guided.choice_regex(value, param)}
+  if name == 'guided_grammar':
+    return {'guided_grammar': guided.grammar(value, param)}
   if not isinstance(value, str) or not value:
-    raise SamplingParamsError(name, f'must be a non-empty regular expression, got {value!r}')
-  return value
+    raise SamplingParamsError(param, f'must be a non-empty regular expression, got {value!r}')
+  return {'guided_regex': value}
+
+
+def _structured_outputs(value) -> dict:
+  """vLLM's structured_outputs object as the fields it stands for: json, regex, choice,
+  grammar or json_object (one), and whitespace_pattern; errors name this field."""
+  param = 'structured_outputs'
+  if not isinstance(value, dict):
+    raise SamplingParamsError(param, f'must be an object such as {{"json": {{...}}}}, '
+                              f'{{"regex": "..."}}, {{"choice": [...]}} or '
+                              f'{{"grammar": "..."}}, got {value!r}')
+  def asks(v):   # null and false ask for nothing
+    return v is not None and v is not False
+  known = {*STRUCTURED_OUTPUTS, 'json_object'}
+  unknown = sorted(k for k, v in value.items() if k not in known and asks(v))
+  if unknown:
+    raise SamplingParamsError(param, f'{unknown} not supported here; give one of '
+                              f'{sorted(known)}')
+  asked = [k for k in (*STRUCTURED_OUTPUTS, 'json_object')
+           if k != 'whitespace_pattern' and asks(value.get(k))]
+  if len(asked) > 1:
+    raise SamplingParamsError(param, f'give one of json, regex, choice, grammar and '
+                              f'json_object, not {asked}')
+  out = {STRUCTURED_OUTPUTS[k]: value[k] for k in STRUCTURED_OUTPUTS
+         if value.get(k) is not None}
+  if asks(value.get('json_object')):
+    if value['json_object'] is not True:
+      raise SamplingParamsError(param, f'json_object must be true, got '
+                                f'{value["json_object"]!r}')
+    out['response_format'] = {'type': 'json_object'}
+  return out
 
 
 def truncate_prompt(ids: list[int], body: dict, max_model_len: int,

@@ -362,7 +362,8 @@ def _sampling_params(state: ServerState, body: dict, prompt_len: int, chat: bool
       params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     if _prompt_only(body, chat):   # the dropped token: greedy, and nothing can stop it
       params = dataclasses.replace(params, temperature=0.0, ignore_eos=True, stop=[],
-                                   stop_token_ids=[], guided_regex=None)
+                                   stop_token_ids=[], guided_regex=None,
+                                   guided_grammar=None)
   except sp_lib.SamplingParamsError as e:
     raise ApiError(400, str(e), param=e.param) from None
   param = 'messages' if chat else 'prompt'
@@ -783,10 +784,10 @@ async def _compile_guided(state: ServerState, body: dict, params,
   """Structured output's expression compiled off the event loop (seconds for a large
   vocabulary; cached), so other streams go on meanwhile; a 400 naming the field (by
   default the body's structured-output one) if the vocabulary cannot follow it."""
-  if params.guided_regex is None:
+  if not params.guided:
     return
   try:
-    await asyncio.to_thread(state.engine.compile_guided, params.guided_regex)
+    await asyncio.to_thread(state.engine.compile_guided, params)
   except ValueError as e:
     field = field or sp_lib.guided_field(body)
     raise ApiError(400, f'{field}: {e}', param=field) from None

@@ -234,6 +234,66 @@ def test_guided_output_is_the_training_forwards_greedy_within_the_allowed_tokens
         r.text for r in sampled]
 
 
+def nested_digits(data: bytes) -> tuple[bool, bool]:
+  """Our own recognizer of LISTS_GRAMMAR: (data is a prefix of a sentence, a whole one)."""
+  depth, prev = 0, None
+  for c in data.decode('latin-1'):
+    if prev is not None and depth == 0:   # text after the outer list closed
+      return False, False
+    ok = {'[': prev in (None, '[', ','), ']': prev is not None and prev not in ',',
+          ',': prev is not None and prev not in '[,'}.get(c, c in '0123456789' and
+                                                          prev in ('[', ','))
+    if not ok:
+      return False, False
+    depth += {'[': 1, ']': -1}.get(c, 0)
+    prev = c
+  return True, bool(data) and depth == 0
+
+
+LISTS_GRAMMAR = 'root ::= "[" (item ("," item)*)? "]"\nitem ::= [0-9] | root'
+
+
+def nested_digits_mask(eos):
+  """greedy_reference's adjust for LISTS_GRAMMAR with the byte tokenizer."""
+  def masked(row, prompt, out):
+    del prompt
+    if eos in out:
+      return row
+    ok = np.zeros(row.shape[-1], bool)
+    ok[:256] = [nested_digits(bytes(out + [b]))[0] for b in range(256)]
+    ok[eos] = nested_digits(bytes(out))[1]
+    return np.where(ok, row, -np.inf)
+  return masked
+
+
+def test_grammar_output_is_the_training_forwards_greedy_within_what_the_grammar_allows(
+    engine, varied, prompts):
+  """guided_grammar (nested lists of digits, no regular expression's): greedy output
+  equals the training forward's argmax over the bytes our own recognizer allows after
+  each prefix (eos once the list closes); sampled outputs are sentences of it, or
+  prefixes of one cut by max_tokens."""
+  from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
+  assert varied.tokenizer.name == 'byte'
+  eos, n = varied.eos_token_ids[0], 24
+  short = [p for p in prompts if len(p) <= 64 - n][:4]
+
+  ask = from_openai({'guided_grammar': LISTS_GRAMMAR, 'max_tokens': n, 'temperature': 0},
+                    engine.vocab_size)
+  want = greedy_reference(varied, short, n, min_margin=1e-4, adjust=nested_digits_mask(eos))
+  got = engine.generate(short, ask)
+  for result, tokens in zip(got, want):
+    end = tokens.index(eos) + 1 if eos in tokens else n
+    assert result.token_ids == tokens[:end]
+    assert result.finish_reason == ('stop' if eos in tokens else 'length')
+  sampled = engine.generate(short[:2] * 4, [dataclasses.replace(ask, temperature=1.0, seed=s)
+                                            for s in range(8)])
+  whole = [r for r in sampled if r.finish_reason == 'stop']
+  assert all(nested_digits(r.text.encode())[r.finish_reason == 'stop'] for r in sampled), [
+      r.text for r in sampled]
+  assert whole and all(isinstance(json.loads(r.text), list) for r in whole)
+  assert any(r.text.count('[') > 1 for r in whole)   # nested lists among them
+
+
 def test_allowed_token_ids_restrict_the_argmax_and_the_draws(engine, varied, prompts):
   """vLLM's allowed_token_ids: greedy output is the training forward's argmax over the
   listed tokens (eos not among them: the requests run to max_tokens); sampled tokens are
@@ -653,17 +713,25 @@ def test_generate_cli_writes_results_in_input_order(tiny_workdir, tiny_served, p
   lines[1]['prompt_logprobs'] = 1
   lines.append({'prompt': 'zz def ', 'max_tokens': 4, 'temperature': 0, 'ignore_eos': True,
                 'truncate_prompt_tokens': 4})   # 'def '
+  lines.append({'prompt': 'def ', 'max_tokens': 12, 'temperature': 0, 'id': 'g',
+                'structured_outputs': {'grammar': LISTS_GRAMMAR}})
   (tmp_path / 'in.jsonl').write_text(''.join(json.dumps(l) + '\n' for l in lines))
   result = run_generate(tiny_workdir, tmp_path / 'in.jsonl', tmp_path / 'out.jsonl')
   assert result.returncode == 0, result.stderr
   out = [json.loads(l) for l in open(tmp_path / 'out.jsonl')]
-  assert [o.get('id') for o in out] == [f'p{i}' for i in range(6)] + [None]
+  assert [o.get('id') for o in out] == [f'p{i}' for i in range(6)] + [None, 'g']
   expected = [greedy_reference(tiny_served, [p], 6 - i)[0] for i, p in enumerate(prompts[:6])]
   expected.append(greedy_reference(tiny_served, [list(b'def ')], 4)[0])
+  eos = tiny_served.eos_token_ids[0]
+  grammar = greedy_reference(tiny_served, [list(b'def ')], 12,
+                             adjust=nested_digits_mask(eos))[0]
+  expected.append(grammar[:grammar.index(eos) + 1] if eos in grammar else grammar)
   assert [o['token_ids'] for o in out] == expected
   assert [o['text'] for o in out] == [tiny_served.tokenizer.decode(e) for e in expected]
-  assert all(o['finish_reason'] == 'length' for o in out)
-  assert out[-1]['num_prompt_tokens'] == 4   # 'zz def ' cut to 'def '
+  assert all(o['finish_reason'] == 'length' for o in out[:-1])
+  assert out[-1]['finish_reason'] == ('stop' if eos in grammar else 'length')
+  assert nested_digits(out[-1]['text'].encode())[eos in grammar]
+  assert out[-2]['num_prompt_tokens'] == 4   # 'zz def ' cut to 'def '
   scored = out[1]['prompt_logprobs']   # the engine's entries, as JSON
   assert scored[0] is None and [e['token_id'] for e in scored[1:]] == prompts[1][1:]
   assert all(len(e['top']) == 1 and e['rank'] >= 1 for e in scored[1:])
@@ -678,6 +746,8 @@ def test_generate_cli_writes_results_in_input_order(tiny_workdir, tiny_served, p
     ('{"prompt": "a", "truncate_prompt_tokens": 0}', "line 2: field 'truncate_prompt_tokens'"),
     ('{"prompt": "a", "guided_regex": "^(a"}', "line 2: field 'guided_regex': this regular "
      'expression cannot be compiled'),
+    ('{"prompt": "a", "guided_grammar": "root ::= (\\"a\\""}',
+     "line 2: field 'guided_grammar': is not a Lark or GBNF grammar"),
 ])
 def test_generate_cli_bad_line_names_line_and_field(tiny_workdir, tmp_path, line, message):
   (tmp_path / 'in.jsonl').write_text('{"prompt": "ok"}\n' + line + '\n')

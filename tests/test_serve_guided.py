@@ -143,3 +143,153 @@ def test_whitespace_pattern_reaches_json_only():
   assert err.value.param == 'guided_whitespace_pattern'
   assert from_openai({'response_format': {'type': 'text'}, 'guided_regex': 'a'},
                      257).guided_regex == 'a'
+
+
+# Grammars no regular expression has: a^n c b^n, and lists of digits nested to any depth.
+NEST = {'gbnf': 'root ::= "a" root "b" | "c"', 'lark': 'start: "a" start "b" | "c"'}
+LISTS = {'gbnf': 'root ::= "[" (item ("," item)*)? "]"\nitem ::= [0-9] | root',
+         'lark': 'start: list\nlist: "[" (item ("," item)*)? "]"\nitem: /[0-9]/ | list'}
+
+
+def _walk(decoding, grammar, rng, eos, limit=200):
+  """Tokens drawn at random among those a new guide allows, until eos (None past limit)."""
+  g, out = decoding.guide(grammar=grammar), []
+  while len(out) < limit:
+    allowed = np.flatnonzero(g.allowed())
+    assert len(allowed)
+    token = int(rng.choice(allowed))
+    if token == eos:
+      return out
+    g.advance(token)
+    out.append(token)
+  return None
+
+
+def _depth(value) -> int:
+  return 1 + max((_depth(v) for v in value if isinstance(v, list)), default=0)
+
+
+@pytest.mark.parametrize('syntax', ['gbnf', 'lark'])
+@pytest.mark.parametrize('kind', ['byte', 'bytelevel', 'bytefallback'])
+def test_any_walk_a_grammar_guide_allows_spells_a_sentence_of_it(tmp_path, kind, syntax):
+  """Random walks through what a grammar's guide allows end in sentences of the grammar,
+  checked by a recognizer of our own: a^n c b^n, and lists of digits nested to any
+  depth, read back with json.loads."""
+  tok = ByteTokenizer() if kind == 'byte' else make_tokenizer(tmp_path, kind)
+  eos = tok.eos_id
+  decoding = guided.GuidedDecoding(tok, [eos])
+  rng = np.random.default_rng(4)
+  nest = from_openai({'guided_grammar': NEST[syntax]}, tok.vocab_size).guided_grammar
+  sizes = []
+  for _ in range(12):
+    text = tok.decode(_walk(decoding, nest, rng, eos))
+    m = re.fullmatch('(a*)c(b*)', text)
+    assert m and len(m[1]) == len(m[2]), (kind, text)
+    sizes.append(len(m[1]))
+  assert max(sizes) >= 2   # the recursion was taken, more than once
+  lists = from_openai({'guided_grammar': LISTS[syntax]}, tok.vocab_size).guided_grammar
+  depths = []
+  for _ in range(12):
+    out = _walk(decoding, lists, rng, eos)
+    if out is None:   # a walk may nest deeper than the limit allows it to close
+      continue
+    value = json.loads(tok.decode(out))
+    assert isinstance(value, list) and _flat_digits(value), (kind, tok.decode(out))
+    depths.append(_depth(value))
+  assert len(depths) >= 6 and max(depths) >= 2, depths   # nested, at least once
+
+
+def test_grammars_need_a_token_for_every_byte(tmp_path):
+  """llguidance spells the text a grammar forces with the vocabulary's byte tokens: a
+  tokenizer without them (the metaspace one here, no byte fallback) is refused, with
+  what to use instead, before any request is guided astray."""
+  tok = make_tokenizer(tmp_path, 'metaspace')
+  decoding = guided.GuidedDecoding(tok, [tok.eos_id])
+  with pytest.raises(ValueError, match='a token for each of the 256 bytes.*use guided_regex'):
+    decoding.compile(grammar=guided.grammar(NEST['gbnf']))
+  assert decoding.guide('(a|b)c') is not None   # regular expressions are still followed
+
+
+def _flat_digits(value) -> bool:
+  return all(_flat_digits(v) if isinstance(v, list) else v in range(10) and
+             not isinstance(v, bool) for v in value)
+
+
+def test_grammar_guides_allow_every_eos_at_the_end_and_refuse_the_rest(tmp_path):
+  """Where the grammar may end, each of the model's end tokens may come; a token the
+  grammar does not allow, advanced anyway, is a ValueError naming it."""
+  tok = make_tokenizer(tmp_path, 'bytelevel')
+  tok._tok.add_special_tokens(['<|eot|>'])
+  tok.vocab_size = tok._tok.get_vocab_size(with_added_tokens=True)
+  eot = tok._tok.token_to_id('<|eot|>')
+  decoding = guided.GuidedDecoding(tok, [tok.eos_id, eot])
+  g = decoding.guide(grammar=guided.grammar('root ::= "c" | "a" root "b"'))
+  first = set(np.flatnonzero(g.allowed()))
+  assert first == {tok._tok.token_to_id('a'), tok._tok.token_to_id('c')}, first
+  g.advance(tok._tok.token_to_id('c'))
+  assert g.is_finished and sorted(np.flatnonzero(g.allowed())) == sorted([tok.eos_id, eot])
+  g = decoding.guide(grammar=guided.grammar('root ::= "c" | "a" root "b"'))
+  with pytest.raises(ValueError, match=f'token {tok._tok.token_to_id("b")} does not follow'):
+    g.advance(tok._tok.token_to_id('b'))
+
+
+def test_a_grammar_guide_with_nothing_allowed_fails_its_request_alone():
+  """Were a grammar ever to need what no token spells, the guide says so (a ValueError,
+  which fails its request only) instead of handing the sampler an empty set."""
+
+  class Stuck:   # a parser whose every mask is empty
+    def unsafe_compute_mask_ptr(self, ptr, size):
+      del ptr, size
+
+    def is_error(self):
+      return False
+
+  with pytest.raises(ValueError, match='no token spells what it needs next'):
+    guided.GrammarGuide(Stuck(), 257)
+
+
+@pytest.mark.parametrize('text,why', [
+    ('root ::= ( "a"', 'is not a Lark or GBNF grammar'),
+    ('start: foo\nfoo: "a" bar', 'unknown name: "bar"'),
+    ('', 'must be a grammar in Lark or GBNF syntax'),
+    (['root ::= "a"'], 'must be a grammar in Lark or GBNF syntax'),
+    ('root ::= "' + 'a' * guided.MAX_GRAMMAR_CHARS + '"', 'at most'),
+])
+def test_grammars_that_cannot_be_read_are_refused_with_the_field(text, why):
+  with pytest.raises(SamplingParamsError, match=why) as err:
+    from_openai({'guided_grammar': text}, 257)
+  assert err.value.param == 'guided_grammar'
+
+
+def test_structured_outputs_asks_what_the_older_fields_ask():
+  """vLLM's structured_outputs: each key gives the request its older field would, and
+  what it cannot mean is refused naming the field."""
+  schema = {'type': 'object', 'properties': {'k': {'type': 'boolean'}}, 'required': ['k']}
+  same = [({'json': schema}, {'guided_json': schema}),
+          ({'json': schema, 'whitespace_pattern': '[ ]*'},
+           {'guided_json': schema, 'guided_whitespace_pattern': '[ ]*'}),
+          ({'regex': '[a-z]+'}, {'guided_regex': '[a-z]+'}),
+          ({'choice': ['x', 'y']}, {'guided_choice': ['x', 'y']}),
+          ({'grammar': NEST['gbnf']}, {'guided_grammar': NEST['gbnf']}),
+          ({'json_object': True}, {'response_format': {'type': 'json_object'}}),
+          ({'json': None, 'structural_tag': None}, {})]
+  for new, old in same:
+    a, b = from_openai({'structured_outputs': new}, 257), from_openai(old, 257)
+    assert (a.guided_regex, a.guided_grammar) == (b.guided_regex, b.guided_grammar), new
+  assert from_openai({'structured_outputs': {'grammar': NEST['gbnf']}}, 257).guided
+  for bad, why in [({'json': schema, 'regex': 'a'}, 'give one of'),
+                   ({'structural_tag': '{"x": 1}'}, 'not supported here'),
+                   ({'json_object': 'yes'}, 'json_object must be true'),
+                   ({'json_object': 0}, 'json_object must be true'),
+                   ({'json': 0}, 'must be a JSON schema'),
+                   ({'regex': 'a', 'whitespace_pattern': ' '}, 'whitespace pattern'),
+                   ({'choice': []}, 'non-empty list'),
+                   ({'grammar': 'root ::= ('}, 'not a Lark or GBNF grammar'),
+                   (['json'], 'must be an object')]:
+    with pytest.raises(SamplingParamsError, match=why) as err:
+      from_openai({'structured_outputs': bad}, 257)
+    assert err.value.param == 'structured_outputs', bad
+  with pytest.raises(SamplingParamsError, match='give one of') as err:
+    from_openai({'structured_outputs': {'regex': 'a'}, 'guided_regex': 'b'}, 257)
+  with pytest.raises(SamplingParamsError, match='give one of'):
+    from_openai({'guided_grammar': NEST['gbnf'], 'guided_regex': 'b'}, 257)

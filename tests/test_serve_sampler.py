@@ -387,7 +387,7 @@ def test_packed_bits_unpack_to_the_same_tokens():
     (True, 'chat_template', '{{ messages }}'), (True, 'echo', True),
     (True, 'chat_template_kwargs', {'enable_thinking': True}),
     (False, 'n', True), (False, 'use_beam_search', 0),   # true is not 1, 0 not false
-    (False, 'suffix', 'end'), (False, 'guided_grammar', 'root ::= "a"'),
+    (False, 'suffix', 'end'), (False, 'logits_processors', ['my.Processor']),
     (False, 'use_beam_search', True)])
 def test_fields_that_change_the_output_but_are_not_implemented_are_refused(chat, field, value):
   """Never silently ignored: a 400 naming the field, unless the value asks for nothing."""

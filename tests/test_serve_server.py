@@ -947,6 +947,31 @@ def test_structured_output_through_the_openai_client(real_server, real_engine):
   _assert_at_rest(real_engine)
 
 
+def test_grammar_output_through_the_openai_client(real_server, real_engine):
+  """vLLM's guided_grammar (completions) and structured_outputs' grammar (chat, streamed):
+  every text is a sentence of the grammar, by our own recognizer, or a prefix of one cut
+  by max_tokens; a grammar that cannot be read is a 400 naming the field it came in."""
+  from tests.test_serve_engine import LISTS_GRAMMAR, nested_digits  # pylint: disable=C0415
+  client = _client(real_server)
+  out = client.completions.create(model='tiny', prompt='list: ', max_tokens=16, n=3, seed=5,
+                                  extra_body={'guided_grammar': LISTS_GRAMMAR})
+  for c in out.choices:
+    assert nested_digits(c.text.encode())[c.finish_reason == 'stop'], c.text
+  pieces, ends = '', []
+  for chunk in client.chat.completions.create(
+      model='tiny', messages=[{'role': 'user', 'content': 'a list'}], max_tokens=16,
+      stream=True, seed=2, extra_body={'structured_outputs': {'grammar': LISTS_GRAMMAR}}):
+    for c in chunk.choices:
+      pieces += c.delta.content or ''
+      ends += [c.finish_reason] if c.finish_reason else []
+  assert pieces.startswith('[') and nested_digits(pieces.encode())[ends == ['stop']], pieces
+  for body, field in [({'guided_grammar': 'root ::= ("a"'}, 'guided_grammar'),
+                      ({'structured_outputs': {'grammar': 'start: x'}}, 'structured_outputs')]:
+    resp = httpx.post(real_server.url + '/v1/completions', json={'prompt': 'x', **body})
+    assert resp.status_code == 400 and resp.json()['error']['param'] == field, resp.text
+  _assert_at_rest(real_engine)
+
+
 def test_bad_inputs_on_the_real_engine_leave_nothing_behind(real_server, real_engine):
   for body in ({'prompt': 'x' * 60, 'max_tokens': 10}, {'prompt': [320]},
                {'prompt': 'hi', 'top_k': -5}, {'prompt': 'hi', 'min_p': 2}):
