@@ -75,7 +75,7 @@ class TokenLogprob:
   token_id: int
   logprob: float
   top: list[tuple[int, float]] | None   # the top N (token id, logprob) when asked
-  rank: int | None = None   # a prompt token's: the tokens at least as likely, it included
+  rank: int | None = None   # the tokens at least as likely, it included (vLLM v1's rank)
 
 
 @dataclasses.dataclass
@@ -686,7 +686,7 @@ class Engine:
       tokens[rid] = token
       if t.request.sampling_params.logprobs is not None:
         top = res.top_logprobs[i] if res.top_logprobs is not None else None
-        logprobs[rid] = TokenLogprob(token, float(res.logprobs[i]), top)
+        logprobs[rid] = TokenLogprob(token, float(res.logprobs[i]), top, int(res.ranks[i]))
     return tokens, logprobs
 
   def _prompt_targets(self, out):

@@ -131,8 +131,8 @@ def _prompt_ids(body: dict, served) -> list[int]:
 
 
 def _entry(lp) -> dict:
-  """A TokenLogprob as JSON: token_id, logprob, top [[id, logprob], ...], and rank where
-  known (prompt tokens)."""
+  """A TokenLogprob as JSON: token_id, logprob, top [[id, logprob], ...], and rank (the
+  tokens at least as likely, it included) where known."""
   out = dataclasses.asdict(lp)
   if out['rank'] is None:
     del out['rank']

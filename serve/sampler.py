@@ -36,6 +36,9 @@ class SampleResult:
   token_ids: np.ndarray                    # [N] int32
   logprobs: np.ndarray | None              # [N] float32 raw log p(token); None if no row asked
   top_logprobs: list[list[tuple[int, float]] | None]   # per row: top N (token, logprob) or None
+  # [N] int32 with logprobs: the tokens at least as likely as the drawn one, it included
+  # (vLLM v1's rank, by the raw logprobs).
+  ranks: np.ndarray | None = None
 
 
 class Sampler:
@@ -225,11 +228,13 @@ def _sample_rows(logits, temperature, top_k, top_p, min_p, key_data, steps, adju
     return token, None, None
   logits = raw   # the model's own logprobs, whatever the adjustments
   log_total = jax.nn.logsumexp(logits, axis=-1)
-  token_logprob = jnp.take_along_axis(logits, token[:, None], axis=1)[:, 0] - log_total
+  token_logit = jnp.take_along_axis(logits, token[:, None], axis=1)[:, 0]
+  ranked = (token_logit - log_total,
+            jnp.sum(logits >= token_logit[:, None], axis=-1, dtype=jnp.int32))
   if not top_n:
-    return token, token_logprob, None
+    return token, ranked, None
   values, ids = jax.lax.top_k(logits, top_n)
-  return token, token_logprob, (values - log_total[:, None], ids)
+  return token, ranked, (values - log_total[:, None], ids)
 
 
 def _row_key(key_data, step):
@@ -329,10 +334,12 @@ def _largest_passing(lo, hi, passes):
 
 
 def _result(params, out, n) -> SampleResult:
-  token, token_logprob, top = out
+  token, ranked, top = out
   tops = [_top_pairs(top, i, p.logprobs) for i, p in enumerate(params)]
-  return SampleResult(np.asarray(token[:n]),
-                      None if token_logprob is None else np.asarray(token_logprob[:n]), tops)
+  if ranked is None:
+    return SampleResult(np.asarray(token[:n]), None, tops)
+  return SampleResult(np.asarray(token[:n]), np.asarray(ranked[0][:n]), tops,
+                      np.asarray(ranked[1][:n]))
 
 
 def _top_pairs(top, row, count):

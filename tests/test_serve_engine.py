@@ -710,7 +710,7 @@ def test_generate_cli_writes_results_in_input_order(tiny_workdir, tiny_served, p
   # Lengths 6, 5, ..., 1 in input order: the output order shows in the lengths too.
   lines = [{'prompt_token_ids': p, 'max_tokens': 6 - i, 'temperature': 0,
             'ignore_eos': True, 'id': f'p{i}'} for i, p in enumerate(prompts[:6])]
-  lines[1]['prompt_logprobs'] = 1
+  lines[1]['prompt_logprobs'] = lines[1]['logprobs'] = 1
   lines.append({'prompt': 'zz def ', 'max_tokens': 4, 'temperature': 0, 'ignore_eos': True,
                 'truncate_prompt_tokens': 4})   # 'def '
   lines.append({'prompt': 'def ', 'max_tokens': 12, 'temperature': 0, 'id': 'g',
@@ -736,6 +736,9 @@ def test_generate_cli_writes_results_in_input_order(tiny_workdir, tiny_served, p
   assert scored[0] is None and [e['token_id'] for e in scored[1:]] == prompts[1][1:]
   assert all(len(e['top']) == 1 and e['rank'] >= 1 for e in scored[1:])
   assert 'prompt_logprobs' not in out[0]
+  drawn = out[1]['logprobs']   # greedy: each token is its step's most likely, rank 1
+  assert [e['token_id'] for e in drawn] == expected[1]
+  assert all(e['rank'] == 1 and e['top'][0][0] == e['token_id'] for e in drawn)
 
 
 @pytest.mark.parametrize('line, message', [

@@ -210,6 +210,8 @@ def test_logprobs_are_raw_log_softmax_over_the_real_vocab():
   for i, p in enumerate(params):
     want = np_log_softmax(logits[i, :VOCAB])
     np.testing.assert_allclose(res.logprobs[i], want[res.token_ids[i]], atol=1e-5)
+    # The drawn token's rank: the real-vocab tokens at least as likely, it included.
+    assert res.ranks[i] == np.sum(want >= want[res.token_ids[i]]), i
     if p.logprobs is None:
       assert res.top_logprobs[i] is None
       continue
@@ -220,7 +222,7 @@ def test_logprobs_are_raw_log_softmax_over_the_real_vocab():
 
 def test_no_logprobs_asked_none_returned():
   res = sample(np.zeros((2, PADDED), np.float32), [SamplingParams()] * 2, [0, 0], VOCAB)
-  assert res.logprobs is None and res.top_logprobs == [None, None]
+  assert res.logprobs is None and res.ranks is None and res.top_logprobs == [None, None]
 
 
 def test_one_program_per_bucket_and_mode():
