@@ -60,8 +60,8 @@ def choice_regex(choices, param: str = 'guided_choice') -> str:
 
 
 def grammar(text, param: str = 'guided_grammar') -> str:
-  """llguidance's form of a context-free grammar in Lark or GBNF syntax; a
-  SamplingParamsError naming `param` if it is not one."""
+  """llguidance's form of a context-free grammar in Lark or GBNF syntax (its syntax
+  checked); a SamplingParamsError naming `param` if it is not one."""
   import llguidance  # pylint: disable=import-outside-toplevel
   if not isinstance(text, str) or not text.strip():
     raise SamplingParamsError(param, f'must be a grammar in Lark or GBNF syntax, got '
@@ -171,9 +171,9 @@ class GuidedDecoding:
                        'can spell.') from None
 
   def compile(self, regex: str | None = None, *, grammar: str | None = None):
-    """The expression's index, or the grammar's parser at its start (cached; ValueError
-    if it cannot be followed). Seconds for a large vocabulary: callers on an event loop
-    run it in a thread."""
+    """The expression's index, or the parser at the start of a grammar (Lark or GBNF
+    text) (cached; ValueError if it cannot be followed). Seconds for a large vocabulary:
+    callers on an event loop run it in a thread."""
     return self._matcher(grammar) if grammar is not None else self._index(regex)
 
   def guide(self, regex: str | None = None, *, grammar: str | None = None):
@@ -182,9 +182,9 @@ class GuidedDecoding:
       return GrammarGuide(self._matcher(grammar).deep_copy(), self.vocab_size)
     return RequestGuide(self._index(regex), self.vocab_size, self.eos_ids)
 
-  def _compile_grammar(self, grammar: str):
+  def _compile_grammar(self, text: str):
     import llguidance  # pylint: disable=import-outside-toplevel
-    matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
+    matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar(text), log_level=0)
     if matcher.is_error():
       raise ValueError(f'this grammar cannot be followed with the model\'s vocabulary: '
                        f'{_first_line(matcher.get_error())}')

@@ -61,8 +61,7 @@ class SamplingParams:
   logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
   # Structured output: the output must match this regular expression (serve/guided.py;
   # from_openai turns JSON schemas and choices into one), or this context-free grammar
-  # (llguidance's form; from_openai reads Lark or GBNF). One of them; needs eos, and no
-  # min_tokens.
+  # (Lark or GBNF text, read by llguidance). One of them; needs eos, and no min_tokens.
   guided_regex: str | None = None
   guided_grammar: str | None = None
   # vLLM's: only these tokens may be drawn (eos too only if listed); None: any.
@@ -326,7 +325,8 @@ def _guided(body: dict) -> dict:
   if name == 'guided_choice':
     return {'guided_regex': guided.choice_regex(value, param)}
   if name == 'guided_grammar':
-    return {'guided_grammar': guided.grammar(value, param)}
+    guided.grammar(value, param)   # a grammar that does not read is refused here
+    return {'guided_grammar': value}
   if not isinstance(value, str) or not value:
     raise SamplingParamsError(param, f'must be a non-empty regular expression, got {value!r}')
   return {'guided_regex': value}

@@ -217,3 +217,15 @@ def test_planner_check_smoke_runs_the_planners_top_layouts_and_fits(tmp_path, mo
   [written] = os.listdir(tmp_path)
   assert json.load(open(tmp_path / written))['fit'] == result['fit']   # floats round-trip
   assert planner_check.main(['--fit', str(tmp_path / written)])['fit'] == result['fit']
+
+
+def test_guided_decoding_benchmark_smoke():
+  """Trains its small BPE, prepares each guide and walks it: every guide timed tokens."""
+  from benchmarks import guided_decoding  # pylint: disable=import-outside-toplevel
+  out = guided_decoding.main(['--smoke'])
+  (vocab, guides), = out['by_vocabulary'].items()
+  assert int(vocab) > 1000 and set(guides) == {'regex', 'tool_schema', 'grammar'}
+  assert all(g['tokens_timed'] > 0 and 0 < g['step_ms_median'] <= g['step_ms_max']
+             for g in guides.values()), guides
+  assert guides['grammar']['library'] == 'llguidance'
+  assert guides['grammar']['vocabulary_s'] is not None and guides['regex']['vocabulary_s'] is None

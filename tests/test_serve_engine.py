@@ -389,6 +389,8 @@ def test_guided_requests_refused_with_the_field(engine):
   from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match='cannot be compiled'):
     engine.add_request([1, 2], SamplingParams(guided_regex='(unclosed'))
+  with pytest.raises(ValueError, match='not a Lark or GBNF grammar'):
+    engine.add_request([1, 2], SamplingParams(guided_grammar='root ::= ("a"'))
   for body, field in [({'guided_regex': 'a', 'guided_choice': ['b']}, 'guided_choice'),
                       ({'guided_choice': []}, 'guided_choice'),
                       ({'guided_json': {'type': 'frob'}}, 'guided_json'),

@@ -206,7 +206,7 @@ def test_grammars_need_a_token_for_every_byte(tmp_path):
   tok = make_tokenizer(tmp_path, 'metaspace')
   decoding = guided.GuidedDecoding(tok, [tok.eos_id])
   with pytest.raises(ValueError, match='a token for each of the 256 bytes.*use guided_regex'):
-    decoding.compile(grammar=guided.grammar(NEST['gbnf']))
+    decoding.compile(grammar=NEST['gbnf'])
   assert decoding.guide('(a|b)c') is not None   # regular expressions are still followed
 
 
@@ -223,12 +223,12 @@ def test_grammar_guides_allow_every_eos_at_the_end_and_refuse_the_rest(tmp_path)
   tok.vocab_size = tok._tok.get_vocab_size(with_added_tokens=True)
   eot = tok._tok.token_to_id('<|eot|>')
   decoding = guided.GuidedDecoding(tok, [tok.eos_id, eot])
-  g = decoding.guide(grammar=guided.grammar('root ::= "c" | "a" root "b"'))
+  g = decoding.guide(grammar='root ::= "c" | "a" root "b"')
   first = set(np.flatnonzero(g.allowed()))
   assert first == {tok._tok.token_to_id('a'), tok._tok.token_to_id('c')}, first
   g.advance(tok._tok.token_to_id('c'))
   assert g.is_finished and sorted(np.flatnonzero(g.allowed())) == sorted([tok.eos_id, eot])
-  g = decoding.guide(grammar=guided.grammar('root ::= "c" | "a" root "b"'))
+  g = decoding.guide(grammar='root ::= "c" | "a" root "b"')
   with pytest.raises(ValueError, match=f'token {tok._tok.token_to_id("b")} does not follow'):
     g.advance(tok._tok.token_to_id('b'))
 
