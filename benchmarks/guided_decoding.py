@@ -18,6 +18,8 @@ Llama-3's (128,256). Guides, as the server builds them (serve/guided.py):
   array), outlines-core;
 - json_object: `response_format` json_object, outlines-core;
 - grammar: `guided_grammar`, lists of digits nested to any depth, llguidance.
+And for comparison, not what the server does: the two JSON guides through llguidance's
+own JSON schema support (tool_schema_llguidance, json_object_llguidance).
 Each guide is walked several times from its start, drawing tokens at random among those
 allowed, until eos or `--steps` tokens; a step is `advance(token)` then `words()`, what the
 engine does per token. Writes benchmarks/results/guided_decoding_cpu.json.
@@ -45,6 +47,8 @@ GUIDES = {   # name -> the request fields that ask for it
     'json_object': {'response_format': {'type': 'json_object'}},
     'grammar': {'guided_grammar': 'root ::= "[" (item ("," item)*)? "]"\n'
                                   'item ::= [0-9] | root'},
+    'tool_schema_llguidance': {'json_schema': SCHEMA},
+    'json_object_llguidance': {'json_schema': {'type': 'object'}},
 }
 
 
@@ -83,6 +87,27 @@ def train_tokenizer(vocab_size: int, texts: list[str], directory: str):
   return HFTokenizer(path)
 
 
+class _LLGuidanceJson:
+  """The comparison's guides: llguidance following a JSON schema itself (a GuidedDecoding
+  look-alike: compile, then a GrammarGuide per walk)."""
+
+  def __init__(self, decoding, schema):
+    self._decoding, self._schema, self._matcher = decoding, schema, None
+
+  def compile(self, *_, **__):
+    import llguidance  # pylint: disable=import-outside-toplevel
+    from serve.guided import GrammarGuide  # pylint: disable=import-outside-toplevel
+    self._matcher = llguidance.LLMatcher(
+        self._decoding._llguidance_tokenizer(),   # pylint: disable=protected-access
+        llguidance.LLMatcher.grammar_from_json_schema(self._schema), log_level=0)
+    assert not self._matcher.is_error(), self._matcher.get_error()
+    GrammarGuide(self._matcher.deep_copy(), self._decoding.vocab_size)
+
+  def guide(self, *_, **__):
+    from serve.guided import GrammarGuide  # pylint: disable=import-outside-toplevel
+    return GrammarGuide(self._matcher.deep_copy(), self._decoding.vocab_size)
+
+
 def walk(decoding, regex, grammar, eos: int, steps: int, rng) -> list[float]:
   """Seconds of each step (advance, then words) of one random walk from a new guide."""
   guide = decoding.guide(regex, grammar=grammar)
@@ -108,14 +133,18 @@ def measure(tok, names: list[str], walks: int, steps: int, seed: int) -> dict:
   eos = tok.eos_id
   out = {}
   for name in names:
-    params = from_openai(GUIDES[name], tok.vocab_size)
+    fields = GUIDES[name]
+    params = from_openai({} if 'json_schema' in fields else fields, tok.vocab_size)
     decoding = guided.GuidedDecoding(tok, [eos])
-    if params.guided_grammar is not None:   # llguidance reads the vocabulary once per engine
+    llg = 'json_schema' in fields or params.guided_grammar is not None
+    if llg:   # llguidance reads the vocabulary once per engine
       start = time.perf_counter()
       decoding._llguidance_tokenizer()   # pylint: disable=protected-access
       vocabulary_s = time.perf_counter() - start
     else:
       vocabulary_s = None
+    if 'json_schema' in fields:
+      decoding = _LLGuidanceJson(decoding, fields['json_schema'])
     start = time.perf_counter()
     decoding.compile(params.guided_regex, grammar=params.guided_grammar)
     prepare_s = time.perf_counter() - start
@@ -124,12 +153,12 @@ def measure(tok, names: list[str], walks: int, steps: int, seed: int) -> dict:
              for t in walk(decoding, params.guided_regex, params.guided_grammar, eos, steps,
                            rng)]
     out[name] = {
-        'library': 'llguidance' if params.guided_grammar is not None else 'outlines-core',
+        'library': 'llguidance' if llg else 'outlines-core',
         'vocabulary_s': vocabulary_s, 'prepare_s': prepare_s, 'tokens_timed': len(times),
         'step_ms_median': 1e3 * statistics.median(times),
         'step_ms_p99': 1e3 * float(np.percentile(times, 99)),
         'step_ms_max': 1e3 * max(times)}
-    print(f'  {name:12s} {out[name]["library"]:13s} prepare {prepare_s:7.2f} s'
+    print(f'  {name:24s} {out[name]["library"]:13s} prepare {prepare_s:7.2f} s'
           + (f' (+ vocabulary {vocabulary_s:.2f} s)' if vocabulary_s is not None else '')
           + f'  step median {out[name]["step_ms_median"]:.3f} ms, p99 '
           f'{out[name]["step_ms_p99"]:.3f} ms over {len(times)} tokens', flush=True)
@@ -140,7 +169,7 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--vocab', default='32000,128256',
                       help='comma-separated vocabulary sizes to train and measure')
-  parser.add_argument('--corpus-mb', type=float, default=24.0,
+  parser.add_argument('--corpus-mb', type=float, default=80.0,
                       help='megabytes of Python sources to train the tokenizers on')
   parser.add_argument('--walks', type=int, default=8)
   parser.add_argument('--steps', type=int, default=64, help='tokens per walk at most')
@@ -152,7 +181,7 @@ def main(argv=None) -> dict:
   args = parser.parse_args(argv)
   if args.smoke:
     args.vocab, args.corpus_mb, args.walks, args.steps = '2048', 1.0, 2, 16
-    args.guides = 'regex,tool_schema,grammar'
+    args.guides = 'regex,tool_schema,grammar,tool_schema_llguidance'
   names = args.guides.split(',')
   unknown = sorted(set(names) - set(GUIDES))
   if unknown:

@@ -20,9 +20,11 @@ prefix of one.
 Token byte strings come from the tokenizer's decoder: ByteLevel (GPT-2, Llama-3) maps
 each character back to its byte; Metaspace and byte fallback (SentencePiece, Llama-2)
 read '▁' as a space and <0xNN> as that byte; the byte tokenizer's ids are bytes. Special
-tokens are never allowed (eos only at the end).
+tokens are never allowed (eos only at the end), unless a grammar names one by its id
+(llguidance's `<[id]>`).
 """
 
+import contextlib
 import functools
 import json
 import re
@@ -37,6 +39,10 @@ from serve.sampling_params import SamplingParamsError
 INDEX_CACHE = 16
 # A grammar's text is parsed on the request path: bounded like the other request fields.
 MAX_GRAMMAR_CHARS = 64 * 1024
+# Longer tokens are left out of llguidance's vocabulary (grammars spell their text with
+# shorter ones): its token trie panics on a token of ~1.5 KB (llguidance 1.9.1), which a
+# BPE trained on code can have.
+MAX_GRAMMAR_TOKEN_BYTES = 512
 
 
 def json_schema_regex(schema, param: str, whitespace: str | None = None) -> str:
@@ -78,6 +84,18 @@ def grammar(text, param: str = 'guided_grammar') -> str:
     raise SamplingParamsError(param, f'is not a grammar this server can follow: '
                               f'{error.strip()}')
   return out
+
+
+@contextlib.contextmanager
+def _llguidance_panics():
+  """llguidance's Rust panics (pyo3's PanicException, a BaseException) as ValueError, so
+  one fails its request, never the engine's loop."""
+  try:
+    yield
+  except BaseException as e:  # pylint: disable=broad-except
+    if type(e).__name__ != 'PanicException':
+      raise
+    raise ValueError(f'llguidance failed: {_first_line(str(e))}') from None
 
 
 def response_format_regex(value, whitespace: str | None = None) -> str | None:
@@ -184,7 +202,8 @@ class GuidedDecoding:
 
   def _compile_grammar(self, text: str):
     import llguidance  # pylint: disable=import-outside-toplevel
-    matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar(text), log_level=0)
+    with _llguidance_panics():
+      matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar(text), log_level=0)
     if matcher.is_error():
       raise ValueError(f'this grammar cannot be followed with the model\'s vocabulary: '
                        f'{_first_line(matcher.get_error())}')
@@ -206,10 +225,11 @@ class GuidedDecoding:
               '(byte-level BPE, or SentencePiece with byte fallback: GPT-2, Llama, '
               f'Mistral, Qwen); this tokenizer has none for {len(missing)} of them, '
               f'{bytes(missing[:8])!r}...; use guided_regex, guided_json or guided_choice')
-        self._ll_tokenizer = llguidance.LLTokenizer(
-            llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self._bytes,
-                                                    self.vocab_size, self.eos_ids)),
-            n_vocab=self.vocab_size, eos_token=self.eos_ids)
+        with _llguidance_panics():
+          self._ll_tokenizer = llguidance.LLTokenizer(
+              llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self._bytes,
+                                                      self.vocab_size, self.eos_ids)),
+              n_vocab=self.vocab_size, eos_token=self.eos_ids)
       return self._ll_tokenizer
 
 
@@ -223,7 +243,8 @@ class _Vocabulary:
     self._tokenizer = tokenizer
     self.eos_token_id = eos_ids[0]
     self.bos_token_id = None
-    plain = {i: b for i, b in table.items() if b and i not in eos_ids}
+    plain = {i: b for i, b in table.items()
+             if 0 < len(b) <= MAX_GRAMMAR_TOKEN_BYTES and i not in eos_ids}
     self.special_token_ids = [i for i in range(vocab_size) if i not in plain]
     self.tokens = [plain.get(i, f'<special {i}>'.encode()) for i in range(vocab_size)]
     self._by_bytes = {}
@@ -303,7 +324,8 @@ class GrammarGuide(_Guide):
 
   def _next_words(self) -> np.ndarray:
     words = np.zeros(-(-self._vocab_size // 32), np.uint32)
-    self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+    with _llguidance_panics():
+      self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
     if not words.any():
       raise ValueError('this grammar cannot be followed with the model\'s vocabulary: no '
                        'token spells what it needs next'
@@ -315,7 +337,9 @@ class GrammarGuide(_Guide):
     return self._words
 
   def advance(self, token: int) -> None:
-    if not self._matcher.consume_token(int(token)):
+    with _llguidance_panics():
+      consumed = self._matcher.consume_token(int(token))
+    if not consumed:
       raise ValueError(f'token {int(token)} does not follow the grammar: '
                        f'{_first_line(self._matcher.get_error())}')
     self._words = self._next_words()

@@ -224,7 +224,8 @@ def test_guided_decoding_benchmark_smoke():
   from benchmarks import guided_decoding  # pylint: disable=import-outside-toplevel
   out = guided_decoding.main(['--smoke'])
   (vocab, guides), = out['by_vocabulary'].items()
-  assert int(vocab) > 1000 and set(guides) == {'regex', 'tool_schema', 'grammar'}
+  assert int(vocab) > 1000 and set(guides) == {'regex', 'tool_schema', 'grammar',
+                                                'tool_schema_llguidance'}
   assert all(g['tokens_timed'] > 0 and 0 < g['step_ms_median'] <= g['step_ms_max']
              for g in guides.values()), guides
   assert guides['grammar']['library'] == 'llguidance'

@@ -1,6 +1,7 @@
 """Structured output's token side: each token's bytes as the tokenizer decodes them, and
 guides that, followed anywhere they allow, only ever spell a match of their expression."""
 
+import ctypes
 import json
 import re
 
@@ -246,6 +247,40 @@ def test_a_grammar_guide_with_nothing_allowed_fails_its_request_alone():
 
   with pytest.raises(ValueError, match='no token spells what it needs next'):
     guided.GrammarGuide(Stuck(), 257)
+
+
+def test_tokens_too_long_for_llguidance_are_left_out_of_grammars(tmp_path):
+  """A 2,000-byte token (a BPE trained on code has such) made llguidance's token trie
+  panic: it is left out of the vocabulary grammars use, and the rest works."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  tok = make_tokenizer(tmp_path, 'bytelevel')
+  tok._tok.add_tokens([tokenizers.AddedToken('x' * 2000, special=False)])
+  tok.vocab_size = tok._tok.get_vocab_size(with_added_tokens=True)
+  long = tok._tok.token_to_id('x' * 2000)
+  decoding = guided.GuidedDecoding(tok, [tok.eos_id])
+  g = decoding.guide(grammar='root ::= "x"+')
+  first = np.flatnonzero(g.allowed())
+  assert tok._tok.token_to_id('x') in first and long not in first
+
+
+def test_llguidance_panics_fail_the_request_not_the_engine():
+  """pyo3's PanicException is a BaseException, past the engine's `except ValueError`:
+  the guide turns it into a ValueError."""
+
+  class PanicException(BaseException):
+    pass
+
+  class Panicking:
+    def unsafe_compute_mask_ptr(self, ptr, size):
+      del size
+      ctypes.c_uint32.from_address(ptr).value = 1   # token 0 allowed
+
+    def consume_token(self, token):
+      raise PanicException('assertion failed: somewhere in Rust')
+
+  g = guided.GrammarGuide(Panicking(), 8)
+  with pytest.raises(ValueError, match='llguidance failed: assertion failed'):
+    g.advance(0)
 
 
 @pytest.mark.parametrize('text,why', [
