@@ -285,6 +285,30 @@ def test_shuffle_is_seeded_and_changes_each_epoch(corpus_files):
   assert epoch0 != epoch1 and epoch0 != list(range(n))
 
 
+def test_evaluation_holds_out_the_end_of_the_training_data(corpus_files, tmp_path):
+  """With evaluation on and no eval.files, its batches are the stream's last windows in
+  order, and training, epoch after epoch, reads every other window and never those;
+  with eval.files, training keeps all its windows and evaluation reads those files'."""
+  pattern, stream = corpus_files
+  data_cfg = make_cfg(pattern)
+  n, held = (stream.size - 1) // data_cfg.seq_len, 2 * data_cfg.batch_size
+  run = config_lib.Config(data=data_cfg, eval=config_lib.EvalConfig(every_steps=5, batches=2))
+  assert config_lib.held_out_windows(run) == held
+  evaluated = data.make_eval_batches(run)
+  assert window_ids(rows(evaluated), stream, data_cfg.seq_len) == list(range(n - held, n))
+  trained = take(data_cfg, 3 * n // data_cfg.batch_size, held_out=held)   # three epochs
+  assert set(window_ids(rows(trained), stream, data_cfg.seq_len)) == set(range(n - held))
+  other = np.arange(40, dtype=np.int64) % 200
+  data.write_token_file(str(tmp_path / 'eval' / 'held.bin'), [other] * 8,
+                        tokenizer_lib.ByteTokenizer())
+  run.eval.files = str(tmp_path / 'eval' / '*.bin')
+  assert config_lib.held_out_windows(run) == 0
+  first = data.make_eval_batches(run)[0]['inputs'][0]
+  np.testing.assert_array_equal(first, np.concatenate([other, [BYTE_EOS]])[:16])
+  with pytest.raises(ValueError, match='none is left to train on'):
+    take(data_cfg, 1, held_out=n)
+
+
 @pytest.mark.parametrize('process_count', [2, 4])
 def test_process_shards_concatenate_to_the_global_batch(corpus_files, process_count):
   pattern, _ = corpus_files

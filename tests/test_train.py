@@ -97,6 +97,51 @@ def test_resume_continues_exactly(tmp_path, cache_dir, capsys):
                              [r['loss'] for r in full], rtol=1e-6)
 
 
+def float64_loss(params, model_cfg, batches) -> tuple[float, float]:
+  """(weighted mean token nll, total weight) of batches, float64 numpy on the logits."""
+  nll = weight = 0.0
+  for b in batches:
+    hidden = model.forward(params, jnp.asarray(b['inputs']), model_cfg,
+                           positions=jnp.asarray(b['positions']),
+                           segment_ids=jnp.asarray(b['segment_ids']))
+    logits = np.asarray(model.logits(params, hidden, model_cfg), np.float64)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    picked = np.take_along_axis(logp, b['targets'][..., None].astype(np.int64), -1)[..., 0]
+    nll -= float(np.sum(picked * b['weights']))
+    weight += float(np.sum(b['weights']))
+  return nll / weight, weight
+
+
+def test_evaluation_reports_the_held_out_loss(tmp_path, cache_dir, capsys):
+  """eval.every_steps=3 over 7 steps, on a ZeRO-3 x tensor mesh with 2 microbatches:
+  evaluations after steps 3, 6 and the last, in metrics.jsonl, TensorBoard and on the
+  console; the last equals a float64 numpy loss of the saved step-7 weights over the same
+  held-out windows (the end of the training data, which training never reads)."""
+  from serve.loader import load_checkpoint  # pylint: disable=import-outside-toplevel
+  from training import data  # pylint: disable=import-outside-toplevel
+  cfg = tiny(tmp_path, cache_dir, steps=7, eval__every_steps=3, eval__batches=2,
+             mesh__data=2, mesh__fsdp=2, mesh__tensor=2, parallel__zero_stage=3,
+             optim__grad_accum=2, sample__num_tokens=0)
+  history = trainer.train(cfg)
+  assert [r['step'] for r in history if 'eval_loss' in r] == [3, 6, 7]
+  assert 'eval at step 7: loss' in capsys.readouterr().err
+  batches = data.make_eval_batches(cfg)
+  assert len(batches) == 2 and batches[0]['inputs'].shape == (8, 32)
+  served = load_checkpoint(str(tmp_path), dtype='float32')
+  want, tokens = float64_loss(served.params, served.model_cfg, batches)
+  last = history[-1]
+  assert last['eval_loss'] == pytest.approx(want, rel=1e-5)
+  assert last['eval_tokens'] == tokens and last['eval_perplexity'] == pytest.approx(
+      np.exp(want), rel=1e-4)
+  assert history[2]['eval_loss'] > last['eval_loss']   # it learned, held out too
+  lines = {l['step']: l for l in map(json.loads, open(tmp_path / 'metrics.jsonl'))}
+  scalars = read_scalars(tmp_path / 'tensorboard')
+  for step in (3, 6, 7):
+    assert lines[step]['eval_loss'] == history[step - 1]['eval_loss']
+    assert scalars['eval/loss', step] == pytest.approx(lines[step]['eval_loss'], rel=1e-6)
+
+
 def test_train_py_with_pallas_attention_matches_xla(tmp_path, cache_dir):
   """`python train.py --config.model.attention_impl=pallas` (interpret mode on CPU)."""
   losses = {}
@@ -290,6 +335,11 @@ def test_bad_input_fails_with_a_clear_message(args, expected, tmp_path):
     ({'mesh__stage': 2, 'mesh__data': 4, 'parallel__pipeline_repeats': 3},
      'mesh.stage x parallel.pipeline_repeats = 6'),
     ({'optim__grad_accum': 3}, 'optim.grad_accum=3'),
+    ({'eval__every_steps': -1}, 'eval.every_steps=-1'),
+    ({'eval__every_steps': 5, 'eval__files': '/no/such/dir/*.bin'},
+     "eval.files: no token file matches '/no/such/dir/*.bin'"),
+    ({'eval__every_steps': 5, 'eval__batches': 10 ** 6}, 'fewer than eval.batches x '
+     'data.batch_size = 8000000: lower eval.batches or add data'),
 ])
 def test_config_that_cannot_run_names_the_field(tmp_path, cache_dir, overrides, message):
   with pytest.raises(trainer.ConfigError, match=re.escape(message)):

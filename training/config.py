@@ -109,6 +109,18 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass
+class EvalConfig:
+  """The loss on held-out data, measured during training."""
+  every_steps: int = 0
+  """Evaluate every this many steps, and after the last (0: never)."""
+  batches: int = 4
+  """Batches of data.batch_size sequences per evaluation, the same ones every time."""
+  files: str = ''
+  """Comma-separated globs of held-out token files; '': the last eval.batches batches of
+  windows of the training data, left out of training while evaluation is on."""
+
+
+@dataclasses.dataclass
 class MetricsConfig:
   """What each step reports."""
   log_every: int = 1
@@ -151,6 +163,7 @@ class Config:
   parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+  eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
   sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
@@ -299,6 +312,9 @@ def validate(cfg: Config, num_devices: int, process_count: int = 1,
                      "'continue' or 'stop'.")
   if cfg.optim.max_skipped_steps < 1:
     raise ValueError(f'optim.max_skipped_steps={cfg.optim.max_skipped_steps} must be >= 1.')
+  if cfg.eval.every_steps < 0 or cfg.eval.batches < 1:
+    raise ValueError(f'eval.every_steps={cfg.eval.every_steps} must be >= 0 (0: no '
+                     f'evaluation) and eval.batches={cfg.eval.batches} >= 1.')
 
 
 def _validate_experts(cfg: Config, sizes: dict[str, int]) -> None:
@@ -314,16 +330,34 @@ def _validate_experts(cfg: Config, sizes: dict[str, int]) -> None:
 
 def data_files(cfg: DataConfig) -> list[str]:
   """Expands `train_files` globs; a pattern matching nothing is an error."""
+  return expand_files(cfg.train_files, 'data.train_files',
+                      'or leave data.train_files empty to use the default corpus.')
+
+
+def eval_files(cfg: EvalConfig) -> list[str]:
+  """Expands `eval.files` globs; a pattern matching nothing is an error."""
+  return expand_files(cfg.files, 'eval.files', 'or leave eval.files empty to hold out the '
+                      'end of the training data.')
+
+
+def expand_files(patterns: str, field: str, alternative: str) -> list[str]:
   files = []
-  for pattern in filter(None, (p.strip() for p in cfg.train_files.split(','))):
+  for pattern in filter(None, (p.strip() for p in patterns.split(','))):
     found = sorted(glob.glob(os.path.expanduser(pattern)))
     if not found:
       raise FileNotFoundError(
-          f'data.train_files: no token file matches {pattern!r}. Create one with '
-          '`python -m training.prepare --input TEXT_FILES --output OUT.bin`, or leave '
-          'data.train_files empty to use the default corpus.')
+          f'{field}: no token file matches {pattern!r}. Create one with '
+          f'`python -m training.prepare --input TEXT_FILES --output OUT.bin`, {alternative}')
     files.extend(found)
   return files
+
+
+def held_out_windows(cfg: Config) -> int:
+  """Windows at the end of the training data kept for evaluation (0 unless evaluation is
+  on without eval.files)."""
+  if not cfg.eval.every_steps or cfg.eval.files:
+    return 0
+  return cfg.eval.batches * cfg.data.batch_size
 
 
 def to_json(cfg: Config) -> str:

@@ -295,30 +295,49 @@ def _shuffle_seed(seed: int) -> int:
   return int.from_bytes(digest[:4], 'little')
 
 
-def make_dataset(cfg: config_lib.DataConfig, *, seed: int, process_index: int = 0,
-                 process_count: int = 1) -> grain.IterDataset:
-  """This process's batches as a grain IterDataset (see the module docstring)."""
-  _check_cfg(cfg, process_index, process_count)
+def _windows(cfg: config_lib.DataConfig, files: list[str]) -> tuple[TokenWindows, int]:
+  """The files' windows, checked against data.tokenizer, and their eos id."""
   tok = tokenizer_lib.load_tokenizer(cfg.tokenizer)
-  files = train_files(cfg)
   metas = [read_metadata(p) for p in files]
   for path, meta in zip(files, metas):
     _check_matches_tokenizer(path, meta, tok)
-  windows = TokenWindows(files, cfg.seq_len)
+  return TokenWindows(files, cfg.seq_len), metas[0]['eos_id']
+
+
+def _batched(ds: grain.MapDataset, cfg: config_lib.DataConfig, eos_id: int,
+             process_index: int, process_count: int) -> grain.MapDataset:
+  """Windows -> this process's batches of features.
+
+  Cuts the window sequence into batches of b = batch_size / P rows: batch k is rows
+  [(k % P) * b, (k % P + 1) * b) of global step k // P, so process p keeps every P-th
+  batch from p. Slicing before reading means each process reads only its rows.
+  """
+  features = functools.partial(window_features, eos_id=eos_id, pack=cfg.pack_documents)
+  return (ds.map(features).batch(cfg.batch_size // process_count, drop_remainder=True)
+          .slice(slice(process_index, None, process_count)))
+
+
+def make_dataset(cfg: config_lib.DataConfig, *, seed: int, process_index: int = 0,
+                 process_count: int = 1, held_out: int = 0) -> grain.IterDataset:
+  """This process's batches as a grain IterDataset (see the module docstring), without
+  the last `held_out` windows of the files (evaluation's: make_eval_batches)."""
+  _check_cfg(cfg, process_index, process_count)
+  files = train_files(cfg)
+  windows, eos_id = _windows(cfg, files)
   if not len(windows):
     raise ValueError(f'{windows.num_tokens} tokens in {files} do not fill one window of '
                      f'data.seq_len + 1 = {cfg.seq_len + 1}: add data or lower data.seq_len.')
+  if len(windows) <= held_out:
+    raise ValueError(f'{files} make {len(windows)} windows of data.seq_len + 1 = '
+                     f'{cfg.seq_len + 1} tokens and evaluation holds out the last '
+                     f'{held_out} (eval.batches x data.batch_size): none is left to train '
+                     'on. Add data, lower eval.batches or give eval.files.')
   ds = grain.MapDataset.source(windows)
+  if held_out:
+    ds = ds[:len(windows) - held_out]
   if cfg.shuffle:
     ds = ds.shuffle(seed=_shuffle_seed(seed))
-  features = functools.partial(window_features, eos_id=metas[0]['eos_id'],
-                               pack=cfg.pack_documents)
-  # Cut the endless window sequence into batches of b = batch_size / P rows: batch k is
-  # rows [(k % P) * b, (k % P + 1) * b) of global step k // P, so process p keeps every
-  # P-th batch from p. Slicing before reading means each process reads only its rows.
-  ds = (ds.repeat(None).map(features)
-        .batch(cfg.batch_size // process_count, drop_remainder=True)
-        .slice(slice(process_index, None, process_count)))
+  ds = _batched(ds.repeat(None), cfg, eos_id, process_index, process_count)
   ds = ds.to_iter_dataset(_READ_OPTIONS)
   if cfg.worker_count > 0:
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count,
@@ -326,8 +345,27 @@ def make_dataset(cfg: config_lib.DataConfig, *, seed: int, process_index: int = 
   return ds
 
 
+def make_eval_batches(cfg: config_lib.Config, *, process_index: int = 0,
+                      process_count: int = 1) -> list[dict[str, np.ndarray]]:
+  """This process's part of the eval.batches evaluation batches, in order, read once:
+  from eval.files, else the last held_out_windows of the training data (unshuffled)."""
+  data_cfg, batches = cfg.data, cfg.eval.batches
+  _check_cfg(data_cfg, process_index, process_count)
+  files = _dedupe_sidecars(config_lib.eval_files(cfg.eval)) or train_files(data_cfg)
+  windows, eos_id = _windows(data_cfg, files)
+  need = batches * data_cfg.batch_size
+  if len(windows) < need:
+    source = 'eval.files' if cfg.eval.files else 'the training data'
+    raise ValueError(f'{source} ({files}) make {len(windows)} windows of data.seq_len + 1 '
+                     f'= {data_cfg.seq_len + 1} tokens, fewer than eval.batches x '
+                     f'data.batch_size = {need}: lower eval.batches or add data.')
+  ds = grain.MapDataset.source(windows)
+  ds = ds[len(windows) - need:] if not cfg.eval.files else ds[:need]
+  return list(_batched(ds, data_cfg, eos_id, process_index, process_count))
+
+
 def make_train_iterator(cfg: config_lib.DataConfig, *, seed: int, process_index: int = 0,
-                        process_count: int = 1) -> grain.DatasetIterator:
+                        process_count: int = 1, held_out: int = 0) -> grain.DatasetIterator:
   """An endless iterator of this process's batches; `get_state()` is JSON-serializable.
 
   Each batch is a dict of numpy arrays of shape [batch_size // process_count, seq_len]:
@@ -337,5 +375,5 @@ def make_train_iterator(cfg: config_lib.DataConfig, *, seed: int, process_index:
   restores onto the same files, cfg, seed, process layout and worker_count.
   """
   ds = make_dataset(cfg, seed=seed, process_index=process_index,
-                    process_count=process_count)
+                    process_count=process_count, held_out=held_out)
   return iter(ds)

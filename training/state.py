@@ -180,6 +180,27 @@ def skip_if_not_finite(new: TrainState, old: TrainState, loss, grad_norm):
   return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old), ok
 
 
+def make_eval_step(cfg: Config, plan: ShardingPlan):
+  """jit(params, batch) -> (summed nll, summed weight) of a held-out batch: the training
+  loss's forward, no gradients, in the same grad_accum microbatches (so it fits wherever
+  the train step does)."""
+  def summed(params, batch):
+    return model.summed_nll(params, context.reorder_batch(batch, plan), cfg.model, plan)
+
+  def step(params, batch: dict):
+    weight = jnp.sum(batch['weights'].astype(jnp.float32))
+    if cfg.optim.grad_accum == 1:
+      return summed(params, batch), weight
+    total, _ = jax.lax.scan(lambda acc, mb: (acc + summed(params, mb), None),
+                            jnp.zeros((), jnp.float32),
+                            _microbatches(batch, cfg.optim.grad_accum))
+    return total, weight
+
+  params_sh = plan.tree(plan.params, model.logical_axes(cfg.model))
+  return jax.jit(step, in_shardings=(params_sh, plan.batch_sharding()),
+                 out_shardings=plan.replicated())
+
+
 def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
   """jit(state, batch) -> (state, metrics); the state buffer is donated."""
   shardings = state_shardings(cfg, plan, tx)

@@ -42,6 +42,7 @@ class Trainer:
   tokenizer: object
   is_main: bool
   events: resilience.Events
+  eval_batches: list | None = None   # this process's held-out batches, with eval on
   step: int | None = None           # the last finished step, once known
   pending_save: int | None = None   # a save started but not yet known to be committed
 
@@ -62,10 +63,11 @@ def setup(cfg: config_lib.Config) -> Trainer:
     shapes, axes = model.abstract_params(cfg.model), model.logical_axes(cfg.model)
     for rules in (plan.params, plan.grads, plan.opt_state):
       check_divisible(plan, rules, shapes, axes, _FIELD_OF_AXIS)
+    where = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    eval_batches = data.make_eval_batches(cfg, **where) if cfg.eval.every_steps else None
     data_iter = data.make_train_iterator(cfg.data, seed=cfg.seed,
-                                         process_index=jax.process_index(),
-                                         process_count=jax.process_count())
-  except ValueError as e:
+                                         held_out=config_lib.held_out_windows(cfg), **where)
+  except (ValueError, FileNotFoundError) as e:
     raise ConfigError(str(e)) from e
   is_main = jax.process_index() == 0
   if is_main:
@@ -79,7 +81,8 @@ def setup(cfg: config_lib.Config) -> Trainer:
   tx = optimizer.make_optimizer(cfg.optim, cfg.steps)
   ckpt = checkpoint.Checkpointer(os.path.join(cfg.workdir, 'checkpoints'), cfg.checkpoint)
   return Trainer(cfg, plan, tx, optimizer.lr_schedule(cfg.optim, cfg.steps), ckpt,
-                 data_iter, info.tokenizer, is_main, resilience.Events(cfg.workdir, is_main))
+                 data_iter, info.tokenizer, is_main, resilience.Events(cfg.workdir, is_main),
+                 eval_batches=eval_batches)
 
 
 def restore_or_init(t: Trainer):
@@ -102,8 +105,9 @@ def restore_or_init(t: Trainer):
 
 def data_setup(cfg: config_lib.Config) -> dict:
   """What the saved data position depends on."""
+  held_out = config_lib.held_out_windows(cfg)   # named only when some (older runs: none)
   return {'data': dataclasses.asdict(cfg.data), 'seed': cfg.seed,
-          'processes': jax.process_count()}
+          'processes': jax.process_count(), **({'held_out': held_out} if held_out else {})}
 
 
 def global_batch(t: Trainer, local: dict) -> dict:
@@ -135,7 +139,7 @@ def run_loop(t: Trainer, train_state, start: int,
   peak = metrics.peak_flops_per_device(cfg.metrics)
   logger = metrics.MetricsLogger(cfg.workdir, cfg.metrics, start_step=start,
                                  total_steps=cfg.steps, enabled=t.is_main)
-  history, step_fn, t.step, skips = [], None, start, 0
+  history, step_fn, eval_fn, t.step, skips = [], None, None, start, 0
   data_state = t.data_iter.get_state()   # the data position matching `train_state`
   try:
     while t.step < cfg.steps:
@@ -149,8 +153,14 @@ def run_loop(t: Trainer, train_state, start: int,
       t.step, data_state = t.step + 1, t.data_iter.get_state()
       record = _record(t.step, out, time.perf_counter() - tic, tokens_per_step,
                        flops_per_step, peak)
+      evaluated = cfg.eval.every_steps and (t.step % cfg.eval.every_steps == 0
+                                            or t.step == cfg.steps)
+      if evaluated:
+        eval_fn, result = evaluate(t, train_state.params, eval_fn)
+        record.update(result)
       history.append(record)
-      if t.step % cfg.metrics.log_every == 0 or t.step == cfg.steps or record['skipped']:
+      if (t.step % cfg.metrics.log_every == 0 or t.step == cfg.steps or record['skipped']
+          or evaluated):
         logger.log(record)
       skips = _count_skips(t, record, skips)
       if t.step % cfg.checkpoint.every_steps == 0 or t.step == cfg.steps:
@@ -164,6 +174,29 @@ def run_loop(t: Trainer, train_state, start: int,
     logger.close()
     commit_pending(t)
   return train_state, history
+
+
+def evaluate(t: Trainer, params, eval_fn=None) -> tuple[object, dict]:
+  """(the compiled eval step, {eval_loss, eval_perplexity, eval_tokens}) over the
+  held-out batches: the weighted mean token loss, as training's."""
+  start = time.perf_counter()
+  totals = []
+  for local in t.eval_batches:
+    batch = global_batch(t, local)
+    if eval_fn is None:
+      eval_fn = state.make_eval_step(t.cfg, t.plan).lower(params, batch).compile()
+      if t.is_main:
+        console.print(f'compiled eval step in {time.perf_counter() - start:.1f}s')
+    totals.append(eval_fn(params, batch))
+  nll, weight = np.sum(np.asarray(jax.device_get(totals), np.float64), axis=0)
+  loss = float(nll / max(weight, 1.0))
+  result = {'eval_loss': loss, 'eval_perplexity': float(np.exp(min(loss, 80.0))),
+            'eval_tokens': int(weight)}
+  if t.is_main:
+    console.print(f'eval at step {t.step}: loss {loss:.4f}, perplexity '
+                  f'{result["eval_perplexity"]:.2f} ({result["eval_tokens"]} tokens, '
+                  f'{time.perf_counter() - start:.1f}s)', highlight=False)
+  return eval_fn, result
 
 
 def _count_skips(t: Trainer, record: dict, skips: int) -> int:
