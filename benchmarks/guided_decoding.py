@@ -34,8 +34,11 @@ import tempfile
 import time
 
 import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from benchmarks.common import write_result
+from training.tokenizer import HFTokenizer
 
 SCHEMA = {'type': 'object', 'properties': {
     'city': {'type': 'string'}, 'unit': {'enum': ['celsius', 'fahrenheit']},
@@ -52,8 +55,9 @@ GUIDES = {   # name -> the request fields that ask for it
 }
 
 
-def corpus(max_bytes: int) -> list[str]:
-  """Python sources of the installed packages, up to max_bytes, in a fixed order."""
+def corpus(max_chars: int) -> list[str]:
+  """Python sources of the installed packages, up to max_chars characters, in a fixed
+  order."""
   roots = sorted({os.path.dirname(os.path.dirname(np.__file__)), *sys.path[1:]})
   texts, total = [], 0
   for root in roots:
@@ -65,16 +69,13 @@ def corpus(max_bytes: int) -> list[str]:
         continue
       texts.append(text)
       total += len(text)
-      if total >= max_bytes:
+      if total >= max_chars:
         return texts
   return texts
 
 
 def train_tokenizer(vocab_size: int, texts: list[str], directory: str):
   """A byte-level BPE of vocab_size tokens (one special: <|endoftext|>), as HFTokenizer."""
-  import tokenizers  # pylint: disable=import-outside-toplevel
-  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
-  from training.tokenizer import HFTokenizer  # pylint: disable=import-outside-toplevel
   tok = tokenizers.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
@@ -170,7 +171,8 @@ def main(argv=None) -> dict:
   parser.add_argument('--vocab', default='32000,128256',
                       help='comma-separated vocabulary sizes to train and measure')
   parser.add_argument('--corpus-mb', type=float, default=80.0,
-                      help='megabytes of Python sources to train the tokenizers on')
+                      help='millions of characters of Python sources to train the '
+                      'tokenizers on')
   parser.add_argument('--walks', type=int, default=8)
   parser.add_argument('--steps', type=int, default=64, help='tokens per walk at most')
   parser.add_argument('--guides', default=','.join(GUIDES),
@@ -196,7 +198,7 @@ def main(argv=None) -> dict:
       print(f'vocabulary {tok.vocab_size} (trained in {time.perf_counter() - start:.0f} s)',
             flush=True)
       results[str(tok.vocab_size)] = measure(tok, names, args.walks, args.steps, seed=0)
-  payload = {'corpus_bytes': sum(map(len, texts)), 'walks': args.walks,
+  payload = {'corpus_chars': sum(map(len, texts)), 'walks': args.walks,
              'steps_per_walk': args.steps, 'guides': {k: GUIDES[k] for k in names},
              'by_vocabulary': results}
   if not args.smoke:

@@ -10,7 +10,8 @@ Context-free grammars (vLLM's `guided_grammar`, in Lark or llama.cpp's GBNF synt
 llguidance instead, which no regular expression could express (nesting, recursion): the
 grammar is checked when the request is parsed (`grammar`), and each request's guide is an
 Earley parser over the vocabulary's token trie that computes the allowed tokens at each
-step, on the engine's thread, so nothing is compiled per vocabulary.
+step (the first when the request is added, the others on the engine's thread), so nothing
+is compiled per vocabulary.
 
 Before each of its steps the sampler sees only the tokens that keep the output a prefix
 of a match; once the output matches in full and nothing can extend it, only eos is
@@ -32,7 +33,7 @@ import threading
 
 import numpy as np
 
-from serve.sampler import unpack_bits
+from serve.sampler import pack_bits, unpack_bits
 from serve.sampling_params import SamplingParamsError
 
 # Compiled expressions kept per engine: json_object's takes ~170 MB at a 128K vocabulary.
@@ -76,10 +77,11 @@ def grammar(text, param: str = 'guided_grammar') -> str:
     raise SamplingParamsError(param, f'at most {MAX_GRAMMAR_CHARS} characters, got '
                               f'{len(text)}')
   try:
-    out = llguidance.grammar_from('grammar', text)
+    with _llguidance_panics():
+      out = llguidance.grammar_from('grammar', text)
+      error = llguidance.LLMatcher.validate_grammar(out)
   except ValueError as e:
     raise SamplingParamsError(param, f'is not a Lark or GBNF grammar: {e}') from None
-  error = llguidance.LLMatcher.validate_grammar(out)
   if error:
     raise SamplingParamsError(param, f'is not a grammar this server can follow: '
                               f'{error.strip()}')
@@ -192,22 +194,26 @@ class GuidedDecoding:
     """The expression's index, or the parser at the start of a grammar (Lark or GBNF
     text) (cached; ValueError if it cannot be followed). Seconds for a large vocabulary:
     callers on an event loop run it in a thread."""
+    if (regex is None) == (grammar is None):
+      raise ValueError('give a regular expression or a grammar (one of them)')
     return self._matcher(grammar) if grammar is not None else self._index(regex)
 
   def guide(self, regex: str | None = None, *, grammar: str | None = None):
     """A new request's guide through `regex` or `grammar` (one of them)."""
     if grammar is not None:
-      return GrammarGuide(self._matcher(grammar).deep_copy(), self.vocab_size)
+      prototype = self._matcher(grammar)
+      with _llguidance_panics():
+        return GrammarGuide(prototype.deep_copy(), self.vocab_size)
     return RequestGuide(self._index(regex), self.vocab_size, self.eos_ids)
 
   def _compile_grammar(self, text: str):
     import llguidance  # pylint: disable=import-outside-toplevel
     with _llguidance_panics():
       matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar(text), log_level=0)
-    if matcher.is_error():
-      raise ValueError(f'this grammar cannot be followed with the model\'s vocabulary: '
-                       f'{_first_line(matcher.get_error())}')
-    GrammarGuide(matcher.deep_copy(), self.vocab_size)   # its first token can be spelled
+      if matcher.is_error():
+        raise ValueError(f'this grammar cannot be followed with the model\'s vocabulary: '
+                         f'{_first_line(matcher.get_error())}')
+      GrammarGuide(matcher.deep_copy(), self.vocab_size)   # its first token can be spelled
     return matcher
 
   def _llguidance_tokenizer(self):
@@ -216,15 +222,18 @@ class GuidedDecoding:
     the grammar can spell them."""
     import llguidance  # pylint: disable=import-outside-toplevel
     with self._lock:
+      if isinstance(self._ll_tokenizer, ValueError):   # once refused, always (no rescan)
+        raise self._ll_tokenizer
       if self._ll_tokenizer is None:
         spelled = {b[0] for i, b in self._bytes.items() if len(b) == 1 and i not in self.eos_ids}
         missing = sorted(set(range(256)) - spelled)
         if missing:   # llguidance spells forced text with them; without, it goes astray
-          raise ValueError(
+          self._ll_tokenizer = ValueError(
               'guided_grammar needs a vocabulary with a token for each of the 256 bytes '
               '(byte-level BPE, or SentencePiece with byte fallback: GPT-2, Llama, '
               f'Mistral, Qwen); this tokenizer has none for {len(missing)} of them, '
               f'{bytes(missing[:8])!r}...; use guided_regex, guided_json or guided_choice')
+          raise self._ll_tokenizer
         with _llguidance_panics():
           self._ll_tokenizer = llguidance.LLTokenizer(
               llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self._bytes,
@@ -268,8 +277,10 @@ class _Vocabulary:
     return out
 
 
-def _first_line(message: str) -> str:
-  return message.strip().splitlines()[0] if message.strip() else 'unknown error'
+def _first_line(message: str, limit: int = 300) -> str:
+  """A library's error for a one-line message: its first line, at most `limit` chars."""
+  line = message.strip().splitlines()[0] if message.strip() else 'unknown error'
+  return line if len(line) <= limit else line[:limit] + '...'
 
 
 class _Guide:
@@ -296,7 +307,7 @@ class RequestGuide(_Guide):
   def words(self) -> np.ndarray:
     """The allowed tokens as bits: [ceil(vocab_size / 32)] uint32, token i is bit i % 32
     of word i // 32 (the sampler unpacks them on the device)."""
-    words = np.zeros(-(-self._vocab_size // 32), np.uint32)
+    words = pack_bits((), self._vocab_size)
     self._guide.write_mask_into(words.ctypes.data, words.size, 4)
     if self._more_eos and words[self._eos // 32] >> np.uint32(self._eos % 32) & 1:
       for e in self._more_eos:
@@ -313,9 +324,11 @@ class RequestGuide(_Guide):
 
 class GrammarGuide(_Guide):
   """One request's parse of its grammar (llguidance), with RequestGuide's interface. Every
-  eos id is allowed wherever the grammar may end. A grammar can need text no token of the
-  vocabulary spells: found when the guide is made or advanced (ValueError), so only its
-  own request fails, never a step of the batch."""
+  eos id is allowed wherever the grammar may end. llguidance does not raise: a parser in
+  error (a grammar that needs text no token spells, a failure inside it) allows eos
+  alone, which would end the request as a 'stop' that does not match. The guide raises
+  ValueError instead, when made or advanced, so only its own request fails, never a step
+  of the batch."""
 
   def __init__(self, matcher, vocab_size: int):
     self._matcher = matcher
@@ -323,14 +336,15 @@ class GrammarGuide(_Guide):
     self._words = self._next_words()
 
   def _next_words(self) -> np.ndarray:
-    words = np.zeros(-(-self._vocab_size // 32), np.uint32)
+    words = pack_bits((), self._vocab_size)
     with _llguidance_panics():
       self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+    if self._matcher.is_error():
+      raise ValueError(f'the grammar\'s parser failed: '
+                       f'{_first_line(self._matcher.get_error())}')
     if not words.any():
       raise ValueError('this grammar cannot be followed with the model\'s vocabulary: no '
-                       'token spells what it needs next'
-                       + (f' ({_first_line(self._matcher.get_error())})'
-                          if self._matcher.is_error() else ''))
+                       'token spells what it needs next')
     return words
 
   def words(self) -> np.ndarray:

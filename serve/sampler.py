@@ -229,12 +229,12 @@ def _sample_rows(logits, temperature, top_k, top_p, min_p, key_data, steps, adju
   logits = raw   # the model's own logprobs, whatever the adjustments
   log_total = jax.nn.logsumexp(logits, axis=-1)
   token_logit = jnp.take_along_axis(logits, token[:, None], axis=1)[:, 0]
-  ranked = (token_logit - log_total,
+  scored = (token_logit - log_total,   # the drawn token's logprob and rank
             jnp.sum(logits >= token_logit[:, None], axis=-1, dtype=jnp.int32))
   if not top_n:
-    return token, ranked, None
+    return token, scored, None
   values, ids = jax.lax.top_k(logits, top_n)
-  return token, ranked, (values - log_total[:, None], ids)
+  return token, scored, (values - log_total[:, None], ids)
 
 
 def _row_key(key_data, step):
@@ -334,12 +334,12 @@ def _largest_passing(lo, hi, passes):
 
 
 def _result(params, out, n) -> SampleResult:
-  token, ranked, top = out
+  token, scored, top = out
   tops = [_top_pairs(top, i, p.logprobs) for i, p in enumerate(params)]
-  if ranked is None:
+  if scored is None:
     return SampleResult(np.asarray(token[:n]), None, tops)
-  return SampleResult(np.asarray(token[:n]), np.asarray(ranked[0][:n]), tops,
-                      np.asarray(ranked[1][:n]))
+  return SampleResult(np.asarray(token[:n]), np.asarray(scored[0][:n]), tops,
+                      np.asarray(scored[1][:n]))
 
 
 def _top_pairs(top, row, count):

@@ -284,8 +284,16 @@ STRUCTURED_OUTPUTS = {'json': 'guided_json', 'regex': 'guided_regex',
 
 
 def _guided_fields(body: dict) -> list[str]:
-  """The fields of `body` that ask for structured output (response_format text does not)."""
-  return [k for k in GUIDED_FIELDS if body.get(k) is not None and body[k] != {'type': 'text'}]
+  """The fields of `body` that ask for structured output (response_format text does not,
+  nor a structured_outputs object whose keys are all null or false)."""
+  return [k for k in GUIDED_FIELDS if body.get(k) is not None and body[k] != {'type': 'text'}
+          and not (k == 'structured_outputs' and isinstance(body[k], dict)
+                   and not any(_asks(v) for v in body[k].values()))]
+
+
+def _asks(value) -> bool:
+  """structured_outputs' null and false ask for nothing."""
+  return value is not None and value is not False
 
 
 def guided_field(body: dict) -> str | None:
@@ -304,9 +312,10 @@ def _guided(body: dict) -> dict:
   param = given[0] if given else None      # the field errors name
   space_param = 'guided_whitespace_pattern'
   if given == ['structured_outputs']:
-    body = {**body, **_structured_outputs(body['structured_outputs'])}
+    asked = _structured_outputs(body['structured_outputs'])
+    space_param = param if 'guided_whitespace_pattern' in asked else space_param
+    body = {**body, **asked}
     given = [k for k in _guided_fields(body) if k != 'structured_outputs']
-    space_param = param
   space = body.get('guided_whitespace_pattern')
   if space is not None and (not isinstance(space, str) or
                             given[:1] not in (['guided_json'], ['response_format'])):
@@ -340,21 +349,18 @@ def _structured_outputs(value) -> dict:
     raise SamplingParamsError(param, f'must be an object such as {{"json": {{...}}}}, '
                               f'{{"regex": "..."}}, {{"choice": [...]}} or '
                               f'{{"grammar": "..."}}, got {value!r}')
-  def asks(v):   # null and false ask for nothing
-    return v is not None and v is not False
   known = {*STRUCTURED_OUTPUTS, 'json_object'}
-  unknown = sorted(k for k, v in value.items() if k not in known and asks(v))
+  unknown = sorted(k for k, v in value.items() if k not in known and _asks(v))
   if unknown:
     raise SamplingParamsError(param, f'{unknown} not supported here; give one of '
                               f'{sorted(known)}')
   asked = [k for k in (*STRUCTURED_OUTPUTS, 'json_object')
-           if k != 'whitespace_pattern' and asks(value.get(k))]
+           if k != 'whitespace_pattern' and _asks(value.get(k))]
   if len(asked) > 1:
     raise SamplingParamsError(param, f'give one of json, regex, choice, grammar and '
                               f'json_object, not {asked}')
-  out = {STRUCTURED_OUTPUTS[k]: value[k] for k in STRUCTURED_OUTPUTS
-         if value.get(k) is not None}
-  if asks(value.get('json_object')):
+  out = {STRUCTURED_OUTPUTS[k]: value[k] for k in STRUCTURED_OUTPUTS if _asks(value.get(k))}
+  if _asks(value.get('json_object')):
     if value['json_object'] is not True:
       raise SamplingParamsError(param, f'json_object must be true, got '
                                 f'{value["json_object"]!r}')

@@ -1,7 +1,6 @@
 """Structured output's token side: each token's bytes as the tokenizer decodes them, and
 guides that, followed anywhere they allow, only ever spell a match of their expression."""
 
-import ctypes
 import json
 import re
 
@@ -10,7 +9,7 @@ import pytest
 
 from serve import guided
 from serve.sampler import unpack_bits
-from serve.sampling_params import SamplingParamsError, from_openai
+from serve.sampling_params import SamplingParamsError, from_openai, guided_field
 from tests.test_serve_detokenizer import make_tokenizer
 from training.tokenizer import ByteTokenizer
 
@@ -234,19 +233,19 @@ def test_grammar_guides_allow_every_eos_at_the_end_and_refuse_the_rest(tmp_path)
     g.advance(tok._tok.token_to_id('b'))
 
 
-def test_a_grammar_guide_with_nothing_allowed_fails_its_request_alone():
-  """Were a grammar ever to need what no token spells, the guide says so (a ValueError,
-  which fails its request only) instead of handing the sampler an empty set."""
+def test_a_grammar_parser_in_error_fails_its_request_alone():
+  """llguidance does not raise: a parser in error allows eos alone, which would end the
+  request as a 'stop' that does not match. Here the tokenizer's encode, which llguidance
+  calls to spell forced text, fails: the guide refuses with a ValueError (one request
+  fails) instead."""
 
-  class Stuck:   # a parser whose every mask is empty
-    def unsafe_compute_mask_ptr(self, ptr, size):
-      del ptr, size
+  class Broken(ByteTokenizer):
+    def encode(self, text, add_special_tokens=False):
+      raise RuntimeError('encode broke')
 
-    def is_error(self):
-      return False
-
-  with pytest.raises(ValueError, match='no token spells what it needs next'):
-    guided.GrammarGuide(Stuck(), 257)
+  decoding = guided.GuidedDecoding(Broken(), [256])
+  with pytest.raises(ValueError, match="grammar's parser failed: .*encode broke"):
+    decoding.guide(grammar='root ::= "[" "1" "]"')
 
 
 def test_tokens_too_long_for_llguidance_are_left_out_of_grammars(tmp_path):
@@ -263,24 +262,23 @@ def test_tokens_too_long_for_llguidance_are_left_out_of_grammars(tmp_path):
   assert tok._tok.token_to_id('x') in first and long not in first
 
 
-def test_llguidance_panics_fail_the_request_not_the_engine():
+def test_llguidance_panics_become_value_errors():
   """pyo3's PanicException is a BaseException, past the engine's `except ValueError`:
-  the guide turns it into a ValueError."""
+  each llguidance call the guides make goes through _llguidance_panics, which turns one
+  (here a real one: its token trie on a 2,000-byte token) into a ValueError."""
+  import llguidance  # pylint: disable=import-outside-toplevel
 
-  class PanicException(BaseException):
-    pass
+  class Vocabulary:   # what llguidance.TokenizerWrapper reads
+    eos_token_id, bos_token_id, special_token_ids = 257, None, [257]
+    tokens = [bytes([b]) for b in range(256)] + [b'x' * 2000, b'<eos>']
 
-  class Panicking:
-    def unsafe_compute_mask_ptr(self, ptr, size):
-      del size
-      ctypes.c_uint32.from_address(ptr).value = 1   # token 0 allowed
+    def __call__(self, text):
+      raise TypeError('unused')
 
-    def consume_token(self, token):
-      raise PanicException('assertion failed: somewhere in Rust')
-
-  g = guided.GrammarGuide(Panicking(), 8)
-  with pytest.raises(ValueError, match='llguidance failed: assertion failed'):
-    g.advance(0)
+  with pytest.raises(ValueError, match='llguidance failed: .*num_parents'):
+    with guided._llguidance_panics():   # pylint: disable=protected-access
+      llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary()), n_vocab=258,
+                             eos_token=[257])
 
 
 @pytest.mark.parametrize('text,why', [
@@ -307,7 +305,8 @@ def test_structured_outputs_asks_what_the_older_fields_ask():
           ({'choice': ['x', 'y']}, {'guided_choice': ['x', 'y']}),
           ({'grammar': NEST['gbnf']}, {'guided_grammar': NEST['gbnf']}),
           ({'json_object': True}, {'response_format': {'type': 'json_object'}}),
-          ({'json': None, 'structural_tag': None}, {})]
+          ({'json': None, 'structural_tag': None}, {}),
+          ({'json': False, 'regex': False, 'json_object': False}, {})]
   for new, old in same:
     a, b = from_openai({'structured_outputs': new}, 257), from_openai(old, 257)
     assert (a.guided_regex, a.guided_grammar) == (b.guided_regex, b.guided_grammar), new
@@ -324,6 +323,10 @@ def test_structured_outputs_asks_what_the_older_fields_ask():
     with pytest.raises(SamplingParamsError, match=why) as err:
       from_openai({'structured_outputs': bad}, 257)
     assert err.value.param == 'structured_outputs', bad
+  assert guided_field({'structured_outputs': {'json': None}}) is None   # asks nothing
+  with pytest.raises(SamplingParamsError, match='whitespace pattern') as err:
+    from_openai({'structured_outputs': {'regex': 'a'}, 'guided_whitespace_pattern': ' '}, 257)
+  assert err.value.param == 'guided_whitespace_pattern'   # where the pattern came from
   with pytest.raises(SamplingParamsError, match='give one of') as err:
     from_openai({'structured_outputs': {'regex': 'a'}, 'guided_regex': 'b'}, 257)
   with pytest.raises(SamplingParamsError, match='give one of'):

@@ -969,6 +969,10 @@ def test_grammar_output_through_the_openai_client(real_server, real_engine):
                       ({'structured_outputs': {'grammar': 'start: x'}}, 'structured_outputs')]:
     resp = httpx.post(real_server.url + '/v1/completions', json={'prompt': 'x', **body})
     assert resp.status_code == 400 and resp.json()['error']['param'] == field, resp.text
+  # Scoring a prompt (echo, max_tokens 0) generates nothing to guide: the field is moot.
+  scored = client.completions.create(model='tiny', prompt='abc', max_tokens=0, echo=True,
+                                     logprobs=0, extra_body={'guided_grammar': LISTS_GRAMMAR})
+  assert scored.choices[0].text == 'abc'
   _assert_at_rest(real_engine)
 
 
