@@ -126,7 +126,7 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
   added = tok.get_added_tokens_decoder()
   decoder = json.loads(tok.to_str()).get('decoder') or {}
   kinds = {d.get('type') for d in decoder.get('decoders', [decoder])}
-  unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+  unicode_to_byte = {c: b for b, c in bytes_to_unicode().items()}
   out = {}
   for piece, i in tok.get_vocab(with_added_tokens=True).items():
     if i >= tokenizer.vocab_size or (i in added and added[i].special):
@@ -145,7 +145,7 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
 
 
 @functools.lru_cache(maxsize=1)
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
   """GPT-2's byte <-> printable character table (ByteLevel pre-tokenizer and decoder)."""
   printable = (list(range(ord('!'), ord('~') + 1)) + list(range(ord('¡'), ord('¬') + 1))
                + list(range(ord('®'), ord('ÿ') + 1)))

@@ -190,6 +190,31 @@ def model_config(hf: dict, dtype: str = 'float32') -> ModelConfig:
   return cfg
 
 
+def hf_config(cfg: ModelConfig, dtype: str, eos_id: int, bos_id: int | None = None) -> dict:
+  """model_config's inverse: a Hugging Face LlamaConfig dict (config.json) computing what
+  `cfg` computes; ValueError naming the first field a Llama cannot express."""
+  if cfg.num_experts:
+    raise ValueError(f'model.num_experts={cfg.num_experts}: a mixture-of-experts model has '
+                     'no Llama (LlamaForCausalLM) form to export to.')
+  out = {
+      'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu',
+      'attention_bias': False, 'mlp_bias': False, 'vocab_size': cfg.vocab_size,
+      'num_hidden_layers': cfg.num_layers, 'hidden_size': cfg.embed_dim,
+      'intermediate_size': cfg.resolved_mlp_dim, 'num_attention_heads': cfg.num_heads,
+      'num_key_value_heads': cfg.num_kv_heads, 'head_dim': cfg.resolved_head_dim,
+      'max_position_embeddings': cfg.max_seq_len, 'rope_theta': cfg.rope_theta,
+      'rms_norm_eps': cfg.norm_eps, 'tie_word_embeddings': cfg.tie_embeddings,
+      'torch_dtype': dtype, 'eos_token_id': eos_id, 'bos_token_id': bos_id,
+      'initializer_range': cfg.init_std}
+  if cfg.rope_scaling_factor != 1.0:
+    out['rope_scaling'] = {
+        'rope_type': 'llama3', 'factor': cfg.rope_scaling_factor,
+        'original_max_position_embeddings': cfg.rope_original_max_len,
+        'low_freq_factor': cfg.rope_low_freq_factor,
+        'high_freq_factor': cfg.rope_high_freq_factor}
+  return out
+
+
 # -------------------------------------------------------------------------------- weights
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
@@ -259,6 +284,30 @@ def _params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
   _check_all_used(tensors, used)
   dtype = jnp.dtype(cfg.param_dtype)
   return {k: _to_jax(v, dtype) for k, v in tree.items()}
+
+
+def hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+  """_params' inverse: our tree as Llama's tensors, [out, in] layouts, one per layer."""
+  D, H, K, E = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+  host = jax.tree.map(np.asarray, jax.device_get(params))
+  layers = host['layers']
+  per_layer = {
+      'input_layernorm.weight': lambda i: layers['attn_norm'][i],
+      'self_attn.q_proj.weight': lambda i: layers['wq'][i].reshape(D, H * E).T,
+      'self_attn.k_proj.weight': lambda i: layers['wk'][i].reshape(D, K * E).T,
+      'self_attn.v_proj.weight': lambda i: layers['wv'][i].reshape(D, K * E).T,
+      'self_attn.o_proj.weight': lambda i: layers['wo'][i].reshape(H * E, D).T,
+      'post_attention_layernorm.weight': lambda i: layers['mlp_norm'][i],
+      'mlp.gate_proj.weight': lambda i: layers['w_gate'][i].T,
+      'mlp.up_proj.weight': lambda i: layers['w_up'][i].T,
+      'mlp.down_proj.weight': lambda i: layers['w_down'][i].T,
+  }
+  out = {'model.embed_tokens.weight': host['embed'], 'model.norm.weight': host['final_norm']}
+  for i in range(cfg.num_layers):
+    out.update({f'model.layers.{i}.{name}': fn(i) for name, fn in per_layer.items()})
+  if not cfg.tie_embeddings:
+    out['lm_head.weight'] = host['lm_head'].T
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
 def _check_all_used(tensors: dict, used: set) -> None:

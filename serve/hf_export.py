@@ -1,0 +1,127 @@
+"""A train.py run's model as a Hugging Face Llama directory, for transformers, vLLM and
+`python -m serve --hf-model`.
+
+  python -m serve.hf_export --checkpoint runs/default --output runs/default-hf
+  python -m serve.hf_export --checkpoint runs/default --output DIR --dtype bfloat16
+
+Writes config.json (a LlamaConfig computing what the run's model computes),
+model.safetensors (the weights of the newest intact checkpoint, checksums verified, in
+--dtype; 'auto': the run's master-weight dtype, model.param_dtype, so nothing is
+rounded), tokenizer.json (the run's own tokenizer.json; the byte tokenizer as a
+byte-level BPE without merges, ids 0-255 the bytes and 256 <|endoftext|>, so every id
+means what it meant in training), tokenizer_config.json and generation_config.json (the
+end-of-document token). A mixture-of-experts model has no Llama form and is refused.
+The directory is written under a temporary name beside --output and renamed into place
+last: a failed export leaves nothing, and an existing non-empty --output is refused.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import jax.numpy as jnp
+
+from serve.guided import bytes_to_unicode
+from serve.hf_llama import SERVE_DTYPES, check_dtype, hf_config, hf_tensors
+from serve.loader import load_checkpoint
+
+BYTE_EOS_TOKEN = '<|endoftext|>'   # training.tokenizer.EOS_CANDIDATES' first: found again
+
+
+def byte_tokenizer_json() -> str:
+  """training.tokenizer.ByteTokenizer as a tokenizer.json: each byte its own token (its
+  GPT-2 byte-level character, no merges) with id = the byte, then eos = 256."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  from tokenizers import decoders, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
+  table = bytes_to_unicode()
+  vocab = {table[b]: b for b in range(256)}
+  tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.add_special_tokens([BYTE_EOS_TOKEN])
+  return tok.to_str(pretty=True)
+
+
+def tokenizer_files(tokenizer) -> tuple[str, str]:
+  """(tokenizer.json text, the end-of-document token's text) of a run's tokenizer."""
+  if getattr(tokenizer, 'name', '') == 'byte':
+    return byte_tokenizer_json(), BYTE_EOS_TOKEN
+  with open(tokenizer.path, encoding='utf-8') as f:
+    return f.read(), tokenizer._tok.id_to_token(tokenizer.eos_id)  # pylint: disable=protected-access
+
+
+def export(checkpoint: str, output: str, dtype: str = 'auto') -> dict:
+  """Writes the directory (see the module docstring); returns its config.json dict."""
+  output = os.path.abspath(os.path.expanduser(output))
+  if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+    raise FileExistsError(f'--output {output} exists and is not an empty directory: '
+                          'choose a new one (nothing is overwritten).')
+  served = load_checkpoint(checkpoint, dtype='float32')   # master values, then cast once
+  cfg = served.model_cfg
+  dtype = cfg.param_dtype if dtype == 'auto' else check_dtype(dtype)
+  tokenizer_json, eos_token = tokenizer_files(served.tokenizer)
+  config = hf_config(cfg, dtype, served.tokenizer.eos_id)
+  tensors = {k: jnp.asarray(v, jnp.dtype(dtype)) for k, v in hf_tensors(served.params,
+                                                                         cfg).items()}
+  parent = os.path.dirname(output)
+  os.makedirs(parent, exist_ok=True)
+  staging = tempfile.mkdtemp(dir=parent, prefix=f'.{os.path.basename(output)}.')
+  try:
+    _write(staging, config, tensors, tokenizer_json, eos_token, cfg.max_seq_len,
+           served.tokenizer.eos_id)
+    os.chmod(staging, 0o755)   # mkdtemp's 0700 and safetensors' 0600: meant to be shared
+    for name in os.listdir(staging):
+      os.chmod(os.path.join(staging, name), 0o644)
+    if os.path.isdir(output):
+      os.rmdir(output)   # empty (checked above)
+    os.rename(staging, output)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  return config
+
+
+def _write(directory, config, tensors, tokenizer_json, eos_token, max_len, eos_id) -> None:
+  from safetensors.flax import save_file  # pylint: disable=import-outside-toplevel
+
+  def dump(name, value):
+    with open(os.path.join(directory, name), 'w', encoding='utf-8') as f:
+      f.write(value if isinstance(value, str) else json.dumps(value, indent=2) + '\n')
+
+  dump('config.json', config)
+  dump('generation_config.json', {'eos_token_id': eos_id})
+  dump('tokenizer.json', tokenizer_json)
+  dump('tokenizer_config.json', {
+      'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': eos_token,
+      'bos_token': None, 'model_max_length': max_len,
+      'clean_up_tokenization_spaces': False})
+  save_file(tensors, os.path.join(directory, 'model.safetensors'),
+            metadata={'format': 'pt'})   # transformers asks for it
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog='python -m serve.hf_export', description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--checkpoint', required=True, metavar='WORKDIR',
+                      help="a train.py run's workdir (its --config.workdir)")
+  parser.add_argument('--output', required=True, metavar='DIR',
+                      help='the Hugging Face directory to create (new or empty)')
+  parser.add_argument('--dtype', default='auto', choices=('auto', *SERVE_DTYPES),
+                      help="the weights' dtype; auto: the run's model.param_dtype")
+  args = parser.parse_args(argv)
+  try:
+    config = export(args.checkpoint, args.output, args.dtype)
+  except (ValueError, FileNotFoundError, FileExistsError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  print(f'wrote {os.path.abspath(args.output)}: LlamaForCausalLM, '
+        f'{config["num_hidden_layers"]} layers, hidden {config["hidden_size"]}, vocab '
+        f'{config["vocab_size"]}, {config["torch_dtype"]}', file=sys.stderr)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

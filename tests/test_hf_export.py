@@ -1,0 +1,124 @@
+"""serve/hf_export.py: a train.py run as a Hugging Face Llama directory, checked against
+transformers' own Llama (the independent implementation) and read back by serve."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import model
+from model.config import ModelConfig
+from serve import hf_export
+from serve.hf_llama import hf_config, load_hf_model
+from serve.loader import load_checkpoint
+from training.tokenizer import ByteTokenizer
+
+TEXTS = ['def main(x):\n  return x + 1', 'héllo wörld 世界 🎉', '']
+
+
+def our_logits(params, cfg, ids):
+  hidden = model.forward(params, jnp.asarray(ids), cfg)
+  return np.asarray(model.logits(params, hidden, cfg), np.float32)
+
+
+@pytest.fixture(scope='module')
+def exported(tiny_workdir, tmp_path_factory):
+  out = tmp_path_factory.mktemp('hf') / 'tiny-hf'
+  assert hf_export.main(['--checkpoint', tiny_workdir, '--output', str(out)]) == 0
+  return str(out)
+
+
+def test_transformers_computes_the_same_logits_and_tokens(exported, tiny_workdir):
+  """transformers' LlamaForCausalLM on the exported directory gives the training
+  forward's logits (float32), and its tokenizer the byte tokenizer's ids and eos."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  hf = transformers.LlamaForCausalLM.from_pretrained(exported, dtype=torch.float32)
+  served = load_checkpoint(tiny_workdir, dtype='float32')
+  ids = np.random.default_rng(0).integers(0, 256, size=(2, 40)).astype(np.int32)
+  with torch.no_grad():
+    theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(theirs, our_logits(served.params, served.model_cfg, ids),
+                             atol=2e-5, rtol=1e-5)
+  tok, byte = transformers.AutoTokenizer.from_pretrained(exported), ByteTokenizer()
+  for text in TEXTS:
+    ids = tok(text, add_special_tokens=False)['input_ids']
+    assert ids == byte.encode(text).tolist() and tok.decode(ids) == text
+  assert tok.eos_token_id == byte.eos_id == hf.config.eos_token_id
+  generation = json.load(open(os.path.join(exported, 'generation_config.json')))
+  assert generation['eos_token_id'] == byte.eos_id
+
+
+def test_serve_reads_the_export_back_exactly(exported, tiny_workdir, tmp_path):
+  """load_hf_model on the export gives the checkpoint's weights bit for bit; a bfloat16
+  export holds their bfloat16 rounding; the files are readable by others."""
+  want = load_checkpoint(tiny_workdir, dtype='float32')
+  back = load_hf_model(exported, dtype='float32')
+  assert back.model_cfg.num_layers == want.model_cfg.num_layers
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               back.params, want.params)
+  assert back.eos_token_ids == [ByteTokenizer.eos_id]
+  assert {oct(os.stat(os.path.join(exported, f)).st_mode & 0o777)
+          for f in os.listdir(exported)} == {'0o644'}
+  half = tmp_path / 'bf16'
+  assert hf_export.main(['--checkpoint', tiny_workdir, '--output', str(half),
+                         '--dtype', 'bfloat16']) == 0
+  assert json.load(open(half / 'config.json'))['torch_dtype'] == 'bfloat16'
+  rounded = load_hf_model(str(half), dtype='bfloat16')
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(
+      np.asarray(a), np.asarray(b).astype(ml_dtypes.bfloat16)), rounded.params, want.params)
+
+
+def test_what_cannot_be_exported_is_refused_and_nothing_is_left(tiny_workdir, tmp_path,
+                                                                 monkeypatch, capsys):
+  busy = tmp_path / 'busy'
+  busy.mkdir()
+  (busy / 'keep.txt').write_text('mine')
+  assert hf_export.main(['--checkpoint', tiny_workdir, '--output', str(busy)]) == 2
+  assert 'is not an empty directory' in capsys.readouterr().err
+  assert os.listdir(busy) == ['keep.txt']
+  assert hf_export.main(['--checkpoint', str(tmp_path / 'nope'), '--output',
+                         str(tmp_path / 'x')]) == 2
+  assert 'takes the workdir of a train.py run' in capsys.readouterr().err
+  with pytest.raises(ValueError, match='model.num_experts=4'):
+    hf_config(ModelConfig(num_experts=4), 'float32', 0)
+
+  def fail(directory, *args):
+    open(os.path.join(directory, 'config.json'), 'w').close()
+    raise OSError('disk full')
+  monkeypatch.setattr(hf_export, '_write', fail)
+  with pytest.raises(OSError, match='disk full'):
+    hf_export.export(tiny_workdir, str(tmp_path / 'half'))
+  assert sorted(os.listdir(tmp_path)) == ['busy']   # neither the output nor its staging
+
+
+def test_a_runs_own_tokenizer_json_goes_as_it_is(tmp_path):
+  from tests.test_serve_detokenizer import make_tokenizer  # pylint: disable=import-outside-toplevel
+  tok = make_tokenizer(tmp_path, 'bytelevel')
+  text, eos = hf_export.tokenizer_files(tok)
+  assert text == open(tok.path, encoding='utf-8').read() and eos == '<|endoftext|>'
+
+
+def test_an_untied_rope_scaled_model_is_the_same_in_transformers(tmp_path):
+  """The mapping beyond the tiny run: a separate lm_head, Llama-3 RoPE scaling, head_dim
+  not embed / heads, GQA 3:1; random weights written as export writes them."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  from serve.hf_llama import hf_tensors  # pylint: disable=import-outside-toplevel
+  cfg = ModelConfig(vocab_size=300, num_layers=2, embed_dim=48, num_heads=6, num_kv_heads=2,
+                    head_dim=12, mlp_dim=80, max_seq_len=128, tie_embeddings=False,
+                    rope_theta=5e5, rope_scaling_factor=8.0, rope_original_max_len=32,
+                    init_std=0.2)
+  params = model.init_params(cfg, jax.random.key(3))
+  tensors = {k: jnp.asarray(v) for k, v in hf_tensors(params, cfg).items()}
+  hf_export._write(str(tmp_path), hf_config(cfg, 'float32', 299), tensors,  # pylint: disable=protected-access
+                   hf_export.byte_tokenizer_json(), '<|endoftext|>', cfg.max_seq_len, 299)
+  hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+  ids = np.random.default_rng(1).integers(0, 300, size=(2, 96)).astype(np.int32)
+  with torch.no_grad():
+    theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(theirs, our_logits(params, cfg, ids), atol=1e-4, rtol=1e-4)
