@@ -24,8 +24,9 @@ import tempfile
 
 import jax.numpy as jnp
 
+from model.hf import hf_config, hf_tensors
 from serve.guided import bytes_to_unicode
-from serve.hf_llama import SERVE_DTYPES, check_dtype, hf_config, hf_tensors
+from serve.hf_llama import SERVE_DTYPES, check_dtype
 from serve.loader import load_checkpoint
 
 BYTE_EOS_TOKEN = '<|endoftext|>'   # training.tokenizer.EOS_CANDIDATES' first: found again

@@ -12,8 +12,9 @@ import pytest
 
 import model
 from model.config import ModelConfig
+from model.hf import hf_config
 from serve import hf_export
-from serve.hf_llama import hf_config, load_hf_model
+from serve.hf_llama import load_hf_model
 from serve.loader import load_checkpoint
 from training.tokenizer import ByteTokenizer
 
@@ -108,7 +109,7 @@ def test_an_untied_rope_scaled_model_is_the_same_in_transformers(tmp_path):
   not embed / heads, GQA 3:1; random weights written as export writes them."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
-  from serve.hf_llama import hf_tensors  # pylint: disable=import-outside-toplevel
+  from model.hf import hf_tensors  # pylint: disable=import-outside-toplevel
   cfg = ModelConfig(vocab_size=300, num_layers=2, embed_dim=48, num_heads=6, num_kv_heads=2,
                     head_dim=12, mlp_dim=80, max_seq_len=128, tie_embeddings=False,
                     rope_theta=5e5, rope_scaling_factor=8.0, rope_original_max_len=32,

@@ -1,0 +1,205 @@
+"""Hugging Face Llama, both ways: config.json <-> ModelConfig, safetensors tensors <-> our
+parameter tree. Read by serving (`serve/hf_llama.py`: --hf-model), by training
+(init_from_hf: fine-tuning a released model) and written by `serve/hf_export.py`.
+Anything that is not plain Llama (biases, other activations, other RoPE scalings, other
+architectures, mixtures of experts) is refused with a ValueError naming it, rather than
+computed wrong.
+"""
+
+import glob
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+from model.config import ModelConfig
+
+# HF config field -> the value it must have for our model to compute the same thing.
+_REQUIRED = {'model_type': 'llama', 'hidden_act': 'silu', 'attention_bias': False,
+             'mlp_bias': False}
+
+
+def check_supported(hf: dict) -> None:
+  """Raises ValueError naming the first thing our Llama would compute differently."""
+  archs = hf.get('architectures') or ['LlamaForCausalLM']
+  if archs != ['LlamaForCausalLM']:
+    raise ValueError(f'architectures={archs} is not supported: only LlamaForCausalLM '
+                     '(Llama-family decoders) can be read.')
+  for key, want in _REQUIRED.items():
+    got = hf.get(key, want)
+    if got != want:
+      raise ValueError(f'config.json {key}={got!r} is not supported: only Llama models '
+                       f'with {key}={want!r} can be read.')
+
+
+def _rope(hf: dict) -> tuple[float, dict]:
+  """(theta, scaling) from transformers 5's rope_parameters or the older rope_scaling."""
+  params = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
+  theta = float(params.get('rope_theta', hf.get('rope_theta', 10000.0)))
+  kind = params.get('rope_type', params.get('type', 'default'))
+  if kind not in ('default', 'llama3'):
+    raise ValueError(f"config.json rope scaling rope_type={kind!r} is not supported: only "
+                     "'llama3' scaling (or none) can be read.")
+  return theta, (params if kind == 'llama3' else {})
+
+
+def model_config(hf: dict, dtype: str = 'float32') -> ModelConfig:
+  """Our ModelConfig for a Hugging Face LlamaConfig dict (config.json)."""
+  check_supported(hf)
+  theta, scaling = _rope(hf)
+  heads = hf['num_attention_heads']
+  cfg = ModelConfig(
+      vocab_size=hf['vocab_size'], num_layers=hf['num_hidden_layers'],
+      embed_dim=hf['hidden_size'], mlp_dim=hf['intermediate_size'], num_heads=heads,
+      num_kv_heads=hf.get('num_key_value_heads') or heads,
+      head_dim=hf.get('head_dim') or hf['hidden_size'] // heads,
+      max_seq_len=hf.get('max_position_embeddings', 2048), rope_theta=theta,
+      norm_eps=hf.get('rms_norm_eps', 1e-6),
+      # LlamaConfig's default is untied.
+      tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
+      dtype=dtype, param_dtype=dtype)
+  if scaling:
+    cfg.rope_scaling_factor = float(scaling['factor'])
+    cfg.rope_original_max_len = int(scaling['original_max_position_embeddings'])
+    cfg.rope_low_freq_factor = float(scaling.get('low_freq_factor', 1.0))
+    cfg.rope_high_freq_factor = float(scaling.get('high_freq_factor', 4.0))
+  cfg.validate()
+  return cfg
+
+
+def hf_config(cfg: ModelConfig, dtype: str, eos_id: int, bos_id: int | None = None) -> dict:
+  """model_config's inverse: a Hugging Face LlamaConfig dict (config.json) computing what
+  `cfg` computes; ValueError naming the first field a Llama cannot express."""
+  if cfg.num_experts:
+    raise ValueError(f'model.num_experts={cfg.num_experts}: a mixture-of-experts model has '
+                     'no Llama (LlamaForCausalLM) form to export to.')
+  out = {
+      'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu',
+      'attention_bias': False, 'mlp_bias': False, 'vocab_size': cfg.vocab_size,
+      'num_hidden_layers': cfg.num_layers, 'hidden_size': cfg.embed_dim,
+      'intermediate_size': cfg.resolved_mlp_dim, 'num_attention_heads': cfg.num_heads,
+      'num_key_value_heads': cfg.num_kv_heads, 'head_dim': cfg.resolved_head_dim,
+      'max_position_embeddings': cfg.max_seq_len, 'rope_theta': cfg.rope_theta,
+      'rms_norm_eps': cfg.norm_eps, 'tie_word_embeddings': cfg.tie_embeddings,
+      'torch_dtype': dtype, 'eos_token_id': eos_id, 'bos_token_id': bos_id,
+      'initializer_range': cfg.init_std}
+  if cfg.rope_scaling_factor != 1.0:
+    out['rope_scaling'] = {
+        'rope_type': 'llama3', 'factor': cfg.rope_scaling_factor,
+        'original_max_position_embeddings': cfg.rope_original_max_len,
+        'low_freq_factor': cfg.rope_low_freq_factor,
+        'high_freq_factor': cfg.rope_high_freq_factor}
+  return out
+
+
+# -------------------------------------------------------------------------------- weights
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+  """Every tensor of the model, from one file or the shards an index names."""
+  index = os.path.join(path, 'model.safetensors.index.json')
+  if os.path.isfile(index):
+    with open(index) as f:
+      files = sorted(set(json.load(f)['weight_map'].values()))
+    files = [os.path.join(path, f) for f in files]
+  else:
+    files = sorted(glob.glob(os.path.join(path, '*.safetensors')))
+  if not files:
+    raise FileNotFoundError(f'{path} has no *.safetensors weights (PyTorch .bin files are '
+                            'not read): save the model with safe_serialization=True.')
+  tensors = {}
+  # numpy has no bfloat16, the dtype most Llama checkpoints are stored in: read through
+  # jax on the host (the arrays come out as numpy arrays of ml_dtypes' bfloat16).
+  with jax.default_device(_host_device()):
+    for file in files:
+      with safe_open(file, framework='flax') as f:
+        for key in f.keys():
+          tensors[key] = np.asarray(f.get_tensor(key))
+  return tensors
+
+
+def _host_device():
+  """A CPU device to read weights onto (None: the default device, where jax was started
+  without its CPU backend)."""
+  try:
+    return jax.local_devices(backend='cpu')[0]
+  except RuntimeError:
+    return None
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
+  """Our tree: per-layer weights stacked on a leading layers axis, [in, out] layouts."""
+  D, H, K, E = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+  used = set()
+
+  def take(name):
+    if name not in tensors:
+      raise ValueError(f'the safetensors files have no {name!r}: not a complete Llama '
+                       'checkpoint.')
+    used.add(name)
+    return tensors[name]
+
+  def layers(name, fn):
+    return np.stack([fn(take(f'model.layers.{i}.{name}')) for i in range(cfg.num_layers)])
+
+  tree = {
+      'embed': take('model.embed_tokens.weight'),
+      'final_norm': take('model.norm.weight'),
+      'layers': {
+          'attn_norm': layers('input_layernorm.weight', lambda w: w),
+          'wq': layers('self_attn.q_proj.weight', lambda w: w.T.reshape(D, H, E)),
+          'wk': layers('self_attn.k_proj.weight', lambda w: w.T.reshape(D, K, E)),
+          'wv': layers('self_attn.v_proj.weight', lambda w: w.T.reshape(D, K, E)),
+          'wo': layers('self_attn.o_proj.weight', lambda w: w.T.reshape(H, E, D)),
+          'mlp_norm': layers('post_attention_layernorm.weight', lambda w: w),
+          'w_gate': layers('mlp.gate_proj.weight', lambda w: w.T),
+          'w_up': layers('mlp.up_proj.weight', lambda w: w.T),
+          'w_down': layers('mlp.down_proj.weight', lambda w: w.T),
+      },
+  }
+  if not cfg.tie_embeddings:
+    tree['lm_head'] = take('lm_head.weight').T
+  used.add('lm_head.weight')   # a tied model may still store its (equal) head
+  _check_all_used(tensors, used)
+  dtype = jnp.dtype(cfg.param_dtype)
+  return {k: _to_jax(v, dtype) for k, v in tree.items()}
+
+
+def hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+  """params_from_hf's inverse: our tree as Llama's tensors, [out, in] layouts, one per layer."""
+  D, H, K, E = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+  host = jax.tree.map(np.asarray, jax.device_get(params))
+  layers = host['layers']
+  per_layer = {
+      'input_layernorm.weight': lambda i: layers['attn_norm'][i],
+      'self_attn.q_proj.weight': lambda i: layers['wq'][i].reshape(D, H * E).T,
+      'self_attn.k_proj.weight': lambda i: layers['wk'][i].reshape(D, K * E).T,
+      'self_attn.v_proj.weight': lambda i: layers['wv'][i].reshape(D, K * E).T,
+      'self_attn.o_proj.weight': lambda i: layers['wo'][i].reshape(H * E, D).T,
+      'post_attention_layernorm.weight': lambda i: layers['mlp_norm'][i],
+      'mlp.gate_proj.weight': lambda i: layers['w_gate'][i].T,
+      'mlp.up_proj.weight': lambda i: layers['w_up'][i].T,
+      'mlp.down_proj.weight': lambda i: layers['w_down'][i].T,
+  }
+  out = {'model.embed_tokens.weight': host['embed'], 'model.norm.weight': host['final_norm']}
+  for i in range(cfg.num_layers):
+    out.update({f'model.layers.{i}.{name}': fn(i) for name, fn in per_layer.items()})
+  if not cfg.tie_embeddings:
+    out['lm_head.weight'] = host['lm_head'].T
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def _check_all_used(tensors: dict, used: set) -> None:
+  # Weights we do not map (biases, extra norms) mean a model we would compute wrong.
+  extra = sorted(k for k in tensors if k not in used and not k.endswith('rotary_emb.inv_freq'))
+  if extra:
+    raise ValueError(f'unsupported weights {extra[:5]} (of {len(extra)}): this is not a '
+                     'plain Llama checkpoint.')
+
+
+def _to_jax(tree, dtype):
+  if isinstance(tree, dict):
+    return {k: _to_jax(v, dtype) for k, v in tree.items()}
+  return jnp.asarray(np.ascontiguousarray(tree), dtype=dtype)
