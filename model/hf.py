@@ -129,8 +129,10 @@ def _host_device():
     return None
 
 
-def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
-  """Our tree: per-layer weights stacked on a leading layers axis, [in, out] layouts."""
+def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
+                   on_host: bool = False) -> dict:
+  """Our tree: per-layer weights stacked on a leading layers axis, [in, out] layouts, in
+  cfg.param_dtype; on the default device, or as numpy arrays with on_host."""
   D, H, K, E = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
   used = set()
 
@@ -164,6 +166,8 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
   used.add('lm_head.weight')   # a tied model may still store its (equal) head
   _check_all_used(tensors, used)
   dtype = jnp.dtype(cfg.param_dtype)
+  if on_host:   # numpy, for the caller to place (training shards them straight away)
+    return jax.tree.map(lambda v: np.ascontiguousarray(v).astype(dtype), tree)
   return {k: _to_jax(v, dtype) for k, v in tree.items()}
 
 

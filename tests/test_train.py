@@ -142,6 +142,47 @@ def test_evaluation_reports_the_held_out_loss(tmp_path, cache_dir, capsys):
     assert scalars['eval/loss', step] == pytest.approx(lines[step]['eval_loss'], rel=1e-6)
 
 
+def test_fine_tuning_starts_from_hugging_face_weights(tmp_path, cache_dir, tiny_workdir,
+                                                     capsys):
+  """init_from_hf: the run takes the directory's architecture (over the config's
+  num_layers) and tokenizer, starts from its weights bit for bit with a fresh optimizer,
+  and its first loss is the float64 loss of those weights on its first batch; a rerun
+  resumes from its own checkpoint without reading the directory again."""
+  from serve import hf_export  # pylint: disable=import-outside-toplevel
+  from serve.loader import load_checkpoint  # pylint: disable=import-outside-toplevel
+  from training import data  # pylint: disable=import-outside-toplevel
+  released = str(tmp_path / 'released')
+  hf_export.export(tiny_workdir, released)
+  want = load_checkpoint(tiny_workdir, dtype='float32')
+  cfg = tiny(tmp_path / 'run', cache_dir, init_from_hf=released, steps=2,
+             model__num_layers=5, sample__num_tokens=0, optim__decay_steps=4)
+  t = trainer.setup(cfg)
+  assert t.cfg.model.num_layers == want.model_cfg.num_layers == 2
+  assert t.cfg.data.tokenizer == os.path.join(released, 'tokenizer.json')
+  assert 'init_from_hf sets model.num_layers=2' in capsys.readouterr().err
+  start_state, start = trainer.restore_or_init(t)
+  assert start == 0 and int(start_state.step) == 0
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               start_state.params, want.params)
+  first_batch = next(t.data_iter)
+  t.data_iter.close()
+  history = trainer.train(cfg)
+  reference, _ = float64_loss(want.params, want.model_cfg, [first_batch])
+  assert history[0]['loss'] == pytest.approx(reference, rel=1e-5)
+  assert json.load(open(tmp_path / 'run' / 'config.json'))['model']['num_layers'] == 2
+  capsys.readouterr()
+  cfg.steps = 4
+  rest = trainer.train(cfg)
+  err = capsys.readouterr().err
+  assert [r['step'] for r in rest] == [3, 4] and 'resumed from step 2' in err
+  assert 'initialized from the Hugging Face model' not in err
+  for overrides, message in (({'init_from_hf': str(tmp_path / 'none')}, 'does not exist'),
+                             ({'init_from_hf': released, 'model__num_experts': 4},
+                              'a Llama has no experts')):
+    with pytest.raises(trainer.ConfigError, match=message):
+      trainer.setup(tiny(tmp_path / 'bad', cache_dir, **overrides))
+
+
 def test_train_py_with_pallas_attention_matches_xla(tmp_path, cache_dir):
   """`python train.py --config.model.attention_impl=pallas` (interpret mode on CPU)."""
   losses = {}

@@ -174,6 +174,10 @@ class Config:
   """Run directory: config.json, metrics.jsonl, events.jsonl, tensorboard/, checkpoints/."""
   seed: int = 0
   """Seed of the initial weights and the data order."""
+  init_from_hf: str = ''
+  """A local Hugging Face Llama directory whose weights start the run (fine-tuning): its
+  architecture replaces model's shape fields and its tokenizer.json is data.tokenizer
+  unless that names another (training/pretrained.py); a checkpoint in workdir wins."""
   compilation_cache_dir: str = compile_cache.DEFAULT_DIR
   """jax's persistent compilation cache: a rerun reads the compiled steps from here
   instead of compiling them again; 'none' turns it off (sharding/compile_cache.py)."""

@@ -49,11 +49,18 @@ def _new_state(cfg: Config, tx, key) -> TrainState:
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
-def init_state(cfg: Config, plan: ShardingPlan, tx) -> TrainState:
-  """Fresh state, created directly in its sharded layout."""
-  init = jax.jit(lambda key: _new_state(cfg, tx, key),
-                 out_shardings=state_shardings(cfg, plan, tx))
-  return init(jax.random.key(cfg.seed))
+def init_state(cfg: Config, plan: ShardingPlan, tx, params=None) -> TrainState:
+  """Fresh state, created directly in its sharded layout: random weights, or `params`
+  (host arrays, e.g. a released model's) placed shard by shard, with a new optimizer
+  state either way."""
+  shardings = state_shardings(cfg, plan, tx)
+  if params is None:
+    init = jax.jit(lambda key: _new_state(cfg, tx, key), out_shardings=shardings)
+    return init(jax.random.key(cfg.seed))
+  params = jax.device_put(params, shardings.params)
+  init = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
+                                      opt_state=tx.init(p)), out_shardings=shardings)
+  return init(params)
 
 
 def loss_and_grads(params, batch: dict, cfg: Config, plan: ShardingPlan | None,

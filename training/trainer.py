@@ -14,8 +14,8 @@ from model import moe
 from sharding import compile_cache
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingPlan, check_divisible, make_plan
-from training import (checkpoint, config as config_lib, data, metrics, optimizer, resilience,
-                      sample, state)
+from training import (checkpoint, config as config_lib, data, metrics, optimizer, pretrained,
+                      resilience, sample, state)
 
 console = Console(stderr=True)
 
@@ -50,6 +50,7 @@ class Trainer:
 def setup(cfg: config_lib.Config) -> Trainer:
   """Everything a run needs, each config problem reported before any device work."""
   try:
+    cfg, from_hf = pretrained.with_pretrained(cfg)
     config_lib.validate(cfg, jax.device_count(), jax.process_count(), jax.default_backend())
     info = data.data_info(cfg.data)
     if info.vocab_size > cfg.model.vocab_size:
@@ -70,6 +71,8 @@ def setup(cfg: config_lib.Config) -> Trainer:
   except (ValueError, FileNotFoundError) as e:
     raise ConfigError(str(e)) from e
   is_main = jax.process_index() == 0
+  if from_hf and is_main:
+    console.print(f'init_from_hf sets {", ".join(from_hf)}', highlight=False)
   if is_main:
     try:
       os.makedirs(cfg.workdir, exist_ok=True)
@@ -89,6 +92,13 @@ def restore_or_init(t: Trainer):
   """(state, step): the newest intact checkpoint, data position included, or a fresh start."""
   target = state.abstract_state(t.cfg, t.plan, t.tx)
   restored = t.ckpt.restore_latest(target)
+  if restored is None and t.cfg.init_from_hf:
+    start = time.perf_counter()
+    train_state = state.init_state(t.cfg, t.plan, t.tx, pretrained.load_params(t.cfg))
+    console.print(f'initialized from the Hugging Face model in {t.cfg.init_from_hf} '
+                  f'({time.perf_counter() - start:.1f}s)', highlight=False)
+    t.events('initialized_from_hf', directory=t.cfg.init_from_hf)
+    return train_state, 0
   if restored is None:
     return state.init_state(t.cfg, t.plan, t.tx), 0
   train_state, meta = restored

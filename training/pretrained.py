@@ -1,0 +1,66 @@
+"""Starting a run from a released model: a Hugging Face Llama directory (init_from_hf).
+
+The directory decides what the weights are: its config.json's architecture replaces the
+shape fields of `model` (the training knobs, dtype, remat, attention, stay the run's),
+and its tokenizer.json becomes `data.tokenizer` unless the run names a tokenizer file of
+its own. The weights are read on the host and placed straight into the run's sharded
+layout, with a fresh optimizer state. A run that already has a checkpoint resumes from
+it and never reads the directory again.
+"""
+
+import dataclasses
+import json
+import os
+
+from model import hf as model_hf
+
+# ModelConfig fields the Hugging Face config decides.
+ARCHITECTURE = ('vocab_size', 'num_layers', 'embed_dim', 'mlp_dim', 'num_heads',
+                'num_kv_heads', 'head_dim', 'max_seq_len', 'rope_theta',
+                'rope_scaling_factor', 'rope_original_max_len', 'rope_low_freq_factor',
+                'rope_high_freq_factor', 'norm_eps', 'tie_embeddings')
+
+
+def _read_config(directory: str) -> dict:
+  path = os.path.join(directory, 'config.json')
+  if not os.path.isfile(path):
+    what = 'does not exist' if not os.path.isdir(directory) else 'has no config.json'
+    raise FileNotFoundError(f'init_from_hf={directory!r} {what}: give a local Hugging Face '
+                            'Llama directory (config.json, *.safetensors, tokenizer.json).')
+  with open(path, encoding='utf-8') as f:
+    return json.load(f)
+
+
+def with_pretrained(cfg):
+  """(cfg with the directory's architecture and tokenizer, the fields that changed), or
+  (cfg, []) without init_from_hf; ValueError for a model our Llama cannot be."""
+  directory = os.path.expanduser(cfg.init_from_hf)
+  if not directory:
+    return cfg, []
+  if cfg.model.num_experts:
+    raise ValueError(f'init_from_hf: a Llama has no experts, but model.num_experts='
+                     f'{cfg.model.num_experts}; set it to 0.')
+  try:
+    released = model_hf.model_config(_read_config(directory), cfg.model.param_dtype)
+  except ValueError as e:
+    raise ValueError(f'init_from_hf={directory!r}: {e}') from None
+  shape = {f: getattr(released, f) for f in ARCHITECTURE}
+  changed = [f'model.{f}={v!r}' for f, v in shape.items() if getattr(cfg.model, f) != v]
+  data = cfg.data
+  if data.tokenizer == 'byte':   # the default: the model's own tokenizer instead
+    tokenizer = os.path.join(directory, 'tokenizer.json')
+    if not os.path.isfile(tokenizer):
+      raise FileNotFoundError(f'init_from_hf={directory!r} has no tokenizer.json: add it, '
+                              'or name the tokenizer the model was trained with in '
+                              'data.tokenizer.')
+    data = dataclasses.replace(data, tokenizer=tokenizer)
+    changed.append(f'data.tokenizer={tokenizer!r}')
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape),
+                             data=data), changed
+
+
+def load_params(cfg) -> dict:
+  """The directory's weights as our parameter tree, numpy arrays in model.param_dtype."""
+  directory = os.path.expanduser(cfg.init_from_hf)
+  return model_hf.params_from_hf(model_hf.read_safetensors(directory), cfg.model,
+                                 on_host=True)
