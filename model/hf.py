@@ -112,7 +112,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
   tensors = {}
   # numpy has no bfloat16, the dtype most Llama checkpoints are stored in: read through
   # jax on the host (the arrays come out as numpy arrays of ml_dtypes' bfloat16).
-  with jax.default_device(_host_device()):
+  with jax.default_device(host_device()):
     for file in files:
       with safe_open(file, framework='flax') as f:
         for key in f.keys():
@@ -120,7 +120,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
   return tensors
 
 
-def _host_device():
+def host_device():
   """A CPU device to read weights onto (None: the default device, where jax was started
   without its CPU backend)."""
   try:

@@ -11,8 +11,10 @@ rounded), tokenizer.json (the run's own tokenizer.json; the byte tokenizer as a
 byte-level BPE without merges, ids 0-255 the bytes and 256 <|endoftext|>, so every id
 means what it meant in training), tokenizer_config.json and generation_config.json (the
 end-of-document token). A mixture-of-experts model has no Llama form and is refused.
-The directory is written under a temporary name beside --output and renamed into place
-last: a failed export leaves nothing, and an existing non-empty --output is refused.
+The weights are gathered on the host, not on an accelerator. The directory is written
+under a temporary name beside --output (`.NAME.*`) and renamed into place last: a failed
+export leaves nothing (a killed one, that hidden directory), and an existing non-empty
+--output is refused.
 """
 
 import argparse
@@ -22,9 +24,11 @@ import shutil
 import sys
 import tempfile
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 
-from model.hf import hf_config, hf_tensors
+from model.hf import hf_config, hf_tensors, host_device
 from serve.guided import bytes_to_unicode
 from serve.hf_llama import SERVE_DTYPES, check_dtype
 from serve.loader import load_checkpoint
@@ -60,22 +64,26 @@ def export(checkpoint: str, output: str, dtype: str = 'auto') -> dict:
   if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
     raise FileExistsError(f'--output {output} exists and is not an empty directory: '
                           'choose a new one (nothing is overwritten).')
-  served = load_checkpoint(checkpoint, dtype='float32')   # master values, then cast once
+  # Onto the host (a model too big for one accelerator exports too), master values,
+  # cast once with numpy.
+  served = load_checkpoint(checkpoint, mesh=_host_mesh(), dtype='float32')
   cfg = served.model_cfg
   dtype = cfg.param_dtype if dtype == 'auto' else check_dtype(dtype)
   tokenizer_json, eos_token = tokenizer_files(served.tokenizer)
   config = hf_config(cfg, dtype, served.tokenizer.eos_id)
-  tensors = {k: jnp.asarray(v, jnp.dtype(dtype)) for k, v in hf_tensors(served.params,
-                                                                         cfg).items()}
+  tensors = {k: v.astype(jnp.dtype(dtype)) for k, v in hf_tensors(served.params,
+                                                                  cfg).items()}
   parent = os.path.dirname(output)
   os.makedirs(parent, exist_ok=True)
   staging = tempfile.mkdtemp(dir=parent, prefix=f'.{os.path.basename(output)}.')
   try:
     _write(staging, config, tensors, tokenizer_json, eos_token, cfg.max_seq_len,
            served.tokenizer.eos_id)
-    os.chmod(staging, 0o755)   # mkdtemp's 0700 and safetensors' 0600: meant to be shared
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)   # as a plain mkdir and open would make them
     for name in os.listdir(staging):
-      os.chmod(os.path.join(staging, name), 0o644)
+      os.chmod(os.path.join(staging, name), 0o666 & ~umask)
     if os.path.isdir(output):
       os.rmdir(output)   # empty (checked above)
     os.rename(staging, output)
@@ -85,8 +93,15 @@ def export(checkpoint: str, output: str, dtype: str = 'auto') -> dict:
   return config
 
 
+def _host_mesh():
+  """A one-device mesh on the host's CPU (None: jax's default, where it has no CPU)."""
+  host = host_device()
+  return None if host is None else jax.make_mesh((1,), ('tensor',),
+                                                 axis_types=(AxisType.Auto,), devices=[host])
+
+
 def _write(directory, config, tensors, tokenizer_json, eos_token, max_len, eos_id) -> None:
-  from safetensors.flax import save_file  # pylint: disable=import-outside-toplevel
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
 
   def dump(name, value):
     with open(os.path.join(directory, name), 'w', encoding='utf-8') as f:

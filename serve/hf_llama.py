@@ -133,10 +133,6 @@ def _token_text(token) -> str | None:
   return token.get('content') if isinstance(token, dict) else token
 
 
-# --------------------------------------------------------------------------------- config
-
-# -------------------------------------------------------------------------------- weights
-
 # ------------------------------------------------------------------------------ tokenizer
 
 def _tokenizer(path: str, tok_cfg: dict, eos_ids: list[int]) -> HFTokenizer:

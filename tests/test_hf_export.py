@@ -63,8 +63,10 @@ def test_serve_reads_the_export_back_exactly(exported, tiny_workdir, tmp_path):
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                back.params, want.params)
   assert back.eos_token_ids == [ByteTokenizer.eos_id]
-  assert {oct(os.stat(os.path.join(exported, f)).st_mode & 0o777)
-          for f in os.listdir(exported)} == {'0o644'}
+  umask = os.umask(0)
+  os.umask(umask)
+  assert {os.stat(os.path.join(exported, f)).st_mode & 0o777
+          for f in os.listdir(exported)} == {0o666 & ~umask}   # as open() would make them
   half = tmp_path / 'bf16'
   assert hf_export.main(['--checkpoint', tiny_workdir, '--output', str(half),
                          '--dtype', 'bfloat16']) == 0
@@ -115,8 +117,7 @@ def test_an_untied_rope_scaled_model_is_the_same_in_transformers(tmp_path):
                     rope_theta=5e5, rope_scaling_factor=8.0, rope_original_max_len=32,
                     init_std=0.2)
   params = model.init_params(cfg, jax.random.key(3))
-  tensors = {k: jnp.asarray(v) for k, v in hf_tensors(params, cfg).items()}
-  hf_export._write(str(tmp_path), hf_config(cfg, 'float32', 299), tensors,  # pylint: disable=protected-access
+  hf_export._write(str(tmp_path), hf_config(cfg, 'float32', 299), hf_tensors(params, cfg),  # pylint: disable=protected-access
                    hf_export.byte_tokenizer_json(), '<|endoftext|>', cfg.max_seq_len, 299)
   hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
   ids = np.random.default_rng(1).integers(0, 300, size=(2, 96)).astype(np.int32)

@@ -113,7 +113,7 @@ def float64_loss(params, model_cfg, batches) -> tuple[float, float]:
   return nll / weight, weight
 
 
-def test_evaluation_reports_the_held_out_loss(tmp_path, cache_dir, capsys):
+def test_evaluation_reports_the_held_out_loss(tmp_path, cache_dir, capsys, monkeypatch):
   """eval.every_steps=3 over 7 steps, on a ZeRO-3 x tensor mesh with 2 microbatches:
   evaluations after steps 3, 6 and the last, in metrics.jsonl, TensorBoard and on the
   console; the last equals a float64 numpy loss of the saved step-7 weights over the same
@@ -123,7 +123,14 @@ def test_evaluation_reports_the_held_out_loss(tmp_path, cache_dir, capsys):
   cfg = tiny(tmp_path, cache_dir, steps=7, eval__every_steps=3, eval__batches=2,
              mesh__data=2, mesh__fsdp=2, mesh__tensor=2, parallel__zero_stage=3,
              optim__grad_accum=2, sample__num_tokens=0)
+  held_out, make_iterator = [], data.make_train_iterator
+
+  def spy(*args, **kwargs):   # the trainer's training data leaves the eval windows out
+    held_out.append(kwargs.get('held_out'))
+    return make_iterator(*args, **kwargs)
+  monkeypatch.setattr(data, 'make_train_iterator', spy)
   history = trainer.train(cfg)
+  assert held_out == [2 * 8]   # eval.batches x data.batch_size
   assert [r['step'] for r in history if 'eval_loss' in r] == [3, 6, 7]
   assert 'eval at step 7: loss' in capsys.readouterr().err
   batches = data.make_eval_batches(cfg)
@@ -140,6 +147,18 @@ def test_evaluation_reports_the_held_out_loss(tmp_path, cache_dir, capsys):
   for step in (3, 6, 7):
     assert lines[step]['eval_loss'] == history[step - 1]['eval_loss']
     assert scalars['eval/loss', step] == pytest.approx(lines[step]['eval_loss'], rel=1e-6)
+
+
+def test_turning_evaluation_on_over_a_trained_checkpoint_says_the_windows_were_seen(
+    tmp_path, cache_dir, capsys):
+  """The held-out windows of a resumed run may have been trained on before they were
+  held out: the run says so rather than report the loss as unseen data's."""
+  fixed = {'sample__num_tokens': 0, 'optim__decay_steps': 4}
+  trainer.train(tiny(tmp_path, cache_dir, steps=2, **fixed))
+  capsys.readouterr()
+  trainer.train(tiny(tmp_path, cache_dir, steps=3, eval__every_steps=1, eval__batches=1,
+                     **fixed))
+  assert 'its eval loss is not on unseen data' in capsys.readouterr().err
 
 
 def test_fine_tuning_starts_from_hugging_face_weights(tmp_path, cache_dir, tiny_workdir,
@@ -162,6 +181,7 @@ def test_fine_tuning_starts_from_hugging_face_weights(tmp_path, cache_dir, tiny_
   assert 'init_from_hf sets model.num_layers=2' in capsys.readouterr().err
   start_state, start = trainer.restore_or_init(t)
   assert start == 0 and int(start_state.step) == 0
+  assert not any(np.any(np.asarray(x)) for x in jax.tree.leaves(start_state.opt_state))
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                start_state.params, want.params)
   first_batch = next(t.data_iter)

@@ -177,7 +177,8 @@ class Config:
   init_from_hf: str = ''
   """A local Hugging Face Llama directory whose weights start the run (fine-tuning): its
   architecture replaces model's shape fields and its tokenizer.json is data.tokenizer
-  unless that names another (training/pretrained.py); a checkpoint in workdir wins."""
+  unless that names another (training/pretrained.py); read at every start, its weights
+  only when workdir has no checkpoint to resume."""
   compilation_cache_dir: str = compile_cache.DEFAULT_DIR
   """jax's persistent compilation cache: a rerun reads the compiled steps from here
   instead of compiling them again; 'none' turns it off (sharding/compile_cache.py)."""

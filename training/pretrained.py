@@ -3,12 +3,14 @@
 The directory decides what the weights are: its config.json's architecture replaces the
 shape fields of `model` (the training knobs, dtype, remat, attention, stay the run's),
 and its tokenizer.json becomes `data.tokenizer` unless the run names a tokenizer file of
-its own. The weights are read on the host and placed straight into the run's sharded
-layout, with a fresh optimizer state. A run that already has a checkpoint resumes from
-it and never reads the directory again.
+its own. The weights are read on the host (every process reads them whole) and each
+device takes its shard, with a fresh optimizer state. The directory's config.json (and
+tokenizer.json, when it is data.tokenizer) are read at every start, its weights only at
+a fresh one: a run that has a checkpoint resumes from it.
 """
 
 import dataclasses
+import glob
 import json
 import os
 
@@ -42,8 +44,12 @@ def with_pretrained(cfg):
                      f'{cfg.model.num_experts}; set it to 0.')
   try:
     released = model_hf.model_config(_read_config(directory), cfg.model.param_dtype)
-  except ValueError as e:
-    raise ValueError(f'init_from_hf={directory!r}: {e}') from None
+  except (ValueError, KeyError) as e:
+    what = f'config.json lacks {e}' if isinstance(e, KeyError) else str(e)
+    raise ValueError(f'init_from_hf={directory!r}: {what}') from None
+  if not glob.glob(os.path.join(directory, '*.safetensors')):
+    raise FileNotFoundError(f'init_from_hf={directory!r} has no *.safetensors weights '
+                            '(PyTorch .bin files are not read).')
   shape = {f: getattr(released, f) for f in ARCHITECTURE}
   changed = [f'model.{f}={v!r}' for f, v in shape.items() if getattr(cfg.model, f) != v]
   data = cfg.data

@@ -57,9 +57,14 @@ def init_state(cfg: Config, plan: ShardingPlan, tx, params=None) -> TrainState:
   if params is None:
     init = jax.jit(lambda key: _new_state(cfg, tx, key), out_shardings=shardings)
     return init(jax.random.key(cfg.seed))
-  params = jax.device_put(params, shardings.params)
+  # Each device takes only its shard of the host copy (every process holds the whole
+  # tree; nothing is gathered or compared across processes).
+  params = jax.tree.map(
+      lambda host, sh: jax.make_array_from_callback(host.shape, sh, lambda i: host[i]),
+      params, shardings.params)
   init = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
-                                      opt_state=tx.init(p)), out_shardings=shardings)
+                                      opt_state=tx.init(p)), out_shardings=shardings,
+                 donate_argnums=0)
   return init(params)
 
 

@@ -49,6 +49,7 @@ class Trainer:
 
 def setup(cfg: config_lib.Config) -> Trainer:
   """Everything a run needs, each config problem reported before any device work."""
+  from_hf = []
   try:
     cfg, from_hf = pretrained.with_pretrained(cfg)
     config_lib.validate(cfg, jax.device_count(), jax.process_count(), jax.default_backend())
@@ -69,7 +70,9 @@ def setup(cfg: config_lib.Config) -> Trainer:
     data_iter = data.make_train_iterator(cfg.data, seed=cfg.seed,
                                          held_out=config_lib.held_out_windows(cfg), **where)
   except (ValueError, FileNotFoundError) as e:
-    raise ConfigError(str(e)) from e
+    hint = (f' (the model\'s shape comes from init_from_hf={cfg.init_from_hf!r}: change '
+            'the mesh or the data, not model.*)' if from_hf and 'model.' in str(e) else '')
+    raise ConfigError(f'{e}{hint}') from e
   is_main = jax.process_index() == 0
   if from_hf and is_main:
     console.print(f'init_from_hf sets {", ".join(from_hf)}', highlight=False)
@@ -92,16 +95,27 @@ def restore_or_init(t: Trainer):
   """(state, step): the newest intact checkpoint, data position included, or a fresh start."""
   target = state.abstract_state(t.cfg, t.plan, t.tx)
   restored = t.ckpt.restore_latest(target)
-  if restored is None and t.cfg.init_from_hf:
-    start = time.perf_counter()
-    train_state = state.init_state(t.cfg, t.plan, t.tx, pretrained.load_params(t.cfg))
-    console.print(f'initialized from the Hugging Face model in {t.cfg.init_from_hf} '
-                  f'({time.perf_counter() - start:.1f}s)', highlight=False)
-    t.events('initialized_from_hf', directory=t.cfg.init_from_hf)
-    return train_state, 0
   if restored is None:
-    return state.init_state(t.cfg, t.plan, t.tx), 0
+    start, released = time.perf_counter(), None
+    if t.cfg.init_from_hf:
+      try:
+        released = pretrained.load_params(t.cfg)
+      except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f'init_from_hf={t.cfg.init_from_hf!r}: {e}') from e
+    train_state = state.init_state(t.cfg, t.plan, t.tx, released)
+    if released is not None:
+      console.print(f'initialized from the Hugging Face model in {t.cfg.init_from_hf} '
+                    f'({time.perf_counter() - start:.1f}s)', highlight=False)
+      t.events('initialized_from_hf', directory=t.cfg.init_from_hf)
+    return train_state, 0
   train_state, meta = restored
+  saved = meta.get('data_setup') or {}
+  if saved.get('held_out', 0) < config_lib.held_out_windows(t.cfg):
+    console.print(f'[yellow]warning: evaluation now holds out the last '
+                  f'{config_lib.held_out_windows(t.cfg)} windows of the training data, but '
+                  f'this checkpoint was trained holding out {saved.get("held_out", 0)}: '
+                  'the windows it read are in the held-out set, so its eval loss is not '
+                  'on unseen data. Give eval.files to evaluate on data never trained on.[/]')
   if meta.get('data_setup') != data_setup(t.cfg):
     console.print('[yellow]warning: data files, data config, seed or process count changed '
                   'since this checkpoint; the data iterator restarts from its saved index '
