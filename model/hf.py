@@ -8,6 +8,7 @@ computed wrong.
 
 import glob
 import json
+import math
 import os
 
 import jax
@@ -16,6 +17,7 @@ import numpy as np
 from safetensors import safe_open
 
 from model.config import ModelConfig
+from model.transformer import abstract_params
 
 # HF config field -> the value it must have for our model to compute the same thing.
 _REQUIRED = {'model_type': 'llama', 'hidden_act': 'silu', 'attention_bias': False,
@@ -129,40 +131,49 @@ def host_device():
     return None
 
 
+# Each layer's tensors: (Llama's name, ours, how many leading axes of ours are the input;
+# None: a vector, kept as it is). Llama stores a matrix [out, in], ours are [in..., out...].
+_LAYER = (
+    ('input_layernorm.weight', 'attn_norm', None),
+    ('self_attn.q_proj.weight', 'wq', 1),       # [D, H, E]
+    ('self_attn.k_proj.weight', 'wk', 1),       # [D, K, E]
+    ('self_attn.v_proj.weight', 'wv', 1),
+    ('self_attn.o_proj.weight', 'wo', 2),       # [H, E, D]
+    ('post_attention_layernorm.weight', 'mlp_norm', None),
+    ('mlp.gate_proj.weight', 'w_gate', 1),      # [D, F]
+    ('mlp.up_proj.weight', 'w_up', 1),
+    ('mlp.down_proj.weight', 'w_down', 1),      # [F, D]
+)
+
+
 def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
                    on_host: bool = False) -> dict:
   """Our tree: per-layer weights stacked on a leading layers axis, [in, out] layouts, in
   cfg.param_dtype; on the default device, or as numpy arrays with on_host."""
-  D, H, K, E = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+  shapes = abstract_params(cfg)
   used = set()
 
-  def take(name):
+  def take(name, shape, in_axes=None):
     if name not in tensors:
       raise ValueError(f'the safetensors files have no {name!r}: not a complete Llama '
                        'checkpoint.')
     used.add(name)
-    return tensors[name]
+    w = tensors[name] if in_axes is None else tensors[name].T
+    if w.size != math.prod(shape):
+      raise ValueError(f'{name} has shape {tensors[name].shape}, which config.json\'s '
+                       f'sizes do not give ({shape} in our layout).')
+    return w.reshape(shape)
 
-  def layers(name, fn):
-    return np.stack([fn(take(f'model.layers.{i}.{name}')) for i in range(cfg.num_layers)])
-
+  layers = shapes['layers']
   tree = {
-      'embed': take('model.embed_tokens.weight'),
-      'final_norm': take('model.norm.weight'),
-      'layers': {
-          'attn_norm': layers('input_layernorm.weight', lambda w: w),
-          'wq': layers('self_attn.q_proj.weight', lambda w: w.T.reshape(D, H, E)),
-          'wk': layers('self_attn.k_proj.weight', lambda w: w.T.reshape(D, K, E)),
-          'wv': layers('self_attn.v_proj.weight', lambda w: w.T.reshape(D, K, E)),
-          'wo': layers('self_attn.o_proj.weight', lambda w: w.T.reshape(H, E, D)),
-          'mlp_norm': layers('post_attention_layernorm.weight', lambda w: w),
-          'w_gate': layers('mlp.gate_proj.weight', lambda w: w.T),
-          'w_up': layers('mlp.up_proj.weight', lambda w: w.T),
-          'w_down': layers('mlp.down_proj.weight', lambda w: w.T),
-      },
+      'embed': take('model.embed_tokens.weight', shapes['embed'].shape),
+      'final_norm': take('model.norm.weight', shapes['final_norm'].shape),
+      'layers': {ours: np.stack([take(f'model.layers.{i}.{name}', layers[ours].shape[1:],
+                                      in_axes) for i in range(cfg.num_layers)])
+                 for name, ours, in_axes in _LAYER},
   }
   if not cfg.tie_embeddings:
-    tree['lm_head'] = take('lm_head.weight').T
+    tree['lm_head'] = take('lm_head.weight', shapes['lm_head'].shape, 1)
   used.add('lm_head.weight')   # a tied model may still store its (equal) head
   _check_all_used(tensors, used)
   dtype = jnp.dtype(cfg.param_dtype)
@@ -172,26 +183,18 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
 
 
 def hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-  """params_from_hf's inverse: our tree as Llama's tensors, [out, in] layouts, one per layer."""
-  D, H, K, E = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+  """params_from_hf's inverse: our tree as Llama's tensors, [out, in], one per layer."""
   host = jax.tree.map(np.asarray, jax.device_get(params))
-  layers = host['layers']
-  per_layer = {
-      'input_layernorm.weight': lambda i: layers['attn_norm'][i],
-      'self_attn.q_proj.weight': lambda i: layers['wq'][i].reshape(D, H * E).T,
-      'self_attn.k_proj.weight': lambda i: layers['wk'][i].reshape(D, K * E).T,
-      'self_attn.v_proj.weight': lambda i: layers['wv'][i].reshape(D, K * E).T,
-      'self_attn.o_proj.weight': lambda i: layers['wo'][i].reshape(H * E, D).T,
-      'post_attention_layernorm.weight': lambda i: layers['mlp_norm'][i],
-      'mlp.gate_proj.weight': lambda i: layers['w_gate'][i].T,
-      'mlp.up_proj.weight': lambda i: layers['w_up'][i].T,
-      'mlp.down_proj.weight': lambda i: layers['w_down'][i].T,
-  }
+
+  def llama(w, in_axes):
+    return w if in_axes is None else w.reshape(math.prod(w.shape[:in_axes]), -1).T
+
   out = {'model.embed_tokens.weight': host['embed'], 'model.norm.weight': host['final_norm']}
   for i in range(cfg.num_layers):
-    out.update({f'model.layers.{i}.{name}': fn(i) for name, fn in per_layer.items()})
+    out.update({f'model.layers.{i}.{name}': llama(host['layers'][ours][i], in_axes)
+                for name, ours, in_axes in _LAYER})
   if not cfg.tie_embeddings:
-    out['lm_head.weight'] = host['lm_head'].T
+    out['lm_head.weight'] = llama(host['lm_head'], 1)
   return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 

@@ -34,6 +34,7 @@ import threading
 import numpy as np
 
 from serve.sampler import pack_bits, unpack_bits
+from training.tokenizer import bytes_to_unicode
 from serve.sampling_params import SamplingParamsError
 
 # Compiled expressions kept per engine: json_object's takes ~170 MB at a 128K vocabulary.
@@ -142,19 +143,6 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
     else:
       out[i] = tokenizer.decode([i]).encode('utf-8')
   return out
-
-
-@functools.lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-  """GPT-2's byte <-> printable character table (ByteLevel pre-tokenizer and decoder)."""
-  printable = (list(range(ord('!'), ord('~') + 1)) + list(range(ord('¡'), ord('¬') + 1))
-               + list(range(ord('®'), ord('ÿ') + 1)))
-  table, extra = {b: chr(b) for b in printable}, 0
-  for b in range(256):
-    if b not in table:
-      table[b] = chr(256 + extra)
-      extra += 1
-  return table
 
 
 class GuidedDecoding:

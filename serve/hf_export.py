@@ -29,9 +29,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 
 from model.hf import hf_config, hf_tensors, host_device
-from serve.guided import bytes_to_unicode
 from serve.hf_llama import SERVE_DTYPES, check_dtype
 from serve.loader import load_checkpoint
+from training.tokenizer import bytes_to_unicode
 
 BYTE_EOS_TOKEN = '<|endoftext|>'   # training.tokenizer.EOS_CANDIDATES' first: found again
 
@@ -55,7 +55,7 @@ def tokenizer_files(tokenizer) -> tuple[str, str]:
   if getattr(tokenizer, 'name', '') == 'byte':
     return byte_tokenizer_json(), BYTE_EOS_TOKEN
   with open(tokenizer.path, encoding='utf-8') as f:
-    return f.read(), tokenizer._tok.id_to_token(tokenizer.eos_id)  # pylint: disable=protected-access
+    return f.read(), tokenizer.token_text(tokenizer.eos_id)
 
 
 def export(checkpoint: str, output: str, dtype: str = 'auto') -> dict:

@@ -7,6 +7,7 @@ none), `decode(ids) -> str`, `vocab_size`, `eos_id` and a
 tokens written by a different tokenizer.
 """
 
+import functools
 import hashlib
 import os
 from typing import Sequence
@@ -78,6 +79,10 @@ class HFTokenizer:
         f'{self.path} has none of the end-of-document tokens {EOS_CANDIDATES}: documents '
         'could not be separated. Add one of them to the tokenizer as a special token.')
 
+  def token_text(self, token_id: int) -> str:
+    """A token's own text in tokenizer.json (a special token's name, as eos_token wants)."""
+    return self._tok.id_to_token(token_id)
+
   def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
     # Training wants none: documents are delimited by the eos the token file adds. A
     # served completion prompt wants them (a Llama's BOS), as transformers and vLLM add.
@@ -118,3 +123,16 @@ def load_tokenizer(spec: str) -> Tokenizer:
         f'data.tokenizer={spec!r}: no such file. Set --config.data.tokenizer=byte, or to '
         'the path of a local Hugging Face tokenizer.json.')
   return HFTokenizer(path)
+
+
+@functools.lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's byte <-> printable character table (ByteLevel pre-tokenizer and decoder)."""
+  printable = (list(range(ord('!'), ord('~') + 1)) + list(range(ord('¡'), ord('¬') + 1))
+               + list(range(ord('®'), ord('ÿ') + 1)))
+  table, extra = {b: chr(b) for b in printable}, 0
+  for b in range(256):
+    if b not in table:
+      table[b] = chr(256 + extra)
+      extra += 1
+  return table
