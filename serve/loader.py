@@ -5,7 +5,6 @@ the serving mesh, and the training run's directory is never written to.
 """
 
 import dataclasses
-import json
 import os
 
 import jax
@@ -16,6 +15,7 @@ from model.config import ModelConfig
 from serve.hf_llama import ServedModel, with_dtype
 from sharding.rules import REPLICATED
 from training import checkpoint
+from training.config import read_config_json
 from training.tokenizer import load_tokenizer
 
 
@@ -65,13 +65,8 @@ def load_checkpoint(workdir: str, mesh: Mesh | None = None,
 
 
 def _read_run_config(workdir: str) -> dict:
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.isfile(path):
-    what = 'does not exist' if not os.path.isdir(workdir) else 'has no config.json'
-    raise FileNotFoundError(f'{workdir} {what}: --checkpoint takes the workdir of a '
-                            'train.py run (its --config.workdir).')
-  with open(path) as f:
-    return json.load(f)
+  return read_config_json(workdir, '--checkpoint takes the workdir of a train.py run (its '
+                          '--config.workdir).')
 
 
 def _model_config(raw: dict, workdir: str) -> ModelConfig:

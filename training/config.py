@@ -365,5 +365,16 @@ def held_out_windows(cfg: Config) -> int:
   return cfg.eval.batches * cfg.data.batch_size
 
 
+def read_config_json(directory: str, expected: str) -> dict:
+  """DIRECTORY/config.json; FileNotFoundError saying what is missing and what the
+  directory should be (`expected`: which flag takes what)."""
+  path = os.path.join(directory, 'config.json')
+  if not os.path.isfile(path):
+    what = 'does not exist' if not os.path.isdir(directory) else 'has no config.json'
+    raise FileNotFoundError(f'{directory} {what}: {expected}')
+  with open(path, encoding='utf-8') as f:
+    return json.load(f)
+
+
 def to_json(cfg: Config) -> str:
   return json.dumps(dataclasses.asdict(cfg), indent=2, sort_keys=True)

@@ -11,26 +11,16 @@ a fresh one: a run that has a checkpoint resumes from it.
 
 import dataclasses
 import glob
-import json
 import os
 
 from model import hf as model_hf
+from training.config import read_config_json
 
 # ModelConfig fields the Hugging Face config decides.
 ARCHITECTURE = ('vocab_size', 'num_layers', 'embed_dim', 'mlp_dim', 'num_heads',
                 'num_kv_heads', 'head_dim', 'max_seq_len', 'rope_theta',
                 'rope_scaling_factor', 'rope_original_max_len', 'rope_low_freq_factor',
                 'rope_high_freq_factor', 'norm_eps', 'tie_embeddings')
-
-
-def _read_config(directory: str) -> dict:
-  path = os.path.join(directory, 'config.json')
-  if not os.path.isfile(path):
-    what = 'does not exist' if not os.path.isdir(directory) else 'has no config.json'
-    raise FileNotFoundError(f'init_from_hf={directory!r} {what}: give a local Hugging Face '
-                            'Llama directory (config.json, *.safetensors, tokenizer.json).')
-  with open(path, encoding='utf-8') as f:
-    return json.load(f)
 
 
 def with_pretrained(cfg):
@@ -43,7 +33,10 @@ def with_pretrained(cfg):
     raise ValueError(f'init_from_hf: a Llama has no experts, but model.num_experts='
                      f'{cfg.model.num_experts}; set it to 0.')
   try:
-    released = model_hf.model_config(_read_config(directory), cfg.model.param_dtype)
+    released = model_hf.model_config(
+        read_config_json(directory, 'init_from_hf takes a local Hugging Face Llama '
+                         'directory (config.json, *.safetensors, tokenizer.json).'),
+        cfg.model.param_dtype)
   except (ValueError, KeyError) as e:
     what = f'config.json lacks {e}' if isinstance(e, KeyError) else str(e)
     raise ValueError(f'init_from_hf={directory!r}: {what}') from None
