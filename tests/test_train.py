@@ -149,6 +149,22 @@ def test_evaluation_reports_the_held_out_loss(tmp_path, cache_dir, capsys, monke
     assert scalars['eval/loss', step] == pytest.approx(lines[step]['eval_loss'], rel=1e-6)
 
 
+def test_evaluation_under_pipeline_and_context_parallelism(tmp_path, cache_dir):
+  """The eval step is the training loss's forward on the run's own mesh: with 2 pipeline
+  stages, and with the context split in 2 (its load-balance reorder), the evaluation
+  after the last step equals the float64 loss of the saved weights."""
+  from serve.loader import load_checkpoint  # pylint: disable=import-outside-toplevel
+  from training import data  # pylint: disable=import-outside-toplevel
+  for name, mesh in (('pipeline', {'mesh__stage': 2, 'mesh__data': 4}),
+                     ('context', {'mesh__context': 2, 'mesh__data': 4})):
+    cfg = tiny(tmp_path / name, cache_dir, steps=2, eval__every_steps=2, eval__batches=1,
+               sample__num_tokens=0, **mesh)
+    last = trainer.train(cfg)[-1]
+    served = load_checkpoint(str(tmp_path / name), dtype='float32')
+    want, _ = float64_loss(served.params, served.model_cfg, data.make_eval_batches(cfg))
+    assert last['eval_loss'] == pytest.approx(want, rel=1e-5), name
+
+
 def test_turning_evaluation_on_over_a_trained_checkpoint_says_the_windows_were_seen(
     tmp_path, cache_dir, capsys):
   """The held-out windows of a resumed run may have been trained on before they were
