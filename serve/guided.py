@@ -210,18 +210,18 @@ class GuidedDecoding:
     the grammar can spell them."""
     import llguidance  # pylint: disable=import-outside-toplevel
     with self._lock:
-      if isinstance(self._ll_tokenizer, ValueError):   # once refused, always (no rescan)
-        raise self._ll_tokenizer
+      if isinstance(self._ll_tokenizer, str):   # once refused, always (no rescan)
+        raise ValueError(self._ll_tokenizer)
       if self._ll_tokenizer is None:
         spelled = {b[0] for i, b in self._bytes.items() if len(b) == 1 and i not in self.eos_ids}
         missing = sorted(set(range(256)) - spelled)
         if missing:   # llguidance spells forced text with them; without, it goes astray
-          self._ll_tokenizer = ValueError(
+          self._ll_tokenizer = (
               'guided_grammar needs a vocabulary with a token for each of the 256 bytes '
               '(byte-level BPE, or SentencePiece with byte fallback: GPT-2, Llama, '
               f'Mistral, Qwen); this tokenizer has none for {len(missing)} of them, '
               f'{bytes(missing[:8])!r}...; use guided_regex, guided_json or guided_choice')
-          raise self._ll_tokenizer
+          raise ValueError(self._ll_tokenizer)
         with _llguidance_panics():
           self._ll_tokenizer = llguidance.LLTokenizer(
               llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self._bytes,
