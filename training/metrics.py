@@ -68,9 +68,8 @@ class MetricsLogger:
     if self._tb is not None:
       for key, value in record.items():
         if key != 'step' and isinstance(value, (int, float)):
-          section, _, name = key.partition('_') if key.startswith('eval_') else ('train',
-                                                                                 '', key)
-          self._tb.add_scalar(f'{section}/{name}', value, step)
+          tag = f'eval/{key[len("eval_"):]}' if key.startswith('eval_') else f'train/{key}'
+          self._tb.add_scalar(tag, value, step)
     if self._progress is not None:
       info = f"loss {record['loss']:.4f}  {record['tokens_per_sec']:,.0f} tok/s"
       self._progress.update(self._task, completed=step, info=info)

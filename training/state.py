@@ -45,7 +45,11 @@ def abstract_state(cfg: Config, plan: ShardingPlan, tx) -> TrainState:
 
 
 def _new_state(cfg: Config, tx, key) -> TrainState:
-  params = model.init_params(cfg.model, key)
+  return _state_around(model.init_params(cfg.model, key), tx)
+
+
+def _state_around(params, tx) -> TrainState:
+  """Step 0 and a new optimizer state around `params`."""
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
@@ -62,9 +66,7 @@ def init_state(cfg: Config, plan: ShardingPlan, tx, params=None) -> TrainState:
   params = jax.tree.map(
       lambda host, sh: jax.make_array_from_callback(host.shape, sh, lambda i: host[i]),
       params, shardings.params)
-  init = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
-                                      opt_state=tx.init(p)), out_shardings=shardings,
-                 donate_argnums=0)
+  init = jax.jit(lambda p: _state_around(p, tx), out_shardings=shardings, donate_argnums=0)
   return init(params)
 
 
