@@ -18,8 +18,9 @@ Llama-3's (128,256). Guides, as the server builds them (serve/guided.py):
   array), outlines-core;
 - json_object: `response_format` json_object, outlines-core;
 - grammar: `guided_grammar`, lists of digits nested to any depth, llguidance.
-And for comparison, not what the server does: the two JSON guides through llguidance's
-own JSON schema support (tool_schema_llguidance, json_object_llguidance).
+And for comparison, not what the server does for JSON: the two JSON schemas followed by
+llguidance itself, as grammars (`start: %json {...}`; tool_schema_llguidance,
+json_object_llguidance).
 Each guide is walked several times from its start, drawing tokens at random among those
 allowed, until eos or `--steps` tokens; a step is `advance(token)` then `words()`, what the
 engine does per token. Writes benchmarks/results/guided_decoding_cpu.json.
@@ -27,6 +28,7 @@ engine does per token. Writes benchmarks/results/guided_decoding_cpu.json.
 
 import argparse
 import glob
+import json
 import os
 import statistics
 import sys
@@ -50,8 +52,9 @@ GUIDES = {   # name -> the request fields that ask for it
     'json_object': {'response_format': {'type': 'json_object'}},
     'grammar': {'guided_grammar': 'root ::= "[" (item ("," item)*)? "]"\n'
                                   'item ::= [0-9] | root'},
-    'tool_schema_llguidance': {'json_schema': SCHEMA},
-    'json_object_llguidance': {'json_schema': {'type': 'object'}},
+    # The comparison: llguidance following the JSON schemas itself (Lark's %json).
+    'tool_schema_llguidance': {'guided_grammar': 'start: %json ' + json.dumps(SCHEMA)},
+    'json_object_llguidance': {'guided_grammar': 'start: %json {"type": "object"}'},
 }
 
 
@@ -88,27 +91,6 @@ def train_tokenizer(vocab_size: int, texts: list[str], directory: str):
   return HFTokenizer(path)
 
 
-class _LLGuidanceJson:
-  """The comparison's guides: llguidance following a JSON schema itself (a GuidedDecoding
-  look-alike: compile, then a GrammarGuide per walk)."""
-
-  def __init__(self, decoding, schema):
-    self._decoding, self._schema, self._matcher = decoding, schema, None
-
-  def compile(self, *_, **__):
-    import llguidance  # pylint: disable=import-outside-toplevel
-    from serve.guided import GrammarGuide  # pylint: disable=import-outside-toplevel
-    self._matcher = llguidance.LLMatcher(
-        self._decoding._llguidance_tokenizer(),   # pylint: disable=protected-access
-        llguidance.LLMatcher.grammar_from_json_schema(self._schema), log_level=0)
-    assert not self._matcher.is_error(), self._matcher.get_error()
-    GrammarGuide(self._matcher.deep_copy(), self._decoding.vocab_size)
-
-  def guide(self, *_, **__):
-    from serve.guided import GrammarGuide  # pylint: disable=import-outside-toplevel
-    return GrammarGuide(self._matcher.deep_copy(), self._decoding.vocab_size)
-
-
 def walk(decoding, regex, grammar, eos: int, steps: int, rng) -> list[float]:
   """Seconds of each step (advance, then words) of one random walk from a new guide."""
   guide = decoding.guide(regex, grammar=grammar)
@@ -134,18 +116,15 @@ def measure(tok, names: list[str], walks: int, steps: int, seed: int) -> dict:
   eos = tok.eos_id
   out = {}
   for name in names:
-    fields = GUIDES[name]
-    params = from_openai({} if 'json_schema' in fields else fields, tok.vocab_size)
+    params = from_openai(GUIDES[name], tok.vocab_size)
     decoding = guided.GuidedDecoding(tok, [eos])
-    llg = 'json_schema' in fields or params.guided_grammar is not None
+    llg = params.guided_grammar is not None
     if llg:   # llguidance reads the vocabulary once per engine
       start = time.perf_counter()
       decoding._llguidance_tokenizer()   # pylint: disable=protected-access
       vocabulary_s = time.perf_counter() - start
     else:
       vocabulary_s = None
-    if 'json_schema' in fields:
-      decoding = _LLGuidanceJson(decoding, fields['json_schema'])
     start = time.perf_counter()
     decoding.compile(params.guided_regex, grammar=params.guided_grammar)
     prepare_s = time.perf_counter() - start
