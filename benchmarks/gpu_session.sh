@@ -14,9 +14,14 @@
 # alone 40 s with 8 workers; tests (both files, 4 workers) did not finish in 200 s;
 # attention (four implementations, no XLA) 150 s; paged_decode 40 s; paged_tiles 70 s;
 # train_64k (pallas with Triton kernels, then cudnn) 150 s; starting the machine ~30 s.
+# On another H200 the same day (the third session): test_flash_attention.py alone with 8
+# workers, all 63 tests, 54 s; pass_trace 60 s beside it; one train_64k run 55-75 s (the
+# first on a machine also tokenizes the corpus); train_8k, two runs, 85 s; packed 70 s.
 # Stages, run in the order given (default: all of them):
 #
 #   machine       GPU, clocks, jax and jaxlib versions                          ~10 s
+#   pass_trace    benchmarks.hlo_pass_trace: gpt_64k's 64K step compiled with
+#                 XLA's per-pass dump; the passes that change its kernel calls  ~1 min
 #   tests         kernels compiled on the GPU against their references, and the
 #                 cuDNN path (tests/test_gpu.py, tests/test_flash_attention.py)  ~3 min
 #   attention     benchmarks.attention: Triton and Mosaic GPU kernels (two-kernel
@@ -91,15 +96,15 @@ stage() {  # stage NAME SECONDS COMMAND...: runs it with a limit, log in $OUT/NA
 train() {  # train SEQ BATCH: gpt_64k's model, each attention_impl:remat of TRAIN_RUNS
   local seq=$1 batch=$2 run impl remat
   # pallas is auto: the Mosaic GPU kernels on Hopper. save_attention: the backward runs no
-  # attention forward (the planner predicts ~10% off a 64K step; on 2026-11-26 it took
-  # the same time as full: see below).
+  # attention forward (the planner predicts ~10% off a 64K step).
   for run in ${TRAIN_RUNS:-pallas:save_attention pallas:full cudnn:full cudnn:save_attention}; do
     impl=${run%%:*} remat=full hlo=()
     [[ $run == *:* ]] && remat=${run#*:}
     # save_attention's compiled step comes back too (gzipped HLO): on 2026-11-26 its
-    # profile showed two attention forward kernels a step where the program jax lowers
-    # for CUDA has one (tests/test_model.py counts them without a GPU), and it ran in
-    # full remat's time (4.45 s against 4.46, pallas).
+    # profile first showed two attention forward kernels a step where the program jax
+    # lowers for CUDA has one, and it ran in full remat's time (4.45 s against 4.46,
+    # pallas). The pass_trace stage named XLA's dynamic-slice-fusion-rewriter-v2, which
+    # training/state.py now turns off for that policy: 3.78 s (cudnn 3.50 s).
     [[ $remat == save_attention ]] && hlo=(--hlo_out="$OUT/hlo_${seq}_${impl}_${remat}.txt.gz")
     # Command buffers off: the profile then times each kernel, not whole CUDA graphs (on,
     # three opaque buffers held 98% of a 64K step). Off for the timed steps too: compare
@@ -141,13 +146,20 @@ jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'; packages" ;;
     # GPU; a test that hangs fails at 120 s instead of taking the stage's whole limit.
     # test_gpu.py (the compiled kernels against their references, 40 s on an H200) runs
     # by itself first, so its summary comes back even when test_flash_attention.py (63
-    # tests, compiled on the GPU: 33 passes and no failure in 200 s on 2026-11-26, the
-    # two files together) runs out of time; -v names every result as it lands and
-    # --durations the slowest.
+    # tests compiled on the GPU, 54 s alone on an H200) runs out of time; -v names every
+    # result as it lands and --durations the slowest.
     tests) stage tests "${TEST_LIMIT:-480}" env MESHLM_TEST_GPU=1 \
       XLA_PYTHON_CLIENT_PREALLOCATE=false bash -c "a=0; $PY -m pytest -rfE -n 8 \
 --timeout=120 tests/test_gpu.py || a=\$?; $PY -m pytest -v -rfE -n 8 --timeout=120 \
 --durations=15 tests/test_flash_attention.py; b=\$?; exit \$((a ? a : b))" ;;
+    # One device, no sharding; XLA's per-pass dumps go to a temporary directory, only the
+    # JSON (the changes, the culprit) comes back. The step as training compiles it (with
+    # training/state.py's PASSES_OFF: no culprit expected); PASS_TRACE_ARGS=--all_passes
+    # for XLA's whole pipeline.
+    pass_trace) stage pass_trace "${PASS_TRACE_LIMIT:-180}" env \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m benchmarks.hlo_pass_trace \
+      --config=gpt_64k.py --remat=save_attention ${PASS_TRACE_ARGS:-} \
+      --output=benchmarks/results/hlo_pass_trace_gpt_64k_save_attention_gpu.json ;;
     attention) stage attention "${ATTENTION_LIMIT:-420}" "$PY" -m benchmarks.attention \
       ${ATTENTION_IMPLS:+--impls="$ATTENTION_IMPLS"} ;;
     tiles) stage tiles "${TILES_LIMIT:-480}" "$PY" -m benchmarks.attention --tiles ;;
@@ -166,7 +178,7 @@ paste -sd,)" ;;
     # jax takes half the GPU, not its default 75%: torch runs in the same process.
     serve) stage serve "${SERVE_LIMIT:-570}" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 "$PY" -m \
       benchmarks.serve_throughput --shapes=1b --repeats="${SERVE_REPEATS:-1}" ;;
-    *) echo "unknown stage '$1': use machine, tests, attention, tiles, paged_decode, \
+    *) echo "unknown stage '$1': use machine, tests, pass_trace, attention, tiles, paged_decode, \
 paged_tiles, packed, planner, planner_64k, train_64k, train_8k or serve"
        return 2 ;;
   esac
@@ -175,7 +187,7 @@ paged_tiles, packed, planner, planner_64k, train_64k, train_8k or serve"
   return 0
 }
 
-for name in "${@:-machine tests attention tiles paged_decode paged_tiles packed planner planner_64k train_64k train_8k serve}"; do
+for name in "${@:-machine tests pass_trace attention tiles paged_decode paged_tiles packed planner planner_64k train_64k train_8k serve}"; do
   for one in $name; do run_stage "$one"; done
 done
 ls "$OUT"

@@ -24,6 +24,9 @@ per-device memory (benchmarks/results/memory_gpt_64k.json). On one H200 at 65,53
 a step (benchmarks/results/train_gpt_64k_65536_*_gpu.json), full remat: cuDNN attention
 33.0% MFU (4.08 s a step), the Mosaic GPU flash kernels that attention_impl=pallas runs
 on Hopper (model.pallas_backend=auto) 30.1% (4.46 s), the portable Triton ones 20.7%.
+Fastest measured: --config.model.remat=save_attention (the backward runs no attention
+forward; about 11 GiB more a device at one 64K sequence) with
+--config.model.attention_impl=cudnn, 38.5% (3.50 s), or pallas 35.6% (3.78 s).
 
 Variants: '' (the real run, GPU), 'smoke' (same structure, tiny sizes, runs on CPU with
 mesh.context=4).

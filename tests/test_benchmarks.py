@@ -230,3 +230,83 @@ def test_guided_decoding_benchmark_smoke():
              for g in guides.values()), guides
   assert guides['grammar']['library'] == 'llguidance'
   assert guides['grammar']['vocabulary_s'] is not None and guides['regex']['vocabulary_s'] is None
+
+
+# An HLO module as XLA dumps it: a 16-step loop whose body calls a Mosaic GPU kernel, and
+# CALLS more calls of it beside the first (what a pass that clones the kernel leaves).
+PASS_DUMP = """HloModule jit_step
+
+%body (c: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %c = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %x = f32[4]{0} get-tuple-element(%c), index=1
+  %k = (f32[4]{0}, f32[2]{0}) custom-call(%x), custom_call_target="mosaic_gpu_v2"
+CALLS  %y = f32[4]{0} get-tuple-element(%k), index=0
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[4]{0}) tuple(%j, %y)
+}
+
+%cond (c: (s32[], f32[4])) -> pred[] {
+  %c = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(16)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %m = f32[4]{0} custom-call(%p), custom_call_target="__cublas$gemm"
+  %z = s32[] constant(0)
+  %t = (s32[], f32[4]{0}) tuple(%z, %m)
+  %w = (s32[], f32[4]{0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"16"}}
+  ROOT %r = f32[4]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_hlo_pass_trace_names_the_pass_that_adds_kernel_calls(tmp_path):
+  """benchmarks/hlo_pass_trace.py on dumps named as XLA names them: read in compilation
+  order (before optimizations, the numbered passes by number, after optimizations), each
+  change reported with the kernel's calls and runs per step (16, the loop's trip count;
+  cuBLAS left out), and the culprit is the pass after which the body calls it twice."""
+  from benchmarks import hlo_pass_trace   # pylint: disable=import-outside-toplevel
+  clone = ('  %k2 = (f32[4]{0}, f32[2]{0}) custom-call(%x), '
+           'custom_call_target="mosaic_gpu_v2"\n')
+  dumps = {'module_0007.jit_step.before_optimizations.txt': '',
+           'module_0007.jit_step.0009.simplification.after_algsimp.before_dce.txt': '',
+           'module_0007.jit_step.0012.dynamic-slice.after_dynamic-slice-fusion-rewriter-v2'
+           '.before_pipeline-end.txt': clone,
+           'module_0007.jit_step.0100.fusion.after_priority-fusion.before_cse.txt': clone,
+           'module_0007.jit_step.sm_9.0a_gpu_after_optimizations.txt': clone}
+  for name, calls in dumps.items():
+    (tmp_path / name).write_text(PASS_DUMP.replace('CALLS', calls))
+  changes = hlo_pass_trace.trace(str(tmp_path))
+  kernel = 'mosaic_gpu_v2 (f32[4], f32[2])'
+  assert [c['file'] for c in changes] == [
+      'module_0007.jit_step.before_optimizations.txt',
+      'module_0007.jit_step.0012.dynamic-slice.after_dynamic-slice-fusion-rewriter-v2'
+      '.before_pipeline-end.txt']
+  assert [c['static'] for c in changes] == [{kernel: 1}, {kernel: 2}]
+  assert [c['runs'] for c in changes] == [{kernel: 16.0}, {kernel: 32.0}]
+  assert hlo_pass_trace.culprit(changes) == 'dynamic-slice-fusion-rewriter-v2'
+  assert hlo_pass_trace.culprit(changes[:1]) == ''
+
+
+def test_hlo_pass_trace_runs_on_a_config(tmp_path):
+  """The command end to end on this CPU (the tiny config, XLA attention: no kernel calls,
+  so no culprit), its JSON with the environment; the dumps are removed."""
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'TMPDIR': str(tmp_path)}
+  out = tmp_path / 'trace.json'
+  result = subprocess.run(
+      [sys.executable, '-m', 'benchmarks.hlo_pass_trace', '--config=default.py:tiny',
+       '--remat=full', '--attention_impl=xla', f'--output={out}',
+       f'--culprit_out={tmp_path}/culprit.txt'],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'first pass that adds kernel calls: none' in result.stdout
+  row = json.load(open(out))
+  assert row['environment']['platform'] == 'cpu' and row['culprit'] == ''
+  assert row['changes'][0]['file'].endswith('jit_step.before_optimizations.txt')
+  assert (tmp_path / 'culprit.txt').read_text() == ''
+  assert not list(tmp_path.glob('hlo_passes_*'))

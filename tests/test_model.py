@@ -283,7 +283,9 @@ def test_train_step_lowered_for_cuda_calls_the_mosaic_forward(policy, forwards, 
   lowered for CUDA here (no GPU: lowered, not compiled): under save_attention the layer
   scan calls the forward kernel once, under full twice (the backward recomputes it), and
   the two backward kernels either way. On an H200, save_attention's profile showed two
-  forward kernels a step: this says jax emits one."""
+  forward kernels a step: this says jax emits one. The second was XLA's
+  (dynamic-slice-fusion-rewriter-v2, named by benchmarks/hlo_pass_trace.py), which
+  training/state.py now turns off for that policy."""
   import functools   # pylint: disable=import-outside-toplevel
   import re   # pylint: disable=import-outside-toplevel
   from pallas_kernels import flash_attention as fa   # pylint: disable=import-outside-toplevel
@@ -313,6 +315,33 @@ def test_train_step_lowered_for_cuda_calls_the_mosaic_forward(policy, forwards, 
   lse = [c for c in calls if 'xf32>' in c]   # only the forward returns float32 (the lse)
   assert len(calls) == forwards + 2 and len(lse) == forwards, (policy, calls)
   assert sorted(results) == sorted([2] * forwards + [1, 2]), results
+
+
+def test_train_step_compiles_without_the_passes_its_remat_policy_turns_off(monkeypatch):
+  """state.PASSES_OFF reaches XLA through the train step's jit: a pass named for the
+  step's remat policy does not run, the other policies keep it. On a GPU,
+  save_attention's entry (dynamic-slice-fusion-rewriter-v2, which cloned the attention
+  forward: benchmarks/hlo_pass_trace.py) is no pass of this CPU's, so this puts the CPU's
+  loop trip-count annotator under 'full', whose known_trip_count leaves the compiled text
+  of the layer scan."""
+  from sharding import planner   # pylint: disable=import-outside-toplevel
+  from training import plan, state   # pylint: disable=import-outside-toplevel
+  from training.cli import load_config_file   # pylint: disable=import-outside-toplevel
+  def config(remat):
+    cfg = load_config_file('default.py:tiny')
+    cfg.model = dataclasses.replace(cfg.model, remat=remat)
+    return cfg
+
+  assert state.compiler_options(config('save_attention')) == {
+      'xla_disable_hlo_passes': 'dynamic-slice-fusion-rewriter-v2'}
+  assert state.compiler_options(config('full')) == {}
+  monkeypatch.setitem(state.PASSES_OFF, 'full', ('while-loop-trip-count-annotator',))
+  one = {'data': 1, 'stage': 1, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1}
+  annotated = {}
+  for remat in ('full', 'none'):
+    built = plan.build_layout(config(remat), planner.Layout(one, 0, remat, 1, 0))
+    annotated[remat] = 'known_trip_count' in built.compile().as_text()
+  assert annotated == {'full': False, 'none': True}
 
 
 def test_save_attention_needs_a_fused_kernel():

@@ -215,6 +215,25 @@ def make_eval_step(cfg: Config, plan: ShardingPlan):
                  out_shardings=plan.replicated())
 
 
+# XLA passes the train step compiles without, by remat policy. Under 'save_attention' the
+# GPU pass dynamic-slice-fusion-rewriter-v2 (jax 0.11.2) fuses a copy of the attention
+# forward kernel with the dynamic-update-slices that write its output and log-sum-exp into
+# the layer scan's saved residuals, and keeps the original for the layer's own output, so
+# the step runs it twice a layer: what jax lowers calls it once (tests/test_model.py), and
+# benchmarks/hlo_pass_trace.py names this pass as the one that adds the second call. On
+# an H200 (2026-11-26, gpt_64k, one 65,536-token sequence, Mosaic GPU kernels) the step
+# took 4.47 s with it and 3.78 s without, same loss and peak memory (runs of one device
+# call: benchmarks/results/logs/h200_2026-11-26_third/train_64k_pallas_save_attention_*).
+# A CPU has no such pass: naming it there changes nothing.
+PASSES_OFF = {'save_attention': ('dynamic-slice-fusion-rewriter-v2',)}
+
+
+def compiler_options(cfg: Config) -> dict[str, str]:
+  """XLA options for cfg's train step (jax.jit's compiler_options)."""
+  passes = PASSES_OFF.get(cfg.model.remat, ())
+  return {'xla_disable_hlo_passes': ','.join(passes)} if passes else {}
+
+
 def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
   """jit(state, batch) -> (state, metrics); the state buffer is donated."""
   shardings = state_shardings(cfg, plan, tx)
@@ -244,4 +263,5 @@ def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
 
   batch_sh = plan.batch_sharding()
   return jax.jit(step, in_shardings=(shardings, batch_sh),
-                 out_shardings=(shardings, plan.replicated()), donate_argnums=0)
+                 out_shardings=(shardings, plan.replicated()), donate_argnums=0,
+                 compiler_options=compiler_options(cfg))
