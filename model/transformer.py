@@ -477,6 +477,38 @@ def _weighted_nll(logits_btv, targets, weights):
   return jnp.sum((logz - picked) * weights)
 
 
+@jax.custom_vjp
+def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
+  """float32 logits [s, b, c, v] of h [s, b, c, d] (the compute dtype) and the output head
+  [s, d, v] (its master dtype, cast to h's here).
+
+  The backward rounds the logits' float32 cotangent to h's dtype, so both its matmuls run
+  in the compute dtype, as the forward does. jax's own transpose of the forward would run
+  them in float32, since its cotangent is float32: on an H200 the loss's backward then
+  took 2.2-3x the forward matmul's time for as many FLOPs (gpt_64k at 8K tokens,
+  benchmarks/results/train_gpt_64k_8192_*_gpu.json). The head's gradient is accumulated
+  and returned in float32, its master dtype. In float32 this is the plain einsum's VJP.
+  """
+  return jnp.einsum('sbcd,sdv->sbcv', h, head.astype(h.dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def _head_logits_fwd(h, head):
+  return head_logits(h, head), (h, head)
+
+
+def _head_logits_bwd(residuals, g):
+  h, head = residuals
+  g = g.astype(h.dtype)
+  dh = jnp.einsum('sbcv,sdv->sbcd', g, head.astype(h.dtype),
+                  preferred_element_type=jnp.float32).astype(h.dtype)
+  dhead = jnp.einsum('sbcd,sbcv->sdv', h, g, preferred_element_type=jnp.float32)
+  return dh, dhead.astype(head.dtype)
+
+
+head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
+
+
 def summed_nll(params: Params, batch: dict, cfg: ModelConfig, plan=None) -> jax.Array:
   """Sum over tokens of weight * negative log-likelihood (float32)."""
   return summed_nll_and_aux(params, batch, cfg, plan)[0]
@@ -514,9 +546,7 @@ def summed_nll_and_aux(params: Params, batch: dict, cfg: ModelConfig, plan=None)
 
   def chunk_nll(h, tg, wt, head):   # h [shards, b / shards, chunk, d]
     with jax.named_scope('lm_head_loss'):
-      out = jnp.einsum('sbcd,sdv->sbcv', h, head.astype(h.dtype),
-                       preferred_element_type=jnp.float32)
-      out = constrain(out, ('batch', None, 'act_seq', 'act_vocab'), plan)
+      out = constrain(head_logits(h, head), ('batch', None, 'act_seq', 'act_vocab'), plan)
       return _weighted_nll(out, tg, wt)
 
   if chunk < t:

@@ -8,6 +8,7 @@ built from indices. Tolerances are what float32 compute gives on O(1) activation
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -287,7 +288,6 @@ def test_train_step_lowered_for_cuda_calls_the_mosaic_forward(policy, forwards, 
   (dynamic-slice-fusion-rewriter-v2, named by benchmarks/hlo_pass_trace.py), which
   training/state.py now turns off for that policy."""
   import functools   # pylint: disable=import-outside-toplevel
-  import re   # pylint: disable=import-outside-toplevel
   from pallas_kernels import flash_attention as fa   # pylint: disable=import-outside-toplevel
   from sharding.mesh import make_mesh   # pylint: disable=import-outside-toplevel
   from sharding.rules import make_plan   # pylint: disable=import-outside-toplevel
@@ -342,6 +342,44 @@ def test_train_step_compiles_without_the_passes_its_remat_policy_turns_off(monke
     built = plan.build_layout(config(remat), planner.Layout(one, 0, remat, 1, 0))
     annotated[remat] = 'known_trip_count' in built.compile().as_text()
   assert annotated == {'full': False, 'none': True}
+
+
+def test_head_logits_backward_runs_in_the_compute_dtype():
+  """The loss head's two backward matmuls take bfloat16 operands when the model computes in
+  bfloat16 (the logits' float32 cotangent rounded once), give the float64 gradients within
+  that rounding, and return the head's gradient in its float32 master dtype; in float32
+  they are the plain einsum's VJP."""
+  rng = np.random.default_rng(0)
+  h = rng.normal(size=(2, 3, 8, 16))
+  head = rng.normal(size=(2, 16, 40)) / 4
+  g = rng.normal(size=(2, 3, 8, 40))
+
+  def vjp(f, h, head):
+    _, pull = jax.vjp(f, h, head)
+    return pull(jnp.asarray(g, jnp.float32))
+
+  plain = lambda h, head: jnp.einsum('sbcd,sdv->sbcv', h, head.astype(h.dtype),
+                                     preferred_element_type=jnp.float32)
+  h32, head32 = jnp.asarray(h, jnp.float32), jnp.asarray(head, jnp.float32)
+  for got, want in zip(vjp(transformer.head_logits, h32, head32), vjp(plain, h32, head32)):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+  h16 = jnp.asarray(h, jnp.bfloat16)
+  dh, dhead = vjp(transformer.head_logits, h16, head32)
+  assert dh.dtype == jnp.bfloat16 and dhead.dtype == jnp.float32
+  h64 = np.asarray(h16, np.float64)
+  head64 = np.asarray(head32.astype(jnp.bfloat16), np.float64)   # as the forward uses it
+  want_dh = np.einsum('sbcv,sdv->sbcd', g, head64)
+  want_dhead = np.einsum('sbcd,sbcv->sdv', h64, g)
+  for got, want in ((dh, want_dh), (dhead, want_dhead)):
+    got = np.asarray(got, np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2   # bfloat16: 2^-8
+  # Every matmul of the forward and the backward, in the program jax emits: its operands.
+  text = jax.jit(lambda h, head: vjp(transformer.head_logits, h, head)).lower(
+      h16, head32).as_text()
+  operands = re.findall(r'stablehlo.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\)', text)
+  assert len(operands) == 2, text   # dh and dhead (the unused logits are dropped)
+  assert all(a.endswith('bf16>') and b.endswith('bf16>') for a, b in operands), operands
 
 
 def test_save_attention_needs_a_fused_kernel():
