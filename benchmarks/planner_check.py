@@ -1,7 +1,7 @@
 """The planner's predicted step times against measured ones, and the efficiency fit.
 
-  python -m benchmarks.planner_check [--configs=default.py,gpt_64k.py] [--device=h100]
-      [--top=3] [--steps=10] [--grad-accums=1,2,4] [--this-compile]
+  python -m benchmarks.planner_check [--configs=default.py,gpt_64k.py] [--device=h200]
+      [--top=3] [--steps=10] [--grad-accums=1,2,4] [--batch-size=N] [--this-compile]
   python -m benchmarks.planner_check --fit=results/a.json,results/b.json [--device=h100]
 
 For each config, `python -m sharding.plan` ranks the one-device layouts (remat policy x
@@ -9,6 +9,10 @@ gradient accumulation; ZeRO and the mesh axes do nothing on one device) in a CPU
 process of its own, as for a user without a GPU. The top `--top` that fit are then run
 on this machine's accelerator: a fresh train state, random tokens, `--steps` timed steps
 after two warm-up steps (median), and the device's peak memory where it reports one.
+`--device` (the hardware table's row the predictions use) defaults to this GPU's kind,
+read from jax (h100 on a CPU). `--batch-size` runs and plans each config at that many
+sequences a step instead of its own (gpt_64k's 8 sequences of 64K take about 30 s a
+step on one H200; 2 take a quarter of that, and the fit needs only the pairs of times).
 `--this-compile` also records this platform's compile of each (its traffic and memory;
 the FLOPs of kernel custom-calls, such as flash attention on a GPU, are not in its HLO).
 
@@ -28,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -42,13 +47,30 @@ from sharding import hlo, planner
 from training import cli, plan
 
 
-def plan_on_cpu(spec: str, hw: planner.Hardware, accums) -> list[dict]:
+def detect_device() -> str:
+  """The hardware table's row for this machine's first device: its kind as jax names it
+  ('NVIDIA H200', 'NVIDIA H100 80GB HBM3'), h100 on a CPU; ValueError for a GPU the table
+  lacks."""
+  device = jax.devices()[0]
+  if device.platform == 'cpu':
+    return 'h100'
+  kind = device.device_kind.lower()
+  for name in planner.HARDWARE:
+    if re.search(rf'\b{name}\b', kind):
+      return name
+  raise ValueError(f'no row of the hardware table (sharding/planner.py: '
+                   f'{sorted(planner.HARDWARE)}) for this {device.device_kind!r}: name one '
+                   'with --device')
+
+
+def plan_on_cpu(spec: str, hw: planner.Hardware, accums, batch_size: int = 0) -> list[dict]:
   """The planner's ranked one-device rows for `spec` (plan.json records), from
   `python -m sharding.plan` in its own CPU-only process, as a user without a GPU runs it."""
   with tempfile.TemporaryDirectory() as out:
     cmd = [sys.executable, '-m', 'sharding.plan', f'--config={spec}', '--devices', '1',
            '--device', hw.name, '--zero', '0', '--remat', 'none,full',
            '--grad-accum', ','.join(str(a) for a in accums), '--output', out]
+    cmd += [f'--batch-size={batch_size}'] if batch_size else []
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     print(done.stdout, done.stderr[-2000:] if done.returncode else '', flush=True)
     if done.returncode:
@@ -80,11 +102,12 @@ def run_layout(cfg, layout: planner.Layout, steps: int) -> dict:
 
 
 def check(spec: str, hw: planner.Hardware, top: int, steps: int, this_compile: bool,
-          accums=(1, 2, 4)) -> list[dict]:
+          accums=(1, 2, 4), batch_size: int = 0) -> list[dict]:
   """Plans `spec` on one device from a CPU compile and runs the top layouts here."""
   cfg = cli.load_config_file(spec)
+  cfg.data.batch_size = batch_size or cfg.data.batch_size
   out = []
-  for row in [r for r in plan_on_cpu(spec, hw, accums) if r['fits']][:top]:
+  for row in [r for r in plan_on_cpu(spec, hw, accums, batch_size) if r['fits']][:top]:
     lay = planner.Layout(row['mesh'], row['zero_stage'], row['remat'], row['grad_accum'],
                          row['microbatches'])
     record = {'config': spec, 'layout': row['layout'], 'overrides': row['overrides'],
@@ -127,17 +150,20 @@ def main(argv=None) -> dict:
   p = argparse.ArgumentParser(prog='python -m benchmarks.planner_check',
                               description=__doc__.split('\n\n', 1)[0])
   p.add_argument('--configs', default='default.py,gpt_64k.py')
-  p.add_argument('--device', default='h100', help="this GPU's row of the hardware table")
+  p.add_argument('--device', default='',
+                 help="this GPU's row of the hardware table (default: read from jax)")
   p.add_argument('--top', type=int, default=3)
   p.add_argument('--steps', type=int, default=10)
   p.add_argument('--grad-accums', default='1,2,4')
+  p.add_argument('--batch-size', type=int, default=0,
+                 help="sequences a step for every config (default: each config's own)")
   p.add_argument('--this-compile', action='store_true',
                  help="also record this platform's compile of each run layout")
   p.add_argument('--fit', metavar='JSON,JSON',
                  help='fit over the runs of these planner_check results instead of running')
   p.add_argument('--smoke', action='store_true', help='CPU: the tiny config, two steps')
   args = p.parse_args(argv)
-  hw = planner.hardware(args.device)
+  hw = planner.hardware(args.device or detect_device())
   if args.fit:
     files = args.fit.split(',')
     runs = [r for f in files for r in json.load(open(f))['runs']]
@@ -148,7 +174,8 @@ def main(argv=None) -> dict:
   if args.smoke:
     args.configs, args.top, args.steps, accums = 'default.py:tiny', 2, 2, (1,)
   runs = [r for spec in args.configs.split(',')
-          for r in check(spec, hw, args.top, args.steps, args.this_compile, accums=accums)]
+          for r in check(spec, hw, args.top, args.steps, args.this_compile, accums=accums,
+                         batch_size=args.batch_size)]
   result = {'hardware': dataclasses.asdict(hw), 'runs': runs, 'fit': fit(runs, hw)}
   name = '_'.join(c.replace('.py', '').replace(':', '-') for c in args.configs.split(','))
   print(write_result(f'planner_check_{jax.devices()[0].platform}_{name}', result))

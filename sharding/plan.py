@@ -1,6 +1,7 @@
 """`python -m sharding.plan`: rank the layouts of a config on N GPUs before touching one.
 
   python -m sharding.plan --config=default.py:tiny --devices 8 --device h100 --top 5
+      [--batch-size N]
 
 A command-line entry, like train.py: it sits on top and imports training (the layout
 compiles) inside main(). It simulates N CPU devices for its own process, compiles each
@@ -33,6 +34,9 @@ def parse_args(argv=None):
   p.add_argument('--microbatches', default='0',
                  help='pipeline microbatch counts to try, for layouts with stage > 1 '
                       "(0: the config's, else one per stage)")
+  p.add_argument('--batch-size', type=int, default=0,
+                 help="sequences a step (the config's data.batch_size by default); the "
+                      'rows\' train.py overrides then set it too')
   p.add_argument('--output', metavar='DIR', help='write plan.json and plan.csv here')
   return p.parse_args(argv)
 
@@ -59,6 +63,12 @@ def main(argv=None) -> int:
       hw = dataclasses.replace(hw, gpus_per_host=args.devices // args.hosts)
     planner.HARDWARE[hw.name] = hw
     cfg = load_config_file(args.config)
+    if args.batch_size < 0:
+      raise ValueError(f'--batch-size {args.batch_size}: give a positive count (0: the '
+                       "config's).")
+    cfg.data.batch_size = args.batch_size or cfg.data.batch_size
+    # Every row's train.py command: this batch too, where it is not the config's.
+    extra = [f'--config.data.batch_size={args.batch_size}'] if args.batch_size else []
     ints = lambda s: tuple(int(v) for v in s.split(',') if v)
     layers = ints(args.layers) or None
     if layers is not None and len(layers) != 2:
@@ -77,13 +87,15 @@ def main(argv=None) -> int:
   print(planner.table(rows, args.top))
   if rows and rows[0]['prediction'].fits:
     print('run the best with: python train.py --config=' + args.config + ' '
-          + ' '.join(rows[0]['layout'].overrides()))
+          + ' '.join(extra + rows[0]['layout'].overrides()))
   if args.output:
     os.makedirs(args.output, exist_ok=True)
     records = [planner.as_record(r) for r in rows]
+    for r in records:
+      r['overrides'] = ' '.join(extra + [r['overrides']])
     with open(os.path.join(args.output, 'plan.json'), 'w') as f:
       json.dump({'config': args.config, 'devices': args.devices, 'device': hw.name,
-                 'rows': records,
+                 'batch_size': cfg.data.batch_size, 'rows': records,
                  'rejected': [{'layout': l.name(), 'why': w} for l, w in rejected]}, f,
                 indent=2)
     flat = ['layout', 'fits', 'memory_gib', 'headroom_gib', 'step_s', 'tokens_per_s', 'mfu',

@@ -196,8 +196,11 @@ def test_profile_files_ops_outside_the_hlo_apart():
 def test_planner_check_smoke_runs_the_planners_top_layouts_and_fits(tmp_path, monkeypatch):
   from benchmarks import planner_check   # pylint: disable=import-outside-toplevel
   monkeypatch.setenv('MESHLM_RESULTS_DIR', str(tmp_path))
-  result = planner_check.main(['--smoke', '--this-compile'])
+  result = planner_check.main(['--smoke', '--this-compile', '--batch-size=4'])
   runs = result['runs']
+  # Planned and run at 4 sequences of the tiny config's 32 tokens (it has 8).
+  assert all(r['tokens_per_step'] == 4 * 32 for r in runs)
+  assert all(r['overrides'].startswith('--config.data.batch_size=4 ') for r in runs)
   assert sorted(r['layout'] for r in runs) == ['single zero0 remat=full accum1',
                                                 'single zero0 remat=none accum1']
   for r in runs:
@@ -217,6 +220,26 @@ def test_planner_check_smoke_runs_the_planners_top_layouts_and_fits(tmp_path, mo
   [written] = os.listdir(tmp_path)
   assert json.load(open(tmp_path / written))['fit'] == result['fit']   # floats round-trip
   assert planner_check.main(['--fit', str(tmp_path / written)])['fit'] == result['fit']
+
+
+@pytest.mark.parametrize('platform, kind, row', [
+    ('gpu', 'NVIDIA H200', 'h200'), ('gpu', 'NVIDIA H100 80GB HBM3', 'h100'),
+    ('gpu', 'NVIDIA A100-SXM4-80GB', 'a100'), ('cpu', 'cpu', 'h100'),
+    ('gpu', 'NVIDIA B200', None)])
+def test_planner_check_reads_the_gpu_kind_for_its_hardware_row(monkeypatch, platform, kind,
+                                                               row):
+  """The predictions use this GPU's row of the hardware table, not the default's (an H200
+  has 4.8 TB/s where an H100 has 3.35); a GPU the table lacks asks for --device."""
+  import types   # pylint: disable=import-outside-toplevel
+  import jax   # pylint: disable=import-outside-toplevel
+  from benchmarks import planner_check   # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(jax, 'devices', lambda: [types.SimpleNamespace(platform=platform,
+                                                                      device_kind=kind)])
+  if row is None:
+    with pytest.raises(ValueError, match="'NVIDIA B200': name one with --device"):
+      planner_check.detect_device()
+  else:
+    assert planner_check.detect_device() == row
 
 
 def test_guided_decoding_benchmark_smoke():

@@ -337,6 +337,7 @@ def cli(*args):
     (['--devices', '7'], 'no layout of this config runs on 7 devices'),
     (['--devices', '8', '--device', 'tpu9'], "unknown device 'tpu9'"),
     (['--devices', '1', '--zero', '3'], 'no layout tried has fsdp > 1: add ZeRO stage 0'),
+    (['--devices', '1', '--batch-size', '-2'], '--batch-size -2: give a positive count'),
 ])
 def test_cli_rejects_impossible_requests(args, message):
   result = cli('--config=default.py:tiny', *args)
@@ -345,13 +346,20 @@ def test_cli_rejects_impossible_requests(args, message):
 
 
 def test_cli_ranks_and_writes_json_and_csv(tmp_path):
+  """--batch-size 4 (the tiny config has 8): planned at 4 sequences of 32 tokens a step
+  (each row's tokens/s is 4 x 32 over its step time), and every train.py command sets it."""
   result = cli('--config=default.py:tiny', '--devices', '2', '--zero', '0',
-               '--remat', 'full', '--output', str(tmp_path))
+               '--remat', 'full', '--batch-size', '4', '--output', str(tmp_path))
   assert result.returncode == 0, result.stderr[-2000:]
-  assert 'GiB/dev' in result.stdout and 'run the best with: python train.py' in result.stdout
+  assert 'GiB/dev' in result.stdout
+  assert ('run the best with: python train.py --config=default.py:tiny '
+          '--config.data.batch_size=4 --config.mesh.') in result.stdout, result.stdout
   import json  # pylint: disable=import-outside-toplevel
   data = json.loads((tmp_path / 'plan.json').read_text())
-  assert data['rows'] and all('--config.mesh.data=' in r['overrides'] for r in data['rows'])
+  assert data['batch_size'] == 4 and data['rows']
+  for r in data['rows']:
+    assert r['overrides'].startswith('--config.data.batch_size=4 --config.mesh.data=')
+    assert r['tokens_per_s'] == pytest.approx(4 * 32 / r['step_s'])
   assert (tmp_path / 'plan.csv').read_text().startswith('layout,fits,')
 
 
