@@ -1,8 +1,11 @@
-"""Hugging Face Llama, both ways: config.json <-> ModelConfig, safetensors tensors <-> our
-parameter tree. Read by serving (`serve/hf_llama.py`: --hf-model), by training
-(init_from_hf: fine-tuning a released model) and written by `serve/hf_export.py`.
-Anything that is not plain Llama (biases, other activations, other RoPE scalings, other
-architectures, mixtures of experts) is refused with a ValueError naming it, rather than
+"""Hugging Face Llama and Mixtral, both ways: config.json <-> ModelConfig, safetensors
+tensors <-> our parameter tree. Read by serving (`serve/hf_llama.py`: --hf-model), by
+training (init_from_hf: fine-tuning a released model) and written by
+`serve/hf_export.py`. Mixtral is Llama with every MLP a mixture of experts: a softmax
+router over E experts whose top k (k >= 2) weights are renormalized, each expert a
+SwiGLU, as model/moe.py computes with router='softmax' and moe_every=1. Anything else
+(biases, other activations, other RoPE scalings, sliding-window attention, other
+architectures, other expert layouts) is refused with a ValueError naming it, rather than
 computed wrong.
 """
 
@@ -19,28 +22,52 @@ from safetensors import safe_open
 from model.config import ModelConfig
 from model.transformer import abstract_params
 
+# architectures -> model_type, and each one's defaults where config.json leaves a field
+# out (transformers' LlamaConfig and MixtralConfig).
+_ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'MixtralForCausalLM': 'mixtral'}
+_DEFAULTS = {'llama': {'rope_theta': 10000.0, 'rms_norm_eps': 1e-6,
+                       'max_position_embeddings': 2048},
+             'mixtral': {'rope_theta': 1e6, 'rms_norm_eps': 1e-5,
+                         'max_position_embeddings': 4096 * 32}}
 # HF config field -> the value it must have for our model to compute the same thing.
-_REQUIRED = {'model_type': 'llama', 'hidden_act': 'silu', 'attention_bias': False,
-             'mlp_bias': False}
+_REQUIRED = {'hidden_act': 'silu', 'attention_bias': False, 'mlp_bias': False}
+
+
+def _kind(hf: dict) -> str:
+  """'llama' or 'mixtral' (check_supported has passed)."""
+  return _ARCHITECTURES[(hf.get('architectures') or ['LlamaForCausalLM'])[0]]
 
 
 def check_supported(hf: dict) -> None:
-  """Raises ValueError naming the first thing our Llama would compute differently."""
+  """Raises ValueError naming the first thing our model would compute differently."""
   archs = hf.get('architectures') or ['LlamaForCausalLM']
-  if archs != ['LlamaForCausalLM']:
+  if len(archs) != 1 or archs[0] not in _ARCHITECTURES:
     raise ValueError(f'architectures={archs} is not supported: only LlamaForCausalLM '
-                     '(Llama-family decoders) can be read.')
-  for key, want in _REQUIRED.items():
+                     '(Llama-family decoders) and MixtralForCausalLM can be read.')
+  kind = _ARCHITECTURES[archs[0]]
+  for key, want in {'model_type': kind, **_REQUIRED}.items():
     got = hf.get(key, want)
     if got != want:
-      raise ValueError(f'config.json {key}={got!r} is not supported: only Llama models '
-                       f'with {key}={want!r} can be read.')
+      raise ValueError(f'config.json {key}={got!r} is not supported: only {archs[0]} '
+                       f'models with {key}={want!r} can be read.')
+  if kind == 'mixtral':
+    window = hf.get('sliding_window')
+    longest = hf.get('max_position_embeddings', _DEFAULTS[kind]['max_position_embeddings'])
+    if window is not None and window < longest:
+      raise ValueError(f'config.json sliding_window={window} is not supported: attention '
+                       'here sees the whole context (null, or at least '
+                       'max_position_embeddings, can be read).')
+    if hf.get('num_experts_per_tok', 2) < 2:
+      raise ValueError(f'config.json num_experts_per_tok={hf["num_experts_per_tok"]} is '
+                       'not supported: with one expert a token, Mixtral weighs it 1 and '
+                       'model/moe.py by its router probability; 2 or more can be read.')
 
 
 def _rope(hf: dict) -> tuple[float, dict]:
   """(theta, scaling) from transformers 5's rope_parameters or the older rope_scaling."""
   params = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
-  theta = float(params.get('rope_theta', hf.get('rope_theta', 10000.0)))
+  theta = float(params.get('rope_theta', hf.get('rope_theta',
+                                                _DEFAULTS[_kind(hf)]['rope_theta'])))
   kind = params.get('rope_type', params.get('type', 'default'))
   if kind not in ('default', 'llama3'):
     raise ValueError(f"config.json rope scaling rope_type={kind!r} is not supported: only "
@@ -49,20 +76,26 @@ def _rope(hf: dict) -> tuple[float, dict]:
 
 
 def model_config(hf: dict, dtype: str = 'float32') -> ModelConfig:
-  """Our ModelConfig for a Hugging Face LlamaConfig dict (config.json)."""
+  """Our ModelConfig for a Hugging Face LlamaConfig or MixtralConfig dict (config.json)."""
   check_supported(hf)
   theta, scaling = _rope(hf)
-  heads = hf['num_attention_heads']
+  heads, defaults = hf['num_attention_heads'], _DEFAULTS[_kind(hf)]
+  experts = {}
+  if _kind(hf) == 'mixtral':   # every layer's MLP routed; an expert is intermediate_size wide
+    experts = dict(num_experts=hf['num_local_experts'],
+                   experts_per_token=hf.get('num_experts_per_tok', 2), moe_every=1,
+                   num_shared_experts=0, moe_mlp_dim=0, router='softmax',
+                   moe_dispatch='dropless')   # every token to its experts, as Mixtral
   cfg = ModelConfig(
       vocab_size=hf['vocab_size'], num_layers=hf['num_hidden_layers'],
       embed_dim=hf['hidden_size'], mlp_dim=hf['intermediate_size'], num_heads=heads,
       num_kv_heads=hf.get('num_key_value_heads') or heads,
       head_dim=hf.get('head_dim') or hf['hidden_size'] // heads,
-      max_seq_len=hf.get('max_position_embeddings', 2048), rope_theta=theta,
-      norm_eps=hf.get('rms_norm_eps', 1e-6),
-      # LlamaConfig's default is untied.
+      max_seq_len=hf.get('max_position_embeddings', defaults['max_position_embeddings']),
+      rope_theta=theta, norm_eps=hf.get('rms_norm_eps', defaults['rms_norm_eps']),
+      # LlamaConfig's and MixtralConfig's default is untied.
       tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
-      dtype=dtype, param_dtype=dtype)
+      dtype=dtype, param_dtype=dtype, **experts)
   if scaling:
     cfg.rope_scaling_factor = float(scaling['factor'])
     cfg.rope_original_max_len = int(scaling['original_max_position_embeddings'])
@@ -72,17 +105,41 @@ def model_config(hf: dict, dtype: str = 'float32') -> ModelConfig:
   return cfg
 
 
+def _check_mixtral(cfg: ModelConfig) -> None:
+  """ValueError naming the first MoE field Mixtral cannot express."""
+  for ok, what in (
+      (cfg.moe_every == 1, f'model.moe_every={cfg.moe_every}: Mixtral routes every layer\'s '
+       'MLP (1)'),
+      (cfg.num_shared_experts == 0, f'model.num_shared_experts={cfg.num_shared_experts}: '
+       'Mixtral has none'),
+      (cfg.router == 'softmax', f'model.router={cfg.router!r}: Mixtral\'s is softmax'),
+      (cfg.experts_per_token >= 2, f'model.experts_per_token={cfg.experts_per_token}: '
+       'with one expert a token Mixtral weighs it 1, model/moe.py by its router '
+       'probability')):
+    if not ok:
+      raise ValueError(f'{what}; this mixture of experts has no Mixtral '
+                       '(MixtralForCausalLM) form to export to.')
+
+
 def hf_config(cfg: ModelConfig, dtype: str, eos_id: int, bos_id: int | None = None) -> dict:
   """model_config's inverse: a Hugging Face LlamaConfig dict (config.json) computing what
-  `cfg` computes; ValueError naming the first field a Llama cannot express."""
+  `cfg` computes, or a MixtralConfig dict for a mixture of experts; ValueError naming the
+  first field neither can express."""
   if cfg.num_experts:
-    raise ValueError(f'model.num_experts={cfg.num_experts}: a mixture-of-experts model has '
-                     'no Llama (LlamaForCausalLM) form to export to.')
+    _check_mixtral(cfg)
+    arch = {'architectures': ['MixtralForCausalLM'], 'model_type': 'mixtral',
+            'num_local_experts': cfg.num_experts,
+            'num_experts_per_tok': cfg.experts_per_token,
+            'router_aux_loss_coef': cfg.moe_aux_loss_coef, 'router_jitter_noise': 0.0,
+            'sliding_window': None, 'output_router_logits': False}
+  else:
+    arch = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
+            'attention_bias': False, 'mlp_bias': False}
   out = {
-      'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu',
-      'attention_bias': False, 'mlp_bias': False, 'vocab_size': cfg.vocab_size,
+      **arch, 'hidden_act': 'silu', 'vocab_size': cfg.vocab_size,
       'num_hidden_layers': cfg.num_layers, 'hidden_size': cfg.embed_dim,
-      'intermediate_size': cfg.resolved_mlp_dim, 'num_attention_heads': cfg.num_heads,
+      'intermediate_size': (cfg.resolved_moe_mlp_dim if cfg.num_experts
+                            else cfg.resolved_mlp_dim), 'num_attention_heads': cfg.num_heads,
       'num_key_value_heads': cfg.num_kv_heads, 'head_dim': cfg.resolved_head_dim,
       'max_position_embeddings': cfg.max_seq_len, 'rope_theta': cfg.rope_theta,
       'rms_norm_eps': cfg.norm_eps, 'tie_word_embeddings': cfg.tie_embeddings,
@@ -131,19 +188,28 @@ def host_device():
     return None
 
 
-# Each layer's tensors: (Llama's name, ours, how many leading axes of ours are the input;
-# None: a vector, kept as it is). Llama stores a matrix [out, in], ours are [in..., out...].
-_LAYER = (
+# Each layer's tensors: (Hugging Face's name, ours, how many leading axes of ours are the
+# input; None: a vector, kept as it is). HF stores a matrix [out, in], ours are
+# [in..., out...]. Llama's layers are the attention and the dense MLP, Mixtral's the
+# attention, the router and per expert j the three (w1 gate, w3 up, w2 down), which ours
+# stack on an experts axis after the layers axis.
+_ATTENTION = (
     ('input_layernorm.weight', 'attn_norm', None),
     ('self_attn.q_proj.weight', 'wq', 1),       # [D, H, E]
     ('self_attn.k_proj.weight', 'wk', 1),       # [D, K, E]
     ('self_attn.v_proj.weight', 'wv', 1),
     ('self_attn.o_proj.weight', 'wo', 2),       # [H, E, D]
     ('post_attention_layernorm.weight', 'mlp_norm', None),
+)
+_LAYER = _ATTENTION + (
     ('mlp.gate_proj.weight', 'w_gate', 1),      # [D, F]
     ('mlp.up_proj.weight', 'w_up', 1),
     ('mlp.down_proj.weight', 'w_down', 1),      # [F, D]
 )
+_MOE_LAYER = _ATTENTION + (('block_sparse_moe.gate.weight', 'router', 1),)   # [D, E]
+_EXPERT = (('block_sparse_moe.experts.{j}.w1.weight', 'we_gate'),   # [D, F] each
+           ('block_sparse_moe.experts.{j}.w3.weight', 'we_up'),
+           ('block_sparse_moe.experts.{j}.w2.weight', 'we_down'))   # [F, D]
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
@@ -155,8 +221,8 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
 
   def take(name, shape, in_axes=None):
     if name not in tensors:
-      raise ValueError(f'the safetensors files have no {name!r}: not a complete Llama '
-                       'checkpoint.')
+      raise ValueError(f'the safetensors files have no {name!r}: not a complete '
+                       f'{"Mixtral" if cfg.num_experts else "Llama"} checkpoint.')
     used.add(name)
     w = tensors[name] if in_axes is None else tensors[name].T
     if w.size != math.prod(shape):
@@ -164,14 +230,19 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
                        f'sizes do not give ({shape} in our layout).')
     return w.reshape(shape)
 
-  layers = shapes['layers']
-  tree = {
-      'embed': take('model.embed_tokens.weight', shapes['embed'].shape),
-      'final_norm': take('model.norm.weight', shapes['final_norm'].shape),
-      'layers': {ours: np.stack([take(f'model.layers.{i}.{name}', layers[ours].shape[1:],
+  tree = {'embed': take('model.embed_tokens.weight', shapes['embed'].shape),
+          'final_norm': take('model.norm.weight', shapes['final_norm'].shape)}
+  group, table = ('moe_layers', _MOE_LAYER) if cfg.num_experts else ('layers', _LAYER)
+  if cfg.num_experts:
+    _check_mixtral(cfg)
+  layers = shapes[group]
+  tree[group] = {ours: np.stack([take(f'model.layers.{i}.{name}', layers[ours].shape[1:],
                                       in_axes) for i in range(cfg.num_layers)])
-                 for name, ours, in_axes in _LAYER},
-  }
+                 for name, ours, in_axes in table}
+  for name, ours in _EXPERT if cfg.num_experts else ():
+    tree[group][ours] = np.stack([np.stack([
+        take(f'model.layers.{i}.{name.format(j=j)}', layers[ours].shape[2:], 1)
+        for j in range(cfg.num_experts)]) for i in range(cfg.num_layers)])
   if not cfg.tie_embeddings:
     tree['lm_head'] = take('lm_head.weight', shapes['lm_head'].shape, 1)
   used.add('lm_head.weight')   # a tied model may still store its (equal) head
@@ -183,16 +254,23 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
 
 
 def hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-  """params_from_hf's inverse: our tree as Llama's tensors, [out, in], one per layer."""
+  """params_from_hf's inverse: our tree as Llama's (or Mixtral's) tensors, [out, in], one
+  per layer (and expert)."""
   host = jax.tree.map(np.asarray, jax.device_get(params))
 
   def llama(w, in_axes):
     return w if in_axes is None else w.reshape(math.prod(w.shape[:in_axes]), -1).T
 
   out = {'model.embed_tokens.weight': host['embed'], 'model.norm.weight': host['final_norm']}
+  group, table = ('moe_layers', _MOE_LAYER) if cfg.num_experts else ('layers', _LAYER)
+  if cfg.num_experts:
+    _check_mixtral(cfg)
   for i in range(cfg.num_layers):
-    out.update({f'model.layers.{i}.{name}': llama(host['layers'][ours][i], in_axes)
-                for name, ours, in_axes in _LAYER})
+    out.update({f'model.layers.{i}.{name}': llama(host[group][ours][i], in_axes)
+                for name, ours, in_axes in table})
+    for name, ours in _EXPERT if cfg.num_experts else ():
+      out.update({f'model.layers.{i}.{name.format(j=j)}': llama(host[group][ours][i, j], 1)
+                  for j in range(cfg.num_experts)})
   if not cfg.tie_embeddings:
     out['lm_head.weight'] = llama(host['lm_head'], 1)
   return {k: np.ascontiguousarray(v) for k, v in out.items()}
@@ -203,7 +281,7 @@ def _check_all_used(tensors: dict, used: set) -> None:
   extra = sorted(k for k in tensors if k not in used and not k.endswith('rotary_emb.inv_freq'))
   if extra:
     raise ValueError(f'unsupported weights {extra[:5]} (of {len(extra)}): this is not a '
-                     'plain Llama checkpoint.')
+                     'plain Llama or Mixtral checkpoint.')
 
 
 def _to_jax(tree, dtype):

@@ -1,16 +1,18 @@
-"""A train.py run's model as a Hugging Face Llama directory, for transformers, vLLM and
-`python -m serve --hf-model`.
+"""A train.py run's model as a Hugging Face Llama (or Mixtral) directory, for
+transformers, vLLM and `python -m serve --hf-model`.
 
   python -m serve.hf_export --checkpoint runs/default --output runs/default-hf
   python -m serve.hf_export --checkpoint runs/default --output DIR --dtype bfloat16
 
-Writes config.json (a LlamaConfig computing what the run's model computes),
+Writes config.json (a LlamaConfig computing what the run's model computes; a
+MixtralConfig for a mixture of experts that Mixtral can express: every layer routed, a
+softmax router, 2 or more experts a token, no shared experts; anything else refused),
 model.safetensors (the weights of the newest intact checkpoint, checksums verified, in
 --dtype; 'auto': the run's master-weight dtype, model.param_dtype, so nothing is
 rounded), tokenizer.json (the run's own tokenizer.json; the byte tokenizer as a
 byte-level BPE without merges, ids 0-255 the bytes and 256 <|endoftext|>, so every id
 means what it meant in training), tokenizer_config.json and generation_config.json (the
-end-of-document token). A mixture-of-experts model has no Llama form and is refused.
+end-of-document token).
 The weights are gathered on the host, not on an accelerator. The directory is written
 under a temporary name beside --output (`.NAME.*`) and renamed into place last: a failed
 export leaves nothing (a killed one, that hidden directory), and an existing non-empty
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
   except (ValueError, FileNotFoundError, FileExistsError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  print(f'wrote {os.path.abspath(args.output)}: LlamaForCausalLM, '
+  print(f'wrote {os.path.abspath(args.output)}: {config["architectures"][0]}, '
         f'{config["num_hidden_layers"]} layers, hidden {config["hidden_size"]}, vocab '
         f'{config["vocab_size"]}, {config["torch_dtype"]}', file=sys.stderr)
   return 0

@@ -1,7 +1,7 @@
-"""A Hugging Face Llama-family directory as a model we serve.
+"""A Hugging Face Llama-family (or Mixtral) directory as a model we serve.
 
 config.json -> ModelConfig and *.safetensors (read as numpy, no torch) -> our parameter
-tree (model/hf.py, which refuses what is not plain Llama), tokenizer.json -> HFTokenizer,
+tree (model/hf.py, which refuses what is not plain Llama or Mixtral), tokenizer.json -> HFTokenizer,
 tokenizer_config.json -> chat template and special tokens.
 """
 

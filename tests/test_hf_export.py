@@ -87,8 +87,12 @@ def test_what_cannot_be_exported_is_refused_and_nothing_is_left(tiny_workdir, tm
   assert hf_export.main(['--checkpoint', str(tmp_path / 'nope'), '--output',
                          str(tmp_path / 'x')]) == 2
   assert 'takes the workdir of a train.py run' in capsys.readouterr().err
-  with pytest.raises(ValueError, match='model.num_experts=4'):
-    hf_config(ModelConfig(num_experts=4), 'float32', 0)
+  # Mixtures of experts Mixtral cannot express, each refused by its field.
+  for field, value in (('moe_every', 2), ('num_shared_experts', 1), ('router', 'sigmoid'),
+                       ('experts_per_token', 1)):
+    moe = ModelConfig(num_layers=2, num_experts=4, **{field: value})
+    with pytest.raises(ValueError, match=f'model.{field}={value!r}: .* no Mixtral'):
+      hf_config(moe, 'float32', 0)
 
   def fail(directory, *args):
     open(os.path.join(directory, 'config.json'), 'w').close()
@@ -104,6 +108,44 @@ def test_a_runs_own_tokenizer_json_goes_as_it_is(tmp_path):
   tok = make_tokenizer(tmp_path, 'bytelevel')
   text, eos = hf_export.tokenizer_files(tok)
   assert text == open(tok.path, encoding='utf-8').read() and eos == '<|endoftext|>'
+
+
+MOE = ModelConfig(vocab_size=300, num_layers=2, embed_dim=48, num_heads=6, num_kv_heads=2,
+                  head_dim=12, mlp_dim=80, max_seq_len=128, tie_embeddings=False,
+                  num_experts=4, experts_per_token=2, moe_dispatch='dropless', init_std=0.2)
+
+
+def test_a_mixture_of_experts_is_the_same_in_transformers_mixtral(tmp_path):
+  """A random MoE model (every layer routed, 2 of 4 experts a token, dropless) written as
+  export writes it: transformers' MixtralForCausalLM computes its logits, serve reads it
+  back bit for bit, and init_from_hf starts a run of the same architecture from it."""
+  torch = pytest.importorskip('torch')   # not in .ci/newer-jax's environment
+  transformers = pytest.importorskip('transformers')
+  from model.hf import hf_tensors  # pylint: disable=import-outside-toplevel
+  from training import pretrained  # pylint: disable=import-outside-toplevel
+  from training.config import Config  # pylint: disable=import-outside-toplevel
+  params = model.init_params(MOE, jax.random.key(4))
+  config = hf_config(MOE, 'float32', 299)
+  assert config['architectures'] == ['MixtralForCausalLM']
+  hf_export._write(str(tmp_path), config, hf_tensors(params, MOE),  # pylint: disable=protected-access
+                   hf_export.byte_tokenizer_json(), '<|endoftext|>', MOE.max_seq_len, 299)
+  hf = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+  ids = np.random.default_rng(1).integers(0, 300, size=(2, 96)).astype(np.int32)
+  with torch.no_grad():
+    theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(theirs, our_logits(params, MOE, ids), atol=1e-4, rtol=1e-4)
+
+  served = load_hf_model(str(tmp_path))
+  assert served.model_cfg.num_experts == 4 and served.model_cfg.experts_per_token == 2
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(served.params),
+               jax.device_get(params))
+
+  cfg = Config()
+  cfg.init_from_hf = str(tmp_path)
+  cfg, changed = pretrained.with_pretrained(cfg)
+  assert 'model.num_experts=4' in changed and cfg.model.moe_dispatch == 'capacity'   # the run's
+  jax.tree.map(np.testing.assert_array_equal, pretrained.load_params(cfg),
+               jax.device_get(params))
 
 
 def test_an_untied_rope_scaled_model_is_the_same_in_transformers(tmp_path):

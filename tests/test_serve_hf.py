@@ -1,6 +1,7 @@
-"""Hugging Face Llama directories served with our model code: the same logits and greedy
-tokens as transformers' LlamaForCausalLM, the same chat-template text as
-apply_chat_template, and anything else refused by name. Everything is built here."""
+"""Hugging Face Llama and Mixtral directories served with our model code: the same logits
+and greedy tokens as transformers' LlamaForCausalLM and MixtralForCausalLM, the same
+chat-template text as apply_chat_template, and anything else refused by name. Everything
+is built here."""
 
 import json
 import os
@@ -60,9 +61,12 @@ def save_llama(path, shard=False, **overrides):
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
             rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
             initializer_range=0.1)
-  config = transformers.LlamaConfig(**{**kw, **overrides})
+  mixtral = 'num_local_experts' in overrides   # else a Llama
+  config = (transformers.MixtralConfig if mixtral else transformers.LlamaConfig)(
+      **{**kw, **overrides})
   torch.manual_seed(0)
-  hf = transformers.LlamaForCausalLM(config).float().eval()
+  hf = (transformers.MixtralForCausalLM if mixtral else transformers.LlamaForCausalLM)(
+      config).float().eval()
   hf.save_pretrained(path, safe_serialization=True, **({'max_shard_size': '40KB'} if shard else {}))
   return hf
 
@@ -91,6 +95,8 @@ CASES = {
     'llama3_rope': dict(rope_theta=10000.0, rope_scaling={
         'rope_type': 'llama3', 'factor': 4.0, 'low_freq_factor': 1.0,
         'high_freq_factor': 4.0, 'original_max_position_embeddings': 16}),
+    # Every MLP routed over 4 experts, 2 a token (the router's weights renormalized).
+    'mixtral_sharded': dict(shard=True, num_local_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -268,6 +274,11 @@ def llama_dir(tmp_path_factory):
   return path
 
 
+# A Llama directory's config.json made to claim Mixtral.
+MIXTRAL = {'architectures': ['MixtralForCausalLM'], 'model_type': 'mixtral',
+           'num_local_experts': 4, 'num_experts_per_tok': 2}
+
+
 @pytest.mark.parametrize('edit, message', [
     ({'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2'},
      r"architectures=\['GPT2LMHeadModel'\] is not supported"),
@@ -279,6 +290,10 @@ def llama_dir(tmp_path_factory):
      "rope_type='yarn' is not supported"),
     ({'rope_parameters': None, 'rope_scaling': {'type': 'linear', 'factor': 2.0}},
      "rope_type='linear' is not supported"),
+    ({**MIXTRAL, 'sliding_window': 64}, 'sliding_window=64 is not supported'),
+    ({**MIXTRAL, 'num_experts_per_tok': 1}, 'num_experts_per_tok=1 is not supported'),
+    ({**MIXTRAL, 'model_type': 'llama'}, "model_type='llama' is not supported"),
+    (MIXTRAL, "no 'model.layers.0.block_sparse_moe.gate.weight': not a complete Mixtral"),
 ])
 def test_other_architectures_are_refused_by_name(llama_dir, tmp_path, edit, message):
   path = tmp_path / 'model'

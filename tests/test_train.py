@@ -4,6 +4,7 @@ rejects bad input with a message naming what to fix."""
 import json
 import os
 import re
+import shutil
 import socket
 import struct
 import subprocess
@@ -212,9 +213,19 @@ def test_fine_tuning_starts_from_hugging_face_weights(tmp_path, cache_dir, tiny_
   err = capsys.readouterr().err
   assert [r['step'] for r in rest] == [3, 4] and 'resumed from step 2' in err
   assert 'initialized from the Hugging Face model' not in err
+  # The directory decides the experts too: a Llama's run has none, whatever the config.
+  t = trainer.setup(tiny(tmp_path / 'dense', cache_dir, init_from_hf=released,
+                         model__num_experts=4))
+  t.data_iter.close()
+  assert t.cfg.model.num_experts == 0
+  other = tmp_path / 'other'
+  shutil.copytree(released, other)
+  config = json.loads((other / 'config.json').read_text())
+  (other / 'config.json').write_text(json.dumps({**config,
+                                                 'architectures': ['GPT2LMHeadModel']}))
   for overrides, message in (({'init_from_hf': str(tmp_path / 'none')}, 'does not exist'),
-                             ({'init_from_hf': released, 'model__num_experts': 4},
-                              'a Llama has no experts')):
+                             ({'init_from_hf': str(other)},
+                              r"architectures=\['GPT2LMHeadModel'\] is not supported")):
     with pytest.raises(trainer.ConfigError, match=message):
       trainer.setup(tiny(tmp_path / 'bad', cache_dir, **overrides))
 

@@ -1,7 +1,9 @@
-"""Starting a run from a released model: a Hugging Face Llama directory (init_from_hf).
+"""Starting a run from a released model: a Hugging Face Llama or Mixtral directory
+(init_from_hf).
 
 The directory decides what the weights are: its config.json's architecture replaces the
-shape fields of `model` (the training knobs, dtype, remat, attention, stay the run's),
+shape fields of `model`, the experts' included (the training knobs, dtype, remat,
+attention, moe_dispatch and the auxiliary losses' weights, stay the run's),
 and its tokenizer.json becomes `data.tokenizer` unless the run names a tokenizer file of
 its own. The weights are read on the host (every process reads them whole) and each
 device takes its shard, with a fresh optimizer state. The directory's config.json (and
@@ -20,22 +22,21 @@ from training.config import read_config_json
 ARCHITECTURE = ('vocab_size', 'num_layers', 'embed_dim', 'mlp_dim', 'num_heads',
                 'num_kv_heads', 'head_dim', 'max_seq_len', 'rope_theta',
                 'rope_scaling_factor', 'rope_original_max_len', 'rope_low_freq_factor',
-                'rope_high_freq_factor', 'norm_eps', 'tie_embeddings')
+                'rope_high_freq_factor', 'norm_eps', 'tie_embeddings', 'num_experts',
+                'experts_per_token', 'num_shared_experts', 'moe_every', 'moe_mlp_dim',
+                'router')
 
 
 def with_pretrained(cfg):
   """(cfg with the directory's architecture and tokenizer, the fields that changed), or
-  (cfg, []) without init_from_hf; ValueError for a model our Llama cannot be."""
+  (cfg, []) without init_from_hf; ValueError for a model ours cannot be."""
   directory = os.path.expanduser(cfg.init_from_hf)
   if not directory:
     return cfg, []
-  if cfg.model.num_experts:
-    raise ValueError(f'init_from_hf: a Llama has no experts, but model.num_experts='
-                     f'{cfg.model.num_experts}; set it to 0.')
   try:
     released = model_hf.model_config(
-        read_config_json(directory, 'init_from_hf takes a local Hugging Face Llama '
-                         'directory (config.json, *.safetensors, tokenizer.json).'),
+        read_config_json(directory, 'init_from_hf takes a local Hugging Face Llama or '
+                         'Mixtral directory (config.json, *.safetensors, tokenizer.json).'),
         cfg.model.param_dtype)
   except (ValueError, KeyError) as e:
     what = f'config.json lacks {e}' if isinstance(e, KeyError) else str(e)
