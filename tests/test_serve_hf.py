@@ -6,6 +6,8 @@ is built here."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -320,3 +322,33 @@ def test_biased_weights_and_missing_files_are_refused(llama_dir, tmp_path):
   os.remove(no_tok / 'tokenizer.json')
   with pytest.raises(FileNotFoundError, match='no tokenizer.json'):
     load_hf_model(str(no_tok))
+
+
+def test_a_mixtral_serves_through_the_engine_as_transformers_generates(tmp_path):
+  """serve.generate --hf-model on a Mixtral (the paged forward, MoE layers dropless):
+  greedy tokens of three prompts batched together equal transformers' generate, one by
+  one. The model's vocabulary is the tokenizer's, which the engine samples from."""
+  hf = save_llama(tmp_path, num_local_experts=4, num_experts_per_tok=2,
+                  vocab_size=len(SPECIALS + WORDS))
+  write_tokenizer(tmp_path)
+  prompts = [np.random.default_rng(i).integers(7, 200, 9).tolist() for i in range(3)]
+  with open(tmp_path / 'prompts.jsonl', 'w') as f:
+    for p in prompts:
+      f.write(json.dumps({'prompt_token_ids': p, 'max_tokens': 8, 'temperature': 0,
+                          'ignore_eos': True}) + '\n')
+  result = subprocess.run(
+      [sys.executable, '-m', 'serve.generate', '--hf-model', str(tmp_path), '--prompts',
+       str(tmp_path / 'prompts.jsonl'), '--output', str(tmp_path / 'out.jsonl'),
+       '--no-warmup', '--max-model-len', '128'],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
+      text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  got = [json.loads(line)['token_ids'] for line in open(tmp_path / 'out.jsonl')]
+  hf.generation_config.eos_token_id = None
+  want = []
+  for p in prompts:
+    with torch.no_grad():
+      out = hf.generate(torch.as_tensor([p]), max_new_tokens=8, do_sample=False,
+                        pad_token_id=0)
+    want.append(out[0, len(p):].tolist())
+  assert got == want
