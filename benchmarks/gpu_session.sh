@@ -156,13 +156,13 @@ jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'; packages" ;;
     # One device, no sharding; XLA's per-pass dumps go to a temporary directory, only the
     # JSON (the changes, the culprit) comes back. The step as training compiles it (with
     # training/state.py's PASSES_OFF: no culprit expected); PASS_TRACE_ARGS=--all_passes
-    # for XLA's whole pipeline; PASS_TRACE_REMAT another policy (none also saves the
+    # for XLA's whole pipeline (its own file, *_all_passes_gpu.json); PASS_TRACE_REMAT another policy (none also saves the
     # kernel's output in the layer scan: the same clone is likely, not yet looked at).
     pass_trace) stage pass_trace "${PASS_TRACE_LIMIT:-180}" env \
       XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m benchmarks.hlo_pass_trace \
       --config=gpt_64k.py --remat="${PASS_TRACE_REMAT:-save_attention}" \
       ${PASS_TRACE_ARGS:-} --output=benchmarks/results/hlo_pass_trace_gpt_64k_\
-"${PASS_TRACE_REMAT:-save_attention}"_gpu.json ;;
+"${PASS_TRACE_REMAT:-save_attention}${PASS_TRACE_ARGS:+_all_passes}"_gpu.json ;;
     attention) stage attention "${ATTENTION_LIMIT:-420}" "$PY" -m benchmarks.attention \
       ${ATTENTION_IMPLS:+--impls="$ATTENTION_IMPLS"} ;;
     tiles) stage tiles "${TILES_LIMIT:-480}" "$PY" -m benchmarks.attention --tiles ;;

@@ -15,7 +15,7 @@ PASSES_OFF names for its remat policy; `--all_passes` runs XLA's whole pipeline.
 persistent compilation cache is off here: a program read from it runs no pass.
 
 Found with it on an H200 (2026-11-26, jax 0.11.2,
-results/hlo_pass_trace_gpt_64k_save_attention_gpu.json): under remat='save_attention'
+results/hlo_pass_trace_gpt_64k_save_attention_all_passes_gpu.json): under remat='save_attention'
 XLA's dynamic-slice-fusion-rewriter-v2 turns gpt_64k's one attention forward call a layer
 into two. training/state.py now compiles that policy's step without the pass.
 """
@@ -30,8 +30,8 @@ import sys
 import tempfile
 
 # The custom calls followed: compiled Pallas kernels (Mosaic GPU, Triton) and cuDNN's
-# attention; not cuBLAS matmuls nor the partitioner's markers.
-KERNEL = re.compile(r'mosaic|triton|cudnn|fmha', re.I)
+# attention (__cudnn$fmha...); not cuBLAS or cuDNN matmuls nor the partitioner's markers.
+KERNEL = re.compile(r'mosaic|triton|fmha', re.I)
 
 
 def kernel_runs(text: str) -> dict[str, float]:
@@ -130,11 +130,13 @@ def main():
   cfg.data.seq_len, cfg.data.batch_size = args.seq_len or cfg.data.seq_len, 1
   cfg.model.attention_impl = args.attention_impl
   one = {'data': 1, 'stage': 1, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1}
-  built = plan.build_layout(cfg, planner.Layout(one, 0, args.remat, 1, 0))
-  built.compile()
-  print(f'{len(os.listdir(dump))} dumps of the compilation', flush=True)
-  changes = trace(dump)
-  shutil.rmtree(dump, ignore_errors=True)
+  try:
+    built = plan.build_layout(cfg, planner.Layout(one, 0, args.remat, 1, 0))
+    built.compile()
+    print(f'{len(os.listdir(dump))} dumps of the compilation', flush=True)
+    changes = trace(dump)
+  finally:
+    shutil.rmtree(dump, ignore_errors=True)
   found = culprit(changes)
   print(f'first pass that adds kernel calls: {found or "none"}', flush=True)
   if args.culprit_out:

@@ -163,7 +163,10 @@ def main(argv=None) -> dict:
                  help='fit over the runs of these planner_check results instead of running')
   p.add_argument('--smoke', action='store_true', help='CPU: the tiny config, two steps')
   args = p.parse_args(argv)
-  hw = planner.hardware(args.device or detect_device())
+  try:
+    hw = planner.hardware(args.device or detect_device())
+  except ValueError as e:
+    p.error(str(e))
   if args.fit:
     files = args.fit.split(',')
     runs = [r for f in files for r in json.load(open(f))['runs']]

@@ -28,7 +28,8 @@ _ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'MixtralForCausalLM': 'mixtral'}
 _DEFAULTS = {'llama': {'rope_theta': 10000.0, 'rms_norm_eps': 1e-6,
                        'max_position_embeddings': 2048},
              'mixtral': {'rope_theta': 1e6, 'rms_norm_eps': 1e-5,
-                         'max_position_embeddings': 4096 * 32}}
+                         'max_position_embeddings': 4096 * 32, 'num_key_value_heads': 8,
+                         'num_local_experts': 8, 'num_experts_per_tok': 2}}
 # HF config field -> the value it must have for our model to compute the same thing.
 _REQUIRED = {'hidden_act': 'silu', 'attention_bias': False, 'mlp_bias': False}
 
@@ -82,14 +83,15 @@ def model_config(hf: dict, dtype: str = 'float32') -> ModelConfig:
   heads, defaults = hf['num_attention_heads'], _DEFAULTS[_kind(hf)]
   experts = {}
   if _kind(hf) == 'mixtral':   # every layer's MLP routed; an expert is intermediate_size wide
-    experts = dict(num_experts=hf['num_local_experts'],
-                   experts_per_token=hf.get('num_experts_per_tok', 2), moe_every=1,
+    experts = dict(num_experts=hf.get('num_local_experts', defaults['num_local_experts']),
+                   experts_per_token=hf.get('num_experts_per_tok',
+                                            defaults['num_experts_per_tok']), moe_every=1,
                    num_shared_experts=0, moe_mlp_dim=0, router='softmax',
                    moe_dispatch='dropless')   # every token to its experts, as Mixtral
   cfg = ModelConfig(
       vocab_size=hf['vocab_size'], num_layers=hf['num_hidden_layers'],
       embed_dim=hf['hidden_size'], mlp_dim=hf['intermediate_size'], num_heads=heads,
-      num_kv_heads=hf.get('num_key_value_heads') or heads,
+      num_kv_heads=hf.get('num_key_value_heads') or defaults.get('num_key_value_heads', heads),
       head_dim=hf.get('head_dim') or hf['hidden_size'] // heads,
       max_seq_len=hf.get('max_position_embeddings', defaults['max_position_embeddings']),
       rope_theta=theta, norm_eps=hf.get('rms_norm_eps', defaults['rms_norm_eps']),
@@ -221,6 +223,11 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
 
   def take(name, shape, in_axes=None):
     if name not in tensors:
+      if any('.mlp.experts.gate_up_proj' in k for k in tensors):
+        raise ValueError('these safetensors hold Mixtral\'s experts fused '
+                         '(mlp.experts.gate_up_proj, transformers 5\'s in-memory layout, '
+                         'saved with save_original_format=False), which is not read: save '
+                         'the model in the original layout (block_sparse_moe.experts.N.w1).')
       raise ValueError(f'the safetensors files have no {name!r}: not a complete '
                        f'{"Mixtral" if cfg.num_experts else "Llama"} checkpoint.')
     used.add(name)

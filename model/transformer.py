@@ -488,6 +488,8 @@ def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
   took 2.2-3x the forward matmul's time for as many FLOPs (gpt_64k at 8K tokens,
   benchmarks/results/train_gpt_64k_8192_*_gpu.json). The head's gradient is accumulated
   and returned in float32, its master dtype. In float32 this is the plain einsum's VJP.
+  A custom VJP has no forward-mode rule: jax.jvp (jacfwd, hessian) of the loss raises;
+  reverse mode, second order included, works.
   """
   return jnp.einsum('sbcd,sdv->sbcv', h, head.astype(h.dtype),
                     preferred_element_type=jnp.float32)

@@ -335,6 +335,11 @@ def test_train_step_compiles_without_the_passes_its_remat_policy_turns_off(monke
   assert state.compiler_options(config('save_attention')) == {
       'xla_disable_hlo_passes': 'dynamic-slice-fusion-rewriter-v2'}
   assert state.compiler_options(config('full')) == {}
+  # Passes XLA_FLAGS turns off stay off: the jit's list replaces the flag's.
+  monkeypatch.setenv('XLA_FLAGS', '--xla_foo=1 --xla_disable_hlo_passes=cse,algsimp')
+  assert state.compiler_options(config('save_attention')) == {
+      'xla_disable_hlo_passes': 'cse,algsimp,dynamic-slice-fusion-rewriter-v2'}
+  monkeypatch.delenv('XLA_FLAGS')
   monkeypatch.setitem(state.PASSES_OFF, 'full', ('while-loop-trip-count-annotator',))
   one = {'data': 1, 'stage': 1, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1}
   annotated = {}

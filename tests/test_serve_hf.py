@@ -352,3 +352,36 @@ def test_a_mixtral_serves_through_the_engine_as_transformers_generates(tmp_path)
                         pad_token_id=0)
     want.append(out[0, len(p):].tolist())
   assert got == want
+
+
+@pytest.mark.parametrize('arch', ['llama', 'mixtral'])
+def test_fields_config_json_leaves_out_take_transformers_defaults(arch):
+  """A hand-written config.json with only the sizes: what it leaves out (RoPE theta, norm
+  epsilon, context, KV heads, experts) is what transformers' own config class assumes."""
+  from model.hf import model_config   # pylint: disable=import-outside-toplevel
+  sizes = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=16)
+  name = {'llama': 'LlamaForCausalLM', 'mixtral': 'MixtralForCausalLM'}[arch]
+  ours = model_config({'architectures': [name], 'model_type': arch, **sizes})
+  theirs = getattr(transformers, {'llama': 'LlamaConfig', 'mixtral': 'MixtralConfig'}[arch])(
+      **sizes)
+  assert ours.rope_theta == theirs.rope_parameters['rope_theta']
+  assert (ours.norm_eps, ours.max_seq_len, ours.num_kv_heads) == (
+      theirs.rms_norm_eps, theirs.max_position_embeddings, theirs.num_key_value_heads)
+  assert ours.tie_embeddings == theirs.tie_word_embeddings
+  if arch == 'mixtral':
+    assert (ours.num_experts, ours.experts_per_token) == (theirs.num_local_experts,
+                                                          theirs.num_experts_per_tok)
+
+
+def test_a_mixtral_saved_in_the_fused_layout_is_refused_by_name():
+  from model.hf import model_config, params_from_hf   # pylint: disable=import-outside-toplevel
+  cfg = model_config({**MIXTRAL, 'vocab_size': 300, 'hidden_size': 64,
+                      'intermediate_size': 128, 'num_hidden_layers': 1,
+                      'num_attention_heads': 4, 'num_key_value_heads': 2})
+  tensors = {'model.embed_tokens.weight': np.zeros((300, 64), np.float32),
+             'model.norm.weight': np.ones(64, np.float32),
+             'model.layers.0.mlp.experts.gate_up_proj': np.zeros((4, 256, 64), np.float32)}
+  with pytest.raises(ValueError, match='experts fused .* not read: save the model in the '
+                                       'original layout'):
+    params_from_hf(tensors, cfg)
