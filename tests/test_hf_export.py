@@ -110,6 +110,23 @@ def test_a_runs_own_tokenizer_json_goes_as_it_is(tmp_path):
   assert text == open(tok.path, encoding='utf-8').read() and eos == '<|endoftext|>'
 
 
+def same_in_transformers(directory, cfg, params, architecture: str) -> None:
+  """Writes params as export writes them, loads the directory with transformers'
+  `architecture` class and compares its logits with the training forward's."""
+  torch = pytest.importorskip('torch')   # not in .ci/newer-jax's environment
+  transformers = pytest.importorskip('transformers')
+  from model.hf import hf_tensors  # pylint: disable=import-outside-toplevel
+  config = hf_config(cfg, 'float32', 299)
+  assert config['architectures'] == [architecture]
+  hf_export._write(directory, config, hf_tensors(params, cfg),  # pylint: disable=protected-access
+                   hf_export.byte_tokenizer_json(), '<|endoftext|>', cfg.max_seq_len, 299)
+  hf = getattr(transformers, architecture).from_pretrained(directory, dtype=torch.float32)
+  ids = np.random.default_rng(1).integers(0, 300, size=(2, 96)).astype(np.int32)
+  with torch.no_grad():
+    theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(theirs, our_logits(params, cfg, ids), atol=1e-4, rtol=1e-4)
+
+
 MOE = ModelConfig(vocab_size=300, num_layers=2, embed_dim=48, num_heads=6, num_kv_heads=2,
                   head_dim=12, mlp_dim=80, max_seq_len=128, tie_embeddings=False,
                   num_experts=4, experts_per_token=2, moe_dispatch='dropless', init_std=0.2)
@@ -119,21 +136,10 @@ def test_a_mixture_of_experts_is_the_same_in_transformers_mixtral(tmp_path):
   """A random MoE model (every layer routed, 2 of 4 experts a token, dropless) written as
   export writes it: transformers' MixtralForCausalLM computes its logits, serve reads it
   back bit for bit, and init_from_hf starts a run of the same architecture from it."""
-  torch = pytest.importorskip('torch')   # not in .ci/newer-jax's environment
-  transformers = pytest.importorskip('transformers')
-  from model.hf import hf_tensors  # pylint: disable=import-outside-toplevel
   from training import pretrained  # pylint: disable=import-outside-toplevel
   from training.config import Config  # pylint: disable=import-outside-toplevel
   params = model.init_params(MOE, jax.random.key(4))
-  config = hf_config(MOE, 'float32', 299)
-  assert config['architectures'] == ['MixtralForCausalLM']
-  hf_export._write(str(tmp_path), config, hf_tensors(params, MOE),  # pylint: disable=protected-access
-                   hf_export.byte_tokenizer_json(), '<|endoftext|>', MOE.max_seq_len, 299)
-  hf = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
-  ids = np.random.default_rng(1).integers(0, 300, size=(2, 96)).astype(np.int32)
-  with torch.no_grad():
-    theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
-  np.testing.assert_allclose(theirs, our_logits(params, MOE, ids), atol=1e-4, rtol=1e-4)
+  same_in_transformers(str(tmp_path), MOE, params, 'MixtralForCausalLM')
 
   served = load_hf_model(str(tmp_path))
   assert served.model_cfg.num_experts == 4 and served.model_cfg.experts_per_token == 2
@@ -151,18 +157,9 @@ def test_a_mixture_of_experts_is_the_same_in_transformers_mixtral(tmp_path):
 def test_an_untied_rope_scaled_model_is_the_same_in_transformers(tmp_path):
   """The mapping beyond the tiny run: a separate lm_head, Llama-3 RoPE scaling, head_dim
   not embed / heads, GQA 3:1; random weights written as export writes them."""
-  torch = pytest.importorskip('torch')   # not in .ci/newer-jax's environment
-  transformers = pytest.importorskip('transformers')
-  from model.hf import hf_tensors  # pylint: disable=import-outside-toplevel
   cfg = ModelConfig(vocab_size=300, num_layers=2, embed_dim=48, num_heads=6, num_kv_heads=2,
                     head_dim=12, mlp_dim=80, max_seq_len=128, tie_embeddings=False,
                     rope_theta=5e5, rope_scaling_factor=8.0, rope_original_max_len=32,
                     init_std=0.2)
-  params = model.init_params(cfg, jax.random.key(3))
-  hf_export._write(str(tmp_path), hf_config(cfg, 'float32', 299), hf_tensors(params, cfg),  # pylint: disable=protected-access
-                   hf_export.byte_tokenizer_json(), '<|endoftext|>', cfg.max_seq_len, 299)
-  hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
-  ids = np.random.default_rng(1).integers(0, 300, size=(2, 96)).astype(np.int32)
-  with torch.no_grad():
-    theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
-  np.testing.assert_allclose(theirs, our_logits(params, cfg, ids), atol=1e-4, rtol=1e-4)
+  same_in_transformers(str(tmp_path), cfg, model.init_params(cfg, jax.random.key(3)),
+                       'LlamaForCausalLM')
