@@ -230,6 +230,32 @@ def test_fine_tuning_starts_from_hugging_face_weights(tmp_path, cache_dir, tiny_
       trainer.setup(tiny(tmp_path / 'bad', cache_dir, **overrides))
 
 
+def test_fine_tuning_a_mixtral_takes_its_experts_and_says_what_capacity_drops(
+    tmp_path, cache_dir, capsys):
+  """init_from_hf on a Mixtral directory: the run gets its experts, and a run that keeps
+  capacity dispatch (the default) is told that it drops tokens the released model never
+  drops; dropless is not."""
+  from model.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  from model.hf import hf_config, hf_tensors  # pylint: disable=import-outside-toplevel
+  from serve import hf_export  # pylint: disable=import-outside-toplevel
+  moe = ModelConfig(vocab_size=300, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
+                    mlp_dim=64, max_seq_len=64, num_experts=4, experts_per_token=2)
+  released = str(tmp_path / 'mixtral')
+  os.makedirs(released)
+  hf_export._write(released, hf_config(moe, 'float32', 256),  # pylint: disable=protected-access
+                   hf_tensors(model.init_params(moe, jax.random.key(0)), moe),
+                   hf_export.byte_tokenizer_json(), '<|endoftext|>', moe.max_seq_len, 256)
+  for dispatch, told in (('capacity', True), ('dropless', False)):
+    capsys.readouterr()
+    t = trainer.setup(tiny(tmp_path / dispatch, cache_dir, init_from_hf=released,
+                           model__moe_dispatch=dispatch))
+    t.data_iter.close()
+    assert (t.cfg.model.num_experts, t.cfg.model.experts_per_token) == (4, 2)
+    err = ' '.join(capsys.readouterr().err.split())   # the console wraps its lines
+    assert 'init_from_hf sets' in err and 'model.num_experts=4' in err
+    assert ('drops those over model.capacity_factor=1.25' in err) == told, err
+
+
 def test_train_py_with_pallas_attention_matches_xla(tmp_path, cache_dir):
   """`python train.py --config.model.attention_impl=pallas` (interpret mode on CPU)."""
   losses = {}

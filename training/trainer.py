@@ -76,6 +76,11 @@ def setup(cfg: config_lib.Config) -> Trainer:
   is_main = jax.process_index() == 0
   if from_hf and is_main:
     console.print(f'init_from_hf sets {", ".join(from_hf)}', highlight=False)
+    if cfg.model.num_experts and cfg.model.moe_dispatch == 'capacity':
+      console.print('init_from_hf: the released mixture of experts sends every token to its '
+                    'experts; this run\'s model.moe_dispatch=capacity drops those over '
+                    f'model.capacity_factor={cfg.model.capacity_factor} (set '
+                    'model.moe_dispatch=dropless to train what it computes)', highlight=False)
   if is_main:
     try:
       os.makedirs(cfg.workdir, exist_ok=True)
