@@ -34,31 +34,22 @@ import tempfile
 KERNEL = re.compile(r'mosaic|triton|fmha', re.I)
 
 
-def kernel_runs(text: str) -> dict[str, float]:
-  """'target result-shape' -> runs per step of that custom call (hlo.py's loop weights)."""
+def kernel_calls(text: str) -> tuple[dict[str, int], dict[str, float]]:
+  """'target result-shape' -> (calls in the program text, runs per step: hlo.py's loop
+  weights) of each followed custom call."""
   from sharding import hlo   # pylint: disable=import-outside-toplevel
   comps, entry = hlo._parse_module(text)   # pylint: disable=protected-access
   mult, _ = hlo._multiplicities(comps, entry)   # pylint: disable=protected-access
-  runs = collections.Counter()
-  for name, m in mult.items():
-    for ins in comps[name].instrs:
-      if ins.opcode != 'custom-call':
-        continue
+  static, runs = collections.Counter(), collections.Counter()
+  for name, comp in comps.items():
+    for ins in comp.instrs:
       target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
-      target = target.group(1) if target else '?'
-      if not KERNEL.search(target):
+      if ins.opcode != 'custom-call' or not target or not KERNEL.search(target.group(1)):
         continue
-      shape = re.sub(r'\{[^}]*\}', '', ins.shape)   # drop layouts
-      runs[f'{target} {shape}'] += m
-  return dict(runs)
-
-
-def static_calls(text: str) -> dict[str, int]:
-  counts = collections.Counter()
-  for m in re.finditer(r'= (\S.*?) custom-call\(.*?custom_call_target="([^"]+)"', text):
-    if KERNEL.search(m.group(2)):
-      counts[f'{m.group(2)} {re.sub(r"{[^}]*}", "", m.group(1))}'] += 1
-  return dict(counts)
+      key = f'{target.group(1)} {re.sub(r"{[^}]*}", "", ins.shape)}'   # layouts dropped
+      static[key] += 1
+      runs[key] += mult.get(name, 0)
+  return dict(static), dict(runs)
 
 
 def pass_dumps(dump_dir: str) -> list[str]:
@@ -81,10 +72,8 @@ def trace(dump_dir: str) -> list[dict]:
       text = f.read()
     if 'ENTRY' not in text:
       continue
-    try:
-      now = {'static': static_calls(text), 'runs': kernel_runs(text)}
-    except Exception as e:   # pylint: disable=broad-except
-      now = {'static': static_calls(text), 'runs': f'unparsed: {e}'}
+    static, runs = kernel_calls(text)
+    now = {'static': static, 'runs': runs}
     if now != last:
       changes.append({'file': os.path.basename(path), **now})
       print(json.dumps(changes[-1], indent=1), flush=True)

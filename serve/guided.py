@@ -34,8 +34,8 @@ import threading
 import numpy as np
 
 from serve.sampler import pack_bits, unpack_bits
-from training.tokenizer import bytes_to_unicode
 from serve.sampling_params import SamplingParamsError
+from training.tokenizer import bytes_to_unicode
 
 # Compiled expressions kept per engine: json_object's takes ~170 MB at a 128K vocabulary.
 INDEX_CACHE = 16
