@@ -17,7 +17,9 @@ persistent compilation cache is off here: a program read from it runs no pass.
 Found with it on an H200 (2026-11-26, jax 0.11.2,
 results/hlo_pass_trace_gpt_64k_save_attention_all_passes_gpu.json): under remat='save_attention'
 XLA's dynamic-slice-fusion-rewriter-v2 turns gpt_64k's one attention forward call a layer
-into two. training/state.py now compiles that policy's step without the pass.
+into two. training/state.py now compiles that policy's step without the pass. The same
+pass did the same under remat='none' (..._none_all_passes_gpu.json, run before 'none'
+joined PASSES_OFF; ..._none_gpu.json after: no pass adds a call).
 """
 
 import argparse

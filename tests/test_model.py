@@ -320,8 +320,8 @@ def test_train_step_lowered_for_cuda_calls_the_mosaic_forward(policy, forwards, 
 def test_train_step_compiles_without_the_passes_its_remat_policy_turns_off(monkeypatch):
   """state.PASSES_OFF reaches XLA through the train step's jit: a pass named for the
   step's remat policy does not run, the other policies keep it. On a GPU,
-  save_attention's entry (dynamic-slice-fusion-rewriter-v2, which cloned the attention
-  forward: benchmarks/hlo_pass_trace.py) is no pass of this CPU's, so this puts the CPU's
+  save_attention's and none's entry (dynamic-slice-fusion-rewriter-v2, which cloned the
+  attention forward: benchmarks/hlo_pass_trace.py) is no pass of this CPU's, so this puts the CPU's
   loop trip-count annotator under 'full', whose known_trip_count leaves the compiled text
   of the layer scan."""
   from sharding import planner   # pylint: disable=import-outside-toplevel
@@ -332,8 +332,9 @@ def test_train_step_compiles_without_the_passes_its_remat_policy_turns_off(monke
     cfg.model = dataclasses.replace(cfg.model, remat=remat)
     return cfg
 
-  assert state.compiler_options(config('save_attention')) == {
-      'xla_disable_hlo_passes': 'dynamic-slice-fusion-rewriter-v2'}
+  for remat in ('save_attention', 'none'):   # both save the kernel's output in the scan
+    assert state.compiler_options(config(remat)) == {
+        'xla_disable_hlo_passes': 'dynamic-slice-fusion-rewriter-v2'}
   assert state.compiler_options(config('full')) == {}
   # Passes XLA_FLAGS turns off stay off: the jit's list replaces the flag's.
   monkeypatch.setenv('XLA_FLAGS', '--xla_foo=1 --xla_disable_hlo_passes=cse,algsimp')
