@@ -35,7 +35,11 @@
 #                 one-GPU layouts run, predicted vs measured                    ~3 min
 #   planner_64k   the same for gpt_64k.py at 2 sequences of 64K a step (not its
 #                 8: a quarter of the time; grad_accum 1 and 2, 3 steps each),
-#                 then the efficiency fit over both configs' runs               ~4 min
+#                 then the efficiency fit over both configs' runs (on the
+#                 GPU's jax; refit here with --fit ... --replan, whose counts
+#                 the table in sharding/planner.py was fitted to). On an H200
+#                 (2026-11-26): planner 60 s, planner_64k 140 s, both with
+#                 machine in one call of 215 s                                 ~4 min
 #   train_64k     benchmarks.train_throughput, gpt_64k's model on this GPU, one
 #                 65,536-token sequence a step, each attention_impl:remat of
 #                 TRAIN_RUNS (default pallas:save_attention pallas:full

@@ -3,6 +3,7 @@
   python -m benchmarks.planner_check [--configs=default.py,gpt_64k.py] [--device=h200]
       [--top=3] [--steps=10] [--grad-accums=1,2,4] [--batch-size=N] [--this-compile]
   python -m benchmarks.planner_check --fit=results/a.json,results/b.json [--device=h100]
+      [--replan]
 
 For each config, `python -m sharding.plan` ranks the one-device layouts (remat policy x
 gradient accumulation; ZeRO and the mesh axes do nothing on one device) in a CPU-only
@@ -16,13 +17,18 @@ step on one H200; 2 take a quarter of that, and the fit needs only the pairs of 
 `--this-compile` also records this platform's compile of each (its traffic and memory;
 the FLOPs of kernel custom-calls, such as flash attention on a GPU, are not in its HLO).
 
-`sharding.planner.fit_efficiency` then fits the hardware table's matmul and HBM
-efficiency factors to the measured times, with the error of the table's factors before
-and after (and of the FLOPs alone, fitted: what the memory term earns); all of it goes to
+`sharding.planner.fit_efficiency` then fits the cost model's matmul and HBM efficiency
+factors and its cost per kernel launch to the measured times, with the error of the
+table's factors before and after (and of the FLOPs alone, fitted: what the other terms
+earn); all of it goes to
 benchmarks/results/planner_check_<platform>_<configs>.json.
 `--fit` refits over the runs of several such files (e.g. one per config, run in separate
-calls) into planner_fit_<device>.json. The table (MATMUL_EFFICIENCY, HBM_EFFICIENCY in
-sharding/planner.py) is updated by hand from that, citing the file.
+calls) into planner_fit_<device>.json; with `--replan` the runs' FLOPs, bytes and kernel
+launches are first taken from today's planner (each config planned again on this CPU),
+so a change to the cost model is refitted to the measured times without a GPU
+(planner_fit_<device>_replanned.json, the replanned runs in it). The table
+(MATMUL_EFFICIENCY, HBM_EFFICIENCY, LAUNCH_SECONDS in sharding/planner.py) is updated by
+hand from that, citing the file.
 
 On a CPU (`--smoke`: the tiny config, two layouts, two steps) this only checks that the
 script runs: the times say nothing about a GPU.
@@ -79,6 +85,40 @@ def plan_on_cpu(spec: str, hw: planner.Hardware, accums, batch_size: int = 0) ->
       return json.load(f)['rows']
 
 
+def predicted(row: dict) -> dict:
+  """A run record's planner side, from its plan.json row."""
+  return {'predicted_step_s': row['step_s'], 'matmul_s': row['matmul_s'],
+          'memory_bound_s': row['memory_bound_s'], 'launch_s': row['launch_s'],
+          'dot_flops': row['dot_flops_per_device'],
+          'dot_bytes': row['dot_bytes_per_device'],
+          'other_bytes': row['other_bytes_per_device'],
+          'launches': row['launches_per_device'],
+          'predicted_memory_bytes': row['memory_bytes']}
+
+
+def replan(runs: list[dict], hw: planner.Hardware) -> list[dict]:
+  """`runs` (planner_check records) with their planner side from today's planner: each
+  config planned again on the CPU at the runs' batch size and gradient accumulations,
+  matched by layout; the measured side kept. A refit of the cost model needs no GPU."""
+  groups = {}
+  for r in runs:
+    seq_len = cli.load_config_file(r['config']).data.seq_len
+    groups.setdefault((r['config'], r['tokens_per_step'] // seq_len), []).append(r)
+  out = []
+  for (spec, batch_size), group in groups.items():
+    accums = sorted({int(re.search(r'grad_accum=(\d+)', r['overrides']).group(1))
+                     for r in group})
+    rows = {row['layout']: row for row in plan_on_cpu(spec, hw, accums, batch_size)}
+    for r in group:
+      if r['layout'] not in rows:
+        raise ValueError(f"{spec}: the planner no longer offers {r['layout']!r} (it has "
+                         f'{sorted(rows)}): rerun planner_check on a GPU.')
+      row = rows[r['layout']]
+      out.append({**r, **predicted(row),
+                  'measured_over_predicted': r['measured_step_s'] / row['step_s']})
+  return out
+
+
 def run_layout(cfg, layout: planner.Layout, steps: int) -> dict:
   """Median step seconds of `layout` (two warm-up steps left out) and its peak memory.
   The device keeps one peak for the whole process: a layout's own peak is known when it
@@ -111,20 +151,14 @@ def check(spec: str, hw: planner.Hardware, top: int, steps: int, this_compile: b
     lay = planner.Layout(row['mesh'], row['zero_stage'], row['remat'], row['grad_accum'],
                          row['microbatches'])
     record = {'config': spec, 'layout': row['layout'], 'overrides': row['overrides'],
-              'predicted_step_s': row['step_s'], 'matmul_s': row['matmul_s'],
-              'memory_bound_s': row['memory_bound_s'],
-              'dot_flops': row['dot_flops_per_device'],
-              'dot_bytes': row['dot_bytes_per_device'],
-              'other_bytes': row['other_bytes_per_device'],
-              'predicted_memory_bytes': row['memory_bytes'],
-              'tokens_per_step': cfg.data.batch_size * cfg.data.seq_len,
+              **predicted(row), 'tokens_per_step': cfg.data.batch_size * cfg.data.seq_len,
               **run_layout(cfg, lay, steps)}
     record['measured_over_predicted'] = record['measured_step_s'] / row['step_s']
     if this_compile:   # this platform's compiler (the kernels' FLOPs are not in its HLO)
       report = hlo.inspect_compiled(plan.build_layout(cfg, lay).compile())
       record['this_platform_compile'] = {
           'dot_flops': report.dot_flops, 'dot_bytes': report.dot_bytes,
-          'other_bytes': report.other_bytes,
+          'other_bytes': report.other_bytes, 'launches': report.launches,
           'memory_bytes': (report.argument_bytes + report.output_bytes - report.alias_bytes
                            + report.temp_bytes)}
     print(f"{row['layout']}: predicted {row['step_s'] * 1e3:.3f} ms, measured "
@@ -136,11 +170,13 @@ def check(spec: str, hw: planner.Hardware, top: int, steps: int, this_compile: b
 def fit(runs: list[dict], hw: planner.Hardware) -> dict:
   """planner.fit_efficiency over run records (this run's or read from result files)."""
   measured = [(planner.Measured(0, 0, 0, 0, r['dot_flops'], {}, {}, r['dot_bytes'],
-                                r['other_bytes']), r['measured_step_s']) for r in runs]
+                                r['other_bytes'], r.get('launches', 0.0)),
+               r['measured_step_s']) for r in runs]
   out = planner.fit_efficiency(measured, hw)
-  print(f"fit over {len(runs)} runs ({out['fitted']}): matmul efficiency "
-        f"{out['matmul_efficiency']:.3f}, HBM efficiency {out['hbm_efficiency']:.3f}; rms "
-        f"relative error {out['table']['rms_relative_error']:.1%} with the table's factors, "
+  print(f"fit over {len(runs)} runs ({', '.join(out['fitted'])} fitted): matmul efficiency "
+        f"{out['matmul_efficiency']:.3f}, HBM efficiency {out['hbm_efficiency']:.3f}, "
+        f"{out['launch_seconds'] * 1e6:.2f} us a kernel launch; rms relative error "
+        f"{out['table']['rms_relative_error']:.1%} with the table's factors, "
         f"{out['rms_relative_error']:.1%} fitted, "
         f"{out['matmul_only']['rms_relative_error']:.1%} fitting the FLOPs alone")
   return out
@@ -161,6 +197,9 @@ def main(argv=None) -> dict:
                  help="also record this platform's compile of each run layout")
   p.add_argument('--fit', metavar='JSON,JSON',
                  help='fit over the runs of these planner_check results instead of running')
+  p.add_argument('--replan', action='store_true',
+                 help="with --fit: the runs' FLOPs, bytes and launches from today's "
+                      'planner (a CPU compile), their measured times kept')
   p.add_argument('--smoke', action='store_true', help='CPU: the tiny config, two steps')
   args = p.parse_args(argv)
   try:
@@ -170,8 +209,11 @@ def main(argv=None) -> dict:
   if args.fit:
     files = args.fit.split(',')
     runs = [r for f in files for r in json.load(open(f))['runs']]
-    result = {'hardware': dataclasses.asdict(hw), 'from': files, 'fit': fit(runs, hw)}
-    print(write_result(f'planner_fit_{hw.name}', result))
+    result = {'hardware': dataclasses.asdict(hw), 'from': files}
+    if args.replan:
+      runs = result['runs'] = replan(runs, hw)
+    result['fit'] = fit(runs, hw)
+    print(write_result(f'planner_fit_{hw.name}' + '_replanned' * args.replan, result))
     return result
   accums = tuple(int(a) for a in args.grad_accums.split(','))
   if args.smoke:

@@ -28,6 +28,12 @@ pallas_call names (`PALLAS_KERNELS`, the name scope of the interpreter's grid lo
 interpreter's copies and fills that only seed that loop are left out. A kernel whose
 grid is one program has no loop left after XLA's simplification: it is costed as plain
 ops, its dots in `dot_flops`, and not counted in `kernel_calls`.
+
+Kernel launches (`launches`): the kernel-level instructions that are kernels of their
+own (not control flow, views, tuples or parameters; an asynchronous pair once; an
+interpreted Pallas kernel's grid loop once), loops weighted by trip count. A step of
+small kernels is bound by this count, not by its FLOPs or bytes (sharding/planner.py's
+LAUNCH_SECONDS). Read from a CPU compile, it too is an estimate of a GPU's.
 """
 
 import collections
@@ -74,6 +80,7 @@ class HloStats:
   other_bytes: float = 0.0  # memory traffic of every other kernel
   kernel_calls: dict[str, float] = dataclasses.field(default_factory=dict)  # Pallas, by name
   kernel_dot_flops: float = 0.0   # dots inside interpreted Pallas kernels (not in dot_flops)
+  launches: float = 0.0     # kernels launched per step (module docstring)
 
 
 @dataclasses.dataclass
@@ -93,6 +100,7 @@ class StepReport:
   other_bytes: float = 0.0    # memory traffic of every other kernel
   kernel_calls: dict[str, float] = dataclasses.field(default_factory=dict)
   kernel_dot_flops: float = 0.0   # in interpreted Pallas kernels, not in dot_flops
+  launches: float = 0.0           # kernels launched per step
 
   def bytes_of(self, *kinds: str) -> float:
     """Collective bytes summed over `kinds` (all kinds if none given).
@@ -156,6 +164,7 @@ def inspect_compiled(compiled, mesh_shape=None, kernels=PALLAS_KERNELS) -> StepR
       other_bytes=stats.other_bytes,
       kernel_calls=stats.kernel_calls,
       kernel_dot_flops=stats.kernel_dot_flops,
+      launches=stats.launches,
   )
 
 
@@ -196,6 +205,8 @@ def hlo_stats(hlo_text: str, mesh_shape=None, kernels=PALLAS_KERNELS) -> HloStat
           stats.dot_bytes += m * nbytes
         else:
           stats.other_bytes += m * nbytes
+        if ins.name in grid_loops or _launches(ins.opcode):
+          stats.launches += m
   return stats
 
 
@@ -599,6 +610,12 @@ _NO_TRAFFIC = {
     'send', 'send-done', 'recv', 'recv-done', 'domain',
 }
 _SLICES = ('dynamic-slice', 'slice', 'gather')
+
+
+def _launches(opcode: str) -> bool:
+  """Whether a kernel-level instruction of `opcode` is a kernel of its own: not control
+  flow, not a view, not the second half of an asynchronous pair."""
+  return opcode not in _NO_TRAFFIC and not opcode.endswith('-done')
 
 
 def _is_collective(opcode: str) -> bool:

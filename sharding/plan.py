@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                  'rejected': [{'layout': l.name(), 'why': w} for l, w in rejected]}, f,
                 indent=2)
     flat = ['layout', 'fits', 'memory_gib', 'headroom_gib', 'step_s', 'tokens_per_s', 'mfu',
-            'matmul_s', 'memory_bound_s',
+            'matmul_s', 'memory_bound_s', 'launch_s',
             'dominant', 'why_not', 'overrides']
     with open(os.path.join(args.output, 'plan.csv'), 'w', newline='') as f:
       writer = csv.DictWriter(f, fieldnames=flat, extrasaction='ignore')

@@ -211,8 +211,9 @@ def test_planner_check_smoke_runs_the_planners_top_layouts_and_fits(tmp_path, mo
   # Planned in its own CPU process; on this CPU, the same program as compiled here.
   for r in runs:
     here = r['this_platform_compile']
-    assert (here['dot_flops'], here['dot_bytes'], here['other_bytes']) == (
-        r['dot_flops'], r['dot_bytes'], r['other_bytes'])
+    assert (here['dot_flops'], here['dot_bytes'], here['other_bytes'], here['launches']) == (
+        r['dot_flops'], r['dot_bytes'], r['other_bytes'], r['launches'])
+    assert r['launches'] > 0 and r['launch_s'] > 0
     assert here['memory_bytes'] == r['predicted_memory_bytes']
   # remat=full recomputes the forward: more dot FLOPs for the same step.
   flops = {r['layout'].split()[2]: r['dot_flops'] for r in runs}
@@ -220,6 +221,10 @@ def test_planner_check_smoke_runs_the_planners_top_layouts_and_fits(tmp_path, mo
   [written] = os.listdir(tmp_path)
   assert json.load(open(tmp_path / written))['fit'] == result['fit']   # floats round-trip
   assert planner_check.main(['--fit', str(tmp_path / written)])['fit'] == result['fit']
+  # Planned again (today's planner, a CPU process of its own): the same planner side, the
+  # measured times kept, so the same fit.
+  replanned = planner_check.main(['--fit', str(tmp_path / written), '--replan'])
+  assert replanned['runs'] == runs and replanned['fit'] == result['fit']
 
 
 @pytest.mark.parametrize('platform, kind, row', [

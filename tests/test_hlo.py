@@ -220,6 +220,20 @@ def test_async_pairs_and_shared_computations_from_text():
       'collective-permute': (runs, runs * full), 'reduce-scatter': (runs, runs * shard)}
 
 
+def test_kernel_launches_by_hand_and_linear_in_scanned_layers():
+  """A kernel-level op that is a kernel of its own counts once a run; control flow, views,
+  tuples, parameters and the second half of an asynchronous pair do not."""
+  trip = 4
+  stats = hlo.hlo_stats(_ASYNC_HLO.replace('TRIP', str(trip)))
+  # %layer (trip + 1 runs): three collective starts, the dot, and the reduce-scatter the
+  # async pair wraps; %body (trip runs): the counter's add; %cond (trip + 1 runs): the
+  # compare; ENTRY: none (its calls, constants, tuple, while and get-tuple-element).
+  assert stats.launches == 5 * (trip + 1) + trip + (trip + 1)
+  f = jax.grad(lambda x, w: _scan_layers(x, w).sum(), argnums=1)
+  n = {layers: _report(f, *_inputs(layers=layers)).launches for layers in (4, 8, 16)}
+  assert n[16] - n[8] == 2 * (n[8] - n[4]) > 0
+
+
 def test_tuple_results_dtypes_and_inline_operand_shapes():
   text = """\
 ENTRY %main (a: bf16[4,8], b: bf16[8,3], c: f32[5]) -> f32[4,3] {
@@ -341,8 +355,10 @@ def test_an_interpreted_pallas_kernel_is_costed_as_one_kernel():
   assert report.dot_bytes == pytest.approx(4 * q.nbytes, abs=64)   # + loop scalars
   assert report.other_bytes == 0   # the interpreter's copies of q, k, v and output fill
   assert report.dot_flops == 0 and report.kernel_dot_flops > 0
+  assert report.launches == 1   # the grid loop, one kernel on a GPU
   blind = hlo.hlo_stats(text, kernels=())   # the interpreter's block copies
   assert blind.dot_bytes + blind.other_bytes > 10 * (report.dot_bytes + report.other_bytes)
+  assert blind.launches > 10
   grad = jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2))
   report = hlo.hlo_stats(jax.jit(grad).lower(q, q, q).compile().as_text())
   assert report.kernel_calls == {'flash_attention_fwd': 1, 'flash_attention_dq': 1,

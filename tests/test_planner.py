@@ -199,9 +199,10 @@ def test_pipeline_microbatches_are_a_knob_and_more_of_them_shrink_the_bubble():
   # The bubble's idle iterations are compiled work: (M+S-1)/M times the useful FLOPs.
   flops = {m: by_micro[m]['measured'].dot_flops for m in (2, 4)}
   assert flops[4] < flops[2]
-  # Where compute decides (a device 10^5 times slower than an H100: this tiny model is
-  # otherwise all collective latency), the smaller bubble predicts the faster step...
-  slow = dataclasses.replace(H100, peak_flops=H100.peak_flops * 1e-5)
+  # Where compute decides (a device 10^6 times slower than an H100: this tiny model is
+  # otherwise all collective latency and kernel launches, and more microbatches launch
+  # more), the smaller bubble predicts the faster step...
+  slow = dataclasses.replace(H100, peak_flops=H100.peak_flops * 1e-6)
   step = {m: planner.predict(by_micro[m]['measured'], by_micro[m]['layout'], slow, 1e12,
                              1000).step_s for m in (2, 4)}
   assert step[4] < step[2]
@@ -234,14 +235,16 @@ def test_dp_grads_are_reduced_over_data_and_tp_activations_over_tensor(planned):
 
 # ------------------------------------------------------------ the cost model's orderings
 
-def synthetic(dot_flops=1e12, memory=1e9, dot_bytes=0.0, other_bytes=0.0, **by_axes):
+def synthetic(dot_flops=1e12, memory=1e9, dot_bytes=0.0, other_bytes=0.0, launches=0.0,
+              **by_axes):
   """A Measured whose collectives are given as kind__axis=bytes (one execution each)."""
   entries = {(k.split('__')[0].replace('_', '-'), tuple(k.split('__')[1:])): (1.0, v)
              for k, v in by_axes.items()}
   kinds = {}
   for (kind, _), (c, b) in entries.items():
     kinds[kind] = (kinds.get(kind, (0, 0))[0] + c, kinds.get(kind, (0, 0))[1] + b)
-  return planner.Measured(memory, 0, 0, 0, dot_flops, kinds, entries, dot_bytes, other_bytes)
+  return planner.Measured(memory, 0, 0, 0, dot_flops, kinds, entries, dot_bytes, other_bytes,
+                          launches)
 
 
 def test_memory_bound_work_runs_at_hbm_bandwidth_and_matmuls_at_the_roofline():
@@ -260,6 +263,19 @@ def test_memory_bound_work_runs_at_hbm_bandwidth_and_matmuls_at_the_roofline():
   thin = planner.predict(synthetic(dot_flops=1e12, dot_bytes=10e9), layout(), H100, 1e12,
                          1000)
   assert thin.matmul_s == pytest.approx(10e9 / bandwidth(H100)) and thin.dominant == 'matmuls'
+
+
+def test_a_step_of_small_kernels_is_bound_by_their_launches():
+  """Each kernel launched costs LAUNCH_SECONDS on top of its roofline: a small model's
+  step (thousands of kernels, a few MB each) is made of that, not of its FLOPs."""
+  small = dict(dot_flops=1e9, dot_bytes=1e7, other_bytes=1e8)
+  quiet, busy = (planner.predict(synthetic(**small, launches=n), layout(), H100, 1e9, 1000)
+                 for n in (0, 5000))
+  assert quiet.launch_s == 0 and quiet.dominant == 'memory-bound ops'
+  assert busy.launch_s == pytest.approx(5000 * planner.LAUNCH_SECONDS)
+  assert busy.step_s == pytest.approx(quiet.step_s + busy.launch_s)
+  assert busy.compute_s == pytest.approx(busy.matmul_s + busy.memory_s + busy.launch_s)
+  assert busy.dominant == 'kernel launches'
 
 
 def test_tensor_parallel_across_hosts_is_slower_than_within_one():
@@ -366,23 +382,38 @@ def test_cli_ranks_and_writes_json_and_csv(tmp_path):
 # ------------------------------------------------------------------ efficiency fit
 
 def test_efficiency_fit_recovers_the_factors_that_made_the_times():
-  made = lambda m, e_mm, e_hbm: (m.dot_flops / (H100.peak_flops * e_mm)
-                                 + m.other_bytes / (H100.hbm_bandwidth * e_hbm))
+  made = lambda m, e_mm, e_hbm, launch=0.0: (m.dot_flops / (H100.peak_flops * e_mm)
+                                             + m.other_bytes / (H100.hbm_bandwidth * e_hbm)
+                                             + m.launches * launch)
+  # Four runs with launch counts: all three factors.
+  steps = [synthetic(dot_flops=f, other_bytes=b, launches=n)
+           for f, b, n in ((1e12, 1e9, 2e3), (1e12, 8e9, 1e3), (4e12, 2e9, 8e3),
+                           (1e9, 1e8, 4e3))]
+  fit = planner.fit_efficiency([(m, made(m, 0.45, 0.7, 3e-6)) for m in steps], H100)
+  assert fit['fitted'] == ['matmul_efficiency', 'hbm_efficiency', 'launch_seconds']
+  assert fit['matmul_efficiency'] == pytest.approx(0.45)
+  assert fit['hbm_efficiency'] == pytest.approx(0.7)
+  assert fit['launch_seconds'] == pytest.approx(3e-6)
+  assert fit['rms_relative_error'] == pytest.approx(0, abs=1e-9)
+  assert fit['table']['rms_relative_error'] > 0.05
+  assert fit['matmul_only']['rms_relative_error'] > 0.05   # the other terms are needed
+  # No launch counts (results recorded without them): the two efficiencies, the table's
+  # launch cost kept (and it adds nothing).
   steps = [synthetic(dot_flops=f, other_bytes=b)
            for f, b in ((1e12, 1e9), (1e12, 8e9), (4e12, 2e9))]
   fit = planner.fit_efficiency([(m, made(m, 0.45, 0.7)) for m in steps], H100)
-  assert fit['fitted'] == 'both'
+  assert fit['fitted'] == ['matmul_efficiency', 'hbm_efficiency']
   assert fit['matmul_efficiency'] == pytest.approx(0.45)
   assert fit['hbm_efficiency'] == pytest.approx(0.7)
+  assert fit['launch_seconds'] == planner.LAUNCH_SECONDS
   assert fit['rms_relative_error'] == pytest.approx(0, abs=1e-9)
-  assert fit['table']['rms_relative_error'] > 0.05
-  assert fit['matmul_only']['rms_relative_error'] > 0.05   # the memory term is needed here
   # The same mix in every run: only the matmul factor, the table's HBM factor kept.
   same = [synthetic(dot_flops=f, other_bytes=f / 500) for f in (1e12, 2e12)]
   fit = planner.fit_efficiency([(m, made(m, 0.45, planner.HBM_EFFICIENCY)) for m in same],
                                H100)
-  assert fit['fitted'] == 'matmul_efficiency'
+  assert fit['fitted'] == ['matmul_efficiency']
   assert fit['matmul_efficiency'] == pytest.approx(0.45)
+  assert fit['hbm_efficiency'] == planner.HBM_EFFICIENCY
   with pytest.raises(ValueError, match='no runs'):
     planner.fit_efficiency([], H100)
 

@@ -151,7 +151,7 @@ def compile_layout(cfg: config_lib.Config, layout: planner.Layout,
                           report.temp_bytes, report.dot_flops + kernels,
                           {k: pair(v) for k, v in report.collectives.items()},
                           {k: pair(v) for k, v in report.by_axes.items()},
-                          report.dot_bytes, report.other_bytes)
+                          report.dot_bytes, report.other_bytes, report.launches)
 
 
 def extrapolate(a: planner.Measured, b: planner.Measured, la: int, lb: int,
@@ -166,7 +166,7 @@ def extrapolate(a: planner.Measured, b: planner.Measured, la: int, lb: int,
       line(a.alias_bytes, b.alias_bytes), line(a.temp_bytes, b.temp_bytes),
       line(a.dot_flops, b.dot_flops), pairs(a.collectives, b.collectives),
       pairs(a.by_axes, b.by_axes), line(a.dot_bytes, b.dot_bytes),
-      line(a.other_bytes, b.other_bytes))
+      line(a.other_bytes, b.other_bytes), line(a.launches, b.launches))
 
 
 def measure(cfg, layout, layers=None, devices=None) -> planner.Measured:
