@@ -17,17 +17,17 @@ step on one H200; 2 take a quarter of that, and the fit needs only the pairs of 
 `--this-compile` also records this platform's compile of each (its traffic and memory;
 the FLOPs of kernel custom-calls, such as flash attention on a GPU, are not in its HLO).
 
-`sharding.planner.fit_efficiency` then fits the cost model's matmul and HBM efficiency
-factors and its cost per kernel launch to the measured times, with the error of the
-table's factors before and after (and of the FLOPs alone, fitted: what the other terms
-earn); all of it goes to
+`sharding.planner.fit_efficiency` then fits the cost model's matmul efficiency, its cost
+per kernel launch and per step (`--fit-factors`; the HBM efficiency is a copy's measured
+bandwidth, held) to the measured times, with the error of the table's factors before and
+after (and of the FLOPs alone, fitted: what the other terms earn); all of it goes to
 benchmarks/results/planner_check_<platform>_<configs>.json.
 `--fit` refits over the runs of several such files (e.g. one per config, run in separate
 calls) into planner_fit_<device>.json; with `--replan` the runs' FLOPs, bytes and kernel
 launches are first taken from today's planner (each config planned again on this CPU),
 so a change to the cost model is refitted to the measured times without a GPU
 (planner_fit_<device>_replanned.json, the replanned runs in it). The table
-(MATMUL_EFFICIENCY, HBM_EFFICIENCY, LAUNCH_SECONDS in sharding/planner.py) is updated by
+(MATMUL_EFFICIENCY, LAUNCH_SECONDS, STEP_SECONDS in sharding/planner.py) is updated by
 hand from that, citing the file.
 
 On a CPU (`--smoke`: the tiny config, two layouts, two steps) this only checks that the
@@ -167,15 +167,19 @@ def check(spec: str, hw: planner.Hardware, top: int, steps: int, this_compile: b
   return out
 
 
-def fit(runs: list[dict], hw: planner.Hardware) -> dict:
+FIT_FACTORS = 'matmul_efficiency,launch_seconds,step_seconds'
+
+
+def fit(runs: list[dict], hw: planner.Hardware, factors: str = FIT_FACTORS) -> dict:
   """planner.fit_efficiency over run records (this run's or read from result files)."""
   measured = [(planner.Measured(0, 0, 0, 0, r['dot_flops'], {}, {}, r['dot_bytes'],
                                 r['other_bytes'], r.get('launches', 0.0)),
                r['measured_step_s']) for r in runs]
-  out = planner.fit_efficiency(measured, hw)
+  out = planner.fit_efficiency(measured, hw, factors.split(','))
   print(f"fit over {len(runs)} runs ({', '.join(out['fitted'])} fitted): matmul efficiency "
         f"{out['matmul_efficiency']:.3f}, HBM efficiency {out['hbm_efficiency']:.3f}, "
-        f"{out['launch_seconds'] * 1e6:.2f} us a kernel launch; rms relative error "
+        f"{out['launch_seconds'] * 1e6:.2f} us a kernel launch, "
+        f"{out['step_seconds'] * 1e3:.3f} ms a step; rms relative error "
         f"{out['table']['rms_relative_error']:.1%} with the table's factors, "
         f"{out['rms_relative_error']:.1%} fitted, "
         f"{out['matmul_only']['rms_relative_error']:.1%} fitting the FLOPs alone")
@@ -197,6 +201,10 @@ def main(argv=None) -> dict:
                  help="also record this platform's compile of each run layout")
   p.add_argument('--fit', metavar='JSON,JSON',
                  help='fit over the runs of these planner_check results instead of running')
+  p.add_argument('--fit-factors', default=FIT_FACTORS,
+                 help='the factors fitted (of sharding.planner.FACTORS; the rest stay the '
+                      "table's). The HBM efficiency is measured, not fitted: a copy's "
+                      'bandwidth (sharding/planner.py)')
   p.add_argument('--replan', action='store_true',
                  help="with --fit: the runs' FLOPs, bytes and launches from today's "
                       'planner (a CPU compile), their measured times kept')
@@ -212,7 +220,7 @@ def main(argv=None) -> dict:
     result = {'hardware': dataclasses.asdict(hw), 'from': files}
     if args.replan:
       runs = result['runs'] = replan(runs, hw)
-    result['fit'] = fit(runs, hw)
+    result['fit'] = fit(runs, hw, args.fit_factors)
     print(write_result(f'planner_fit_{hw.name}' + '_replanned' * args.replan, result))
     return result
   accums = tuple(int(a) for a in args.grad_accums.split(','))
@@ -221,7 +229,8 @@ def main(argv=None) -> dict:
   runs = [r for spec in args.configs.split(',')
           for r in check(spec, hw, args.top, args.steps, args.this_compile, accums=accums,
                          batch_size=args.batch_size)]
-  result = {'hardware': dataclasses.asdict(hw), 'runs': runs, 'fit': fit(runs, hw)}
+  result = {'hardware': dataclasses.asdict(hw), 'runs': runs,
+            'fit': fit(runs, hw, args.fit_factors)}
   name = '_'.join(c.replace('.py', '').replace(':', '-') for c in args.configs.split(','))
   print(write_result(f'planner_check_{jax.devices()[0].platform}_{name}', result))
   return result

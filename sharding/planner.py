@@ -16,7 +16,8 @@ Step time model (per device; every device runs the same partitioned program):
   bandwidth x HBM_EFFICIENCY). The matmul side is summed before the max, so a step mixing
   compute- and memory-bound matmuls is predicted a little fast. Traffic is read from a
   CPU compile, whose fusion choices are not a GPU's: an estimate. Each kernel launched
-  adds LAUNCH_SECONDS (what a small model's step is made of);
+  adds LAUNCH_SECONDS and each step STEP_SECONDS, the host's dispatch of the step
+  program (what a small model's step is made of);
 - communication: per collective, alpha-beta: count x latency + bytes x volume factor /
   link bandwidth, the link being NVLink when the devices it spans fit in one host (the
   mesh's inner axes get the closest devices) and the inter-host network otherwise. The
@@ -34,6 +35,7 @@ against the device's memory, MEMORY_HEADROOM of it kept free for the runtime.
 """
 
 import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -63,19 +65,27 @@ HARDWARE = {
     'h200': Hardware('h200', 989e12, 141e9, 4.8e12, 450e9, 50e9, 5e-6, 10e-6),
     'a100': Hardware('a100', 312e12, 80e9, 2.04e12, 300e9, 25e9, 5e-6, 10e-6),
 }
-# Fitted (fit_efficiency) to step times measured on one H200 (jax 0.11.2, XLA's default
-# flags: command buffers on), 2026-11-26: default.py at grad_accum 1, 2 and 4 (2 to 4 ms a
-# step, mostly kernel launches) and gpt_64k.py at 2 sequences of 65,536 tokens, grad_accum
-# 1 and 2 (8.8 s, mostly matmuls and flash attention), with the FLOPs, bytes and launches
-# of today's planner on jax 0.10.2: benchmarks/results/planner_fit_h200_replanned.json
-# (the runs: planner_check_gpu_{default,gpt_64k}.json). rms error 1.4% over the five,
-# against 63% with the factors assumed before (0.6 and 0.8, no launch term: default.py
-# predicted 4-8x fast). Five runs of two configs fix the HBM factor loosely: it divides
-# bytes counted in a CPU compile, which fuses less than a GPU's (jax 0.10.2's count for
-# gpt_64k is 1.5x jax 0.11.2's), and at gpt_64k it trades against the matmul factor.
-MATMUL_EFFICIENCY = 0.785   # achieved / peak bf16 FLOP/s of the matmul kernels
-HBM_EFFICIENCY = 0.288      # achieved / peak bandwidth, on the CPU compile's traffic
-LAUNCH_SECONDS = 1.09e-6    # per kernel launched (with command buffers: CUDA graphs)
+# HBM_EFFICIENCY is measured, not fitted: a 1 GiB device-to-device copy on an H200 moved
+# (read + write) 3,087 GB/s of the datasheet's 4.8 TB/s (jax 0.11.2, 2026-11-26:
+# copy_bandwidth_gbs in benchmarks/results/paged_decode_NVIDIA_H200.json). The others are
+# fitted (fit_efficiency, HBM_EFFICIENCY held) to step times measured on one H200 (XLA's
+# default flags: command buffers on), 2026-11-26: default.py at grad_accum 1, 2 and 4
+# (2.0-4.4 ms a step: launches and dispatch) and gpt_64k.py at 2 sequences of 65,536
+# tokens, grad_accum 1 and 2 (8.8 s: matmuls and flash attention), with the FLOPs, bytes
+# and launches of today's planner (jax 0.10.2): rms error 1.3% over the five, against 63%
+# with the factors assumed before (0.6, 0.8, no launch or step cost: default.py predicted
+# 3-6x fast). benchmarks/results/planner_fit_h200_replanned.json has the fit, and
+# planner_check_gpu_{default,gpt_64k}.json the runs. The five runs do not pin the HBM
+# factor: fitted with the others, it comes out at 0.84 with the step cost held at 0.63 ms
+# (matmuls 0.57), at 0.65 with it held at 0.46, and at 0.40 with none (matmuls 0.68), each
+# fit within 1.3% rms (default.py's bytes barely change with its launches, so dispatch and
+# traffic trade places). MATMUL_EFFICIENCY
+# blends gpt_64k's flash kernels (40-45% of peak in its profiled 64K step) and plain
+# matmuls.
+MATMUL_EFFICIENCY = 0.595   # achieved / peak bf16 FLOP/s of the matmul kernels
+HBM_EFFICIENCY = 0.643      # achieved / peak bandwidth of a streaming kernel
+LAUNCH_SECONDS = 1.14e-6    # per kernel launched (with command buffers: CUDA graphs)
+STEP_SECONDS = 0.46e-3      # per step: the host dispatches the step program
 MEMORY_HEADROOM = 0.1
 OVERLAPPED_AXES = ('data', 'fsdp', 'stage')
 _VOLUME = {'all-reduce': lambda n: 2 * (n - 1) / n, 'all-gather': lambda n: (n - 1) / n,
@@ -147,6 +157,8 @@ class Prediction:
   matmul_s: float = 0.0      # the matmul kernels: FLOPs or their traffic, the larger
   memory_s: float = 0.0      # the memory-bound kernels
   launch_s: float = 0.0      # the fixed cost of each kernel launched
+  # step_s = max(compute_s, overlapped comm) + exposed_comm_s + STEP_SECONDS (the host's
+  # dispatch of the step program, once a step)
 
 
 def factorizations(n: int, axes) -> list[dict]:
@@ -202,11 +214,12 @@ def predict(measured: Measured, layout: Layout, hw: Hardware, model_flops: float
       overlapped += t
     else:
       exposed += t
-  step = max(compute, overlapped) + exposed
+  step = max(compute, overlapped) + exposed + STEP_SECONDS
   memory = measured.peak_bytes
   budget = hw.hbm_bytes * (1 - MEMORY_HEADROOM)
   fits = memory <= budget
   costs = {'matmuls': matmul, 'memory-bound ops': memory_bound, 'kernel launches': launch,
+           'step dispatch': STEP_SECONDS,
            **{f'comm {k}': v for k, v in comm.items()}}
   dominant = max(costs, key=costs.get)
   return Prediction(
@@ -218,56 +231,84 @@ def predict(measured: Measured, layout: Layout, hw: Hardware, model_flops: float
       matmul_s=matmul, memory_s=memory_bound, launch_s=launch)
 
 
-FACTORS = ('matmul_efficiency', 'hbm_efficiency', 'launch_seconds')
+FACTORS = ('matmul_efficiency', 'hbm_efficiency', 'launch_seconds', 'step_seconds')
 
 
-def fit_efficiency(runs, hw: Hardware) -> dict:
+def fit_efficiency(runs, hw: Hardware, free=FACTORS) -> dict:
   """The cost model's factors that best predict measured one-device step times.
 
-  runs: [(Measured, measured seconds)]. On one device the model is t = dot FLOPs / (peak
-  x e_matmul) + other bytes / (HBM bandwidth x e_hbm) + launches x launch_seconds (the
-  matmul kernels' own traffic left out: they are compute-bound at training sizes). Least
-  squares on the relative error, linear in (1/e_matmul, 1/e_hbm, launch_seconds). The most
-  factors the runs can tell apart are fitted, the rest kept at the table's: every subset
-  holding e_matmul is tried, the largest with a positive, well-conditioned solution wins
-  (the lowest error among subsets of one size). Runs with no launch counts (or the same
-  mix of terms in all) fit fewer. `matmul_only` is the fit with e_matmul alone and no
-  other term, to compare."""
+  runs: [(Measured, measured seconds)]. On one device the model is predict's: t =
+  max(dot FLOPs / (peak x e_matmul), dot bytes / (HBM bandwidth x e_hbm)) + other bytes /
+  (HBM bandwidth x e_hbm) + launches x launch_seconds + step_seconds. With each run's
+  matmuls taken as compute- or traffic-bound, that is linear in (1/e_matmul, 1/e_hbm,
+  launch_seconds, step_seconds): least squares on the relative error, then each run
+  classified again with the factors found, until no run changes side. Of the factors
+  named in `free` (FACTORS' names; the rest stay the table's), the most the runs can tell
+  apart are fitted: each subset is tried, and the largest with a positive, well-conditioned
+  solution wins (the lowest error among subsets of one size). Runs with no launch counts,
+  the same mix of terms in all, or matmuls all bound by their traffic (no FLOPs term) fit
+  fewer. `matmul_only` is the fit with e_matmul alone and no other term, to compare."""
   if not runs:
     raise ValueError('no runs to fit: measure at least one layout.')
-  a = np.array([[m.dot_flops / hw.peak_flops / t, m.other_bytes / hw.hbm_bandwidth / t,
-                 m.launches / t] for m, t in runs])
-  table = np.array([1 / MATMUL_EFFICIENCY, 1 / HBM_EFFICIENCY, LAUNCH_SECONDS])
-  error = lambda x: float(np.sqrt(np.mean((a @ x - 1) ** 2)))
+  if not free or set(free) - set(FACTORS):
+    raise ValueError(f'free={list(free)}: name some of {FACTORS}.')
+  flops = np.array([m.dot_flops / hw.peak_flops / t for m, t in runs])
+  dots = np.array([m.dot_bytes / hw.hbm_bandwidth / t for m, t in runs])
+  rest = np.array([[m.other_bytes / hw.hbm_bandwidth / t, m.launches / t, 1 / t]
+                   for m, t in runs])
+  # Relative step times: model seconds / measured seconds, for factors x.
+  model = lambda x: np.maximum(flops * x[0], dots * x[1]) + rest @ x[1:]
+  error = lambda x: float(np.sqrt(np.mean((model(x) - 1) ** 2)))
   factors = lambda x: {'matmul_efficiency': 1 / x[0],
                        'hbm_efficiency': 1 / x[1] if x[1] else math.inf,
-                       'launch_seconds': x[2]}
+                       'launch_seconds': x[2], 'step_seconds': x[3]}
+  table = np.array([1 / MATMUL_EFFICIENCY, 1 / HBM_EFFICIENCY, LAUNCH_SECONDS,
+                    STEP_SECONDS])
   out = {'table': {**factors(table), 'rms_relative_error': error(table)}}
   # The FLOPs alone (no other term), fitted: what the other terms earn.
-  alone = float(a[:, 0] @ a[:, 0] / a[:, 0].sum())
+  alone = float(flops @ flops / flops.sum())
   out['matmul_only'] = {'matmul_efficiency': alone,
-                        'rms_relative_error': error(np.array([1 / alone, 0.0, 0.0]))}
-  best = None
-  for free in ((0, 1, 2), (0, 1), (0, 2), (0,)):
-    cols = a[:, free]
-    norms = np.linalg.norm(cols, axis=0)
-    if len(runs) < len(free) or not norms.all() or np.linalg.cond(cols / norms) > 1e3:
-      continue
-    fixed = [i for i in range(3) if i not in free]
-    sol, *_ = np.linalg.lstsq(cols, 1 - a[:, fixed] @ table[fixed], rcond=None)
-    if (sol <= 0).any():
-      continue
-    x = table.copy()
-    x[list(free)] = sol
-    if best is None or (len(free), -error(x)) > (len(best[0]), -error(best[1])):
-      best = (free, x)
+                        'rms_relative_error': error(np.array([1 / alone, 0.0, 0.0, 0.0]))}
+  named = [i for i, name in enumerate(FACTORS) if name in free]
+  bound, best = flops * table[0] < dots * table[1], None
+  for _ in range(len(runs) + 1):
+    a = np.column_stack([np.where(bound, 0.0, flops), rest + np.outer(bound * dots,
+                                                                      [1, 0, 0])])
+    best = _least_squares(a, table, named)
+    if best is None or ((flops * best[1][0] < dots * best[1][1]) == bound).all():
+      break
+    bound = flops * best[1][0] < dots * best[1][1]
   if best is None:
-    raise ValueError("the table's memory-bound and launch terms alone exceed the measured "
-                     'step times: its HBM efficiency is too low or its launch cost too high '
-                     'for these runs.')
-  free, x = best
-  return {**out, 'fitted': [FACTORS[i] for i in free], **factors(x),
+    raise ValueError("the table's memory-bound, launch and step terms alone exceed the "
+                     'measured step times: its HBM efficiency is too low or its launch or '
+                     'step cost too high for these runs.')
+  fitted, x = best
+  return {**out, 'fitted': [FACTORS[i] for i in fitted], **factors(x),
           'rms_relative_error': error(x)}
+
+
+def _least_squares(a, table, named):
+  """(fitted indices, factors): a @ x = 1 over the largest subset of `named` whose
+  solution is positive and well conditioned, the rest held at `table`; None if none is."""
+  for size in range(len(named), 0, -1):
+    found = []
+    for free in map(list, itertools.combinations(named, size)):
+      cols = a[:, free]
+      norms = np.linalg.norm(cols, axis=0)
+      if len(a) < len(free) or not norms.all() or np.linalg.cond(cols / norms) > 1e3:
+        continue
+      held = [i for i in range(len(table)) if i not in free]
+      sol, *_ = np.linalg.lstsq(cols, 1 - a[:, held] @ table[held], rcond=None)
+      if (sol > 0).all():
+        x = table.copy()
+        x[free] = sol
+        found.append((float(np.sum((a @ x - 1) ** 2)), tuple(free), x))
+    if found:
+      # The lowest error; of equal ones (runs that one factor explains as well as
+      # another), the subset first in FACTORS' order.
+      _, free, x = min(found, key=lambda f: (round(f[0], 12), f[1]))
+      return free, x
+  return None
 
 
 def rank(rows: list[dict]) -> list[dict]:

@@ -256,7 +256,7 @@ def test_memory_bound_work_runs_at_hbm_bandwidth_and_matmuls_at_the_roofline():
   p100, p200 = (planner.predict(step, layout(), hw, 1e12, 1000) for hw in (H100, h200))
   assert p100.memory_s == pytest.approx(10e9 / bandwidth(H100))
   assert p100.matmul_s == pytest.approx(matmul_s)     # 1 GB of matmul traffic: compute-bound
-  assert p100.step_s == pytest.approx(matmul_s + p100.memory_s)
+  assert p100.step_s == pytest.approx(matmul_s + p100.memory_s + planner.STEP_SECONDS)
   assert p100.dominant == 'memory-bound ops'
   assert p200.step_s < p100.step_s and p200.matmul_s == p100.matmul_s
   # Matmuls with little reuse (10 GB for 1 TFLOP) are bound by their traffic instead.
@@ -265,17 +265,24 @@ def test_memory_bound_work_runs_at_hbm_bandwidth_and_matmuls_at_the_roofline():
   assert thin.matmul_s == pytest.approx(10e9 / bandwidth(H100)) and thin.dominant == 'matmuls'
 
 
-def test_a_step_of_small_kernels_is_bound_by_their_launches():
-  """Each kernel launched costs LAUNCH_SECONDS on top of its roofline: a small model's
-  step (thousands of kernels, a few MB each) is made of that, not of its FLOPs."""
-  small = dict(dot_flops=1e9, dot_bytes=1e7, other_bytes=1e8)
+def test_a_step_of_small_kernels_is_bound_by_their_launches_and_dispatch():
+  """Each kernel launched costs LAUNCH_SECONDS and each step STEP_SECONDS on top of the
+  roofline: a small model's step (thousands of kernels, a few MB each) is made of those,
+  not of its FLOPs or bytes."""
+  small = dict(dot_flops=1e9, dot_bytes=1e7, other_bytes=4e9)
   quiet, busy = (planner.predict(synthetic(**small, launches=n), layout(), H100, 1e9, 1000)
                  for n in (0, 5000))
   assert quiet.launch_s == 0 and quiet.dominant == 'memory-bound ops'
+  assert quiet.step_s == pytest.approx(quiet.matmul_s + quiet.memory_s
+                                       + planner.STEP_SECONDS)
   assert busy.launch_s == pytest.approx(5000 * planner.LAUNCH_SECONDS)
   assert busy.step_s == pytest.approx(quiet.step_s + busy.launch_s)
   assert busy.compute_s == pytest.approx(busy.matmul_s + busy.memory_s + busy.launch_s)
   assert busy.dominant == 'kernel launches'
+  tiny = planner.predict(synthetic(dot_flops=1e6, other_bytes=1e6, launches=10), layout(),
+                         H100, 1e6, 10)
+  assert tiny.dominant == 'step dispatch'
+  assert tiny.step_s == pytest.approx(tiny.compute_s + planner.STEP_SECONDS)
 
 
 def test_tensor_parallel_across_hosts_is_slower_than_within_one():
@@ -382,38 +389,62 @@ def test_cli_ranks_and_writes_json_and_csv(tmp_path):
 # ------------------------------------------------------------------ efficiency fit
 
 def test_efficiency_fit_recovers_the_factors_that_made_the_times():
-  made = lambda m, e_mm, e_hbm, launch=0.0: (m.dot_flops / (H100.peak_flops * e_mm)
-                                             + m.other_bytes / (H100.hbm_bandwidth * e_hbm)
-                                             + m.launches * launch)
-  # Four runs with launch counts: all three factors.
+  made = lambda m, e_mm, e_hbm, launch=0.0, step=0.0: (
+      m.dot_flops / (H100.peak_flops * e_mm) + m.other_bytes / (H100.hbm_bandwidth * e_hbm)
+      + m.launches * launch + step)
+  every = list(planner.FACTORS)
+  # Five runs with launch counts: all four factors.
   steps = [synthetic(dot_flops=f, other_bytes=b, launches=n)
            for f, b, n in ((1e12, 1e9, 2e3), (1e12, 8e9, 1e3), (4e12, 2e9, 8e3),
-                           (1e9, 1e8, 4e3))]
-  fit = planner.fit_efficiency([(m, made(m, 0.45, 0.7, 3e-6)) for m in steps], H100)
-  assert fit['fitted'] == ['matmul_efficiency', 'hbm_efficiency', 'launch_seconds']
+                           (1e9, 1e8, 4e3), (2e9, 1e9, 500))]
+  fit = planner.fit_efficiency([(m, made(m, 0.45, 0.7, 3e-6, 1e-3)) for m in steps], H100,
+                               every)
+  assert fit['fitted'] == every
   assert fit['matmul_efficiency'] == pytest.approx(0.45)
   assert fit['hbm_efficiency'] == pytest.approx(0.7)
   assert fit['launch_seconds'] == pytest.approx(3e-6)
+  assert fit['step_seconds'] == pytest.approx(1e-3)
   assert fit['rms_relative_error'] == pytest.approx(0, abs=1e-9)
   assert fit['table']['rms_relative_error'] > 0.05
   assert fit['matmul_only']['rms_relative_error'] > 0.05   # the other terms are needed
-  # No launch counts (results recorded without them): the two efficiencies, the table's
-  # launch cost kept (and it adds nothing).
+  # Only the factors named are fitted; the rest keep the table's values.
+  table_hbm = [(m, made(m, 0.45, planner.HBM_EFFICIENCY, 3e-6, 1e-3)) for m in steps]
+  fit = planner.fit_efficiency(table_hbm, H100,
+                               ['matmul_efficiency', 'launch_seconds', 'step_seconds'])
+  assert fit['fitted'] == ['matmul_efficiency', 'launch_seconds', 'step_seconds']
+  assert fit['hbm_efficiency'] == planner.HBM_EFFICIENCY
+  assert fit['launch_seconds'] == pytest.approx(3e-6)
+  assert fit['rms_relative_error'] == pytest.approx(0, abs=1e-9)
+  # No launch counts (results recorded without them): the launch cost cannot be told
+  # apart and keeps the table's (it adds nothing); the rest are fitted.
   steps = [synthetic(dot_flops=f, other_bytes=b)
-           for f, b in ((1e12, 1e9), (1e12, 8e9), (4e12, 2e9))]
-  fit = planner.fit_efficiency([(m, made(m, 0.45, 0.7)) for m in steps], H100)
-  assert fit['fitted'] == ['matmul_efficiency', 'hbm_efficiency']
+           for f, b in ((1e12, 1e9), (1e12, 8e9), (4e12, 2e9), (1e9, 1e8))]
+  fit = planner.fit_efficiency([(m, made(m, 0.45, 0.7, step=1e-3)) for m in steps], H100,
+                               every)
+  assert fit['fitted'] == ['matmul_efficiency', 'hbm_efficiency', 'step_seconds']
   assert fit['matmul_efficiency'] == pytest.approx(0.45)
   assert fit['hbm_efficiency'] == pytest.approx(0.7)
   assert fit['launch_seconds'] == planner.LAUNCH_SECONDS
   assert fit['rms_relative_error'] == pytest.approx(0, abs=1e-9)
-  # The same mix in every run: only the matmul factor, the table's HBM factor kept.
+  # The same mix in every run and no step cost: only the matmul factor.
   same = [synthetic(dot_flops=f, other_bytes=f / 500) for f in (1e12, 2e12)]
-  fit = planner.fit_efficiency([(m, made(m, 0.45, planner.HBM_EFFICIENCY)) for m in same],
-                               H100)
+  fit = planner.fit_efficiency(
+      [(m, made(m, 0.45, planner.HBM_EFFICIENCY, step=planner.STEP_SECONDS)) for m in same],
+      H100, ['matmul_efficiency', 'hbm_efficiency'])
   assert fit['fitted'] == ['matmul_efficiency']
   assert fit['matmul_efficiency'] == pytest.approx(0.45)
   assert fit['hbm_efficiency'] == planner.HBM_EFFICIENCY
+  # Matmuls bound by their traffic in every run: no FLOPs term, its factor held.
+  thin = [synthetic(dot_flops=f, dot_bytes=f, other_bytes=f / 4) for f in (1e9, 2e9, 8e9)]
+  took = lambda m: ((m.dot_bytes + m.other_bytes) / (H100.hbm_bandwidth * 0.5)
+                    + planner.STEP_SECONDS)
+  fit = planner.fit_efficiency([(m, took(m)) for m in thin], H100,
+                               ['matmul_efficiency', 'hbm_efficiency'])
+  assert fit['fitted'] == ['hbm_efficiency'] and fit['hbm_efficiency'] == pytest.approx(0.5)
+  assert fit['matmul_efficiency'] == planner.MATMUL_EFFICIENCY
+  assert fit['rms_relative_error'] == pytest.approx(0, abs=1e-9)
+  with pytest.raises(ValueError, match='name some of'):
+    planner.fit_efficiency([(same[0], 1.0)], H100, ['hbm'])
   with pytest.raises(ValueError, match='no runs'):
     planner.fit_efficiency([], H100)
 
