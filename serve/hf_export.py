@@ -3,13 +3,16 @@ transformers, vLLM and `python -m serve --hf-model`.
 
   python -m serve.hf_export --checkpoint runs/default --output runs/default-hf
   python -m serve.hf_export --checkpoint runs/default --output DIR --dtype bfloat16
+  python -m serve.hf_export --checkpoint runs/default --output DIR --max-shard-size 2GB
 
 Writes config.json (a LlamaConfig computing what the run's model computes; a
 MixtralConfig for a mixture of experts that Mixtral can express: every layer routed, a
 softmax router, 2 or more experts a token, no shared experts; anything else refused),
 model.safetensors (the weights of the newest intact checkpoint, checksums verified, in
 --dtype; 'auto': the run's master-weight dtype, model.param_dtype, so nothing is
-rounded), tokenizer.json (the run's own tokenizer.json; the byte tokenizer as a
+rounded; past --max-shard-size, 5GB by default, split by huggingface_hub into
+model-0000k-of-0000n.safetensors files and model.safetensors.index.json, as
+transformers' save_pretrained writes them), tokenizer.json (the run's own tokenizer.json; the byte tokenizer as a
 byte-level BPE without merges, ids 0-255 the bytes and 256 <|endoftext|>, so every id
 means what it meant in training), tokenizer_config.json and generation_config.json (the
 end-of-document token).
@@ -22,6 +25,7 @@ export leaves nothing (a killed one, that hidden directory), and an existing non
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -60,9 +64,14 @@ def tokenizer_files(tokenizer) -> tuple[str, str]:
     return f.read(), tokenizer.token_text(tokenizer.eos_id)
 
 
-def export(checkpoint: str, output: str, dtype: str = 'auto') -> dict:
+MAX_SHARD_SIZE = '5GB'   # huggingface_hub's default
+
+
+def export(checkpoint: str, output: str, dtype: str = 'auto',
+           max_shard_size: int | str = MAX_SHARD_SIZE) -> dict:
   """Writes the directory (see the module docstring); returns its config.json dict."""
   output = os.path.abspath(os.path.expanduser(output))
+  max_shard_size = shard_size(max_shard_size)
   if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
     raise FileExistsError(f'--output {output} exists and is not an empty directory: '
                           'choose a new one (nothing is overwritten).')
@@ -80,7 +89,7 @@ def export(checkpoint: str, output: str, dtype: str = 'auto') -> dict:
   staging = tempfile.mkdtemp(dir=parent, prefix=f'.{os.path.basename(output)}.')
   try:
     _write(staging, config, tensors, tokenizer_json, eos_token, cfg.max_seq_len,
-           served.tokenizer.eos_id)
+           served.tokenizer.eos_id, max_shard_size)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)   # as a plain mkdir and open would make them
@@ -102,7 +111,24 @@ def _host_mesh():
                                                  axis_types=(AxisType.Auto,), devices=[host])
 
 
-def _write(directory, config, tensors, tokenizer_json, eos_token, max_len, eos_id) -> None:
+_UNITS = {'': 1, 'B': 1, 'KB': 10**3, 'MB': 10**6, 'GB': 10**9, 'TB': 10**12,
+          'KIB': 2**10, 'MIB': 2**20, 'GIB': 2**30, 'TIB': 2**40}
+
+
+def shard_size(size: int | str) -> int:
+  """Bytes in a --max-shard-size: an int, or a number and a unit ('500MB', '2.5GB': powers
+  of 1000 as transformers reads them; '4GiB': of 1024); ValueError otherwise."""
+  match = re.fullmatch(r'\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*', str(size))
+  unit = match and match.group(2).upper()
+  if not match or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
+    raise ValueError(f'--max-shard-size {size!r}: give a positive size in bytes or with a '
+                     'unit, such as 500MB, 5GB or 4GiB.')
+  return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _write(directory, config, tensors, tokenizer_json, eos_token, max_len, eos_id,
+           max_shard_size: int | str = MAX_SHARD_SIZE) -> None:
+  from huggingface_hub import split_state_dict_into_shards_factory  # pylint: disable=import-outside-toplevel
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
 
   def dump(name, value):
@@ -116,8 +142,17 @@ def _write(directory, config, tensors, tokenizer_json, eos_token, max_len, eos_i
       'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': eos_token,
       'bos_token': None, 'model_max_length': max_len,
       'clean_up_tokenization_spaces': False})
-  save_file(tensors, os.path.join(directory, 'model.safetensors'),
-            metadata={'format': 'pt'})   # transformers asks for it
+  # Largest tensors first into files of at most max_shard_size (a larger tensor alone in
+  # its own), named as transformers names them; one file is model.safetensors.
+  split = split_state_dict_into_shards_factory(
+      tensors, get_storage_size=lambda a: a.nbytes,
+      filename_pattern='model{suffix}.safetensors', max_shard_size=shard_size(max_shard_size))
+  for filename, names in split.filename_to_tensors.items():
+    save_file({name: tensors[name] for name in names}, os.path.join(directory, filename),
+              metadata={'format': 'pt'})   # transformers asks for it
+  if split.is_sharded:
+    dump('model.safetensors.index.json', {'metadata': split.metadata,
+                                          'weight_map': split.tensor_to_filename})
 
 
 def main(argv=None) -> int:
@@ -129,9 +164,13 @@ def main(argv=None) -> int:
                       help='the Hugging Face directory to create (new or empty)')
   parser.add_argument('--dtype', default='auto', choices=('auto', *SERVE_DTYPES),
                       help="the weights' dtype; auto: the run's model.param_dtype")
+  parser.add_argument('--max-shard-size', default=MAX_SHARD_SIZE, metavar='SIZE',
+                      help='split the weights into files of at most SIZE (bytes, or 500MB, '
+                           '5GB, 4GiB) with model.safetensors.index.json; default %(default)s')
   args = parser.parse_args(argv)
   try:
-    config = export(args.checkpoint, args.output, args.dtype)
+    shard_size(args.max_shard_size)   # a bad size is told before the checkpoint is read
+    config = export(args.checkpoint, args.output, args.dtype, args.max_shard_size)
   except (ValueError, FileNotFoundError, FileExistsError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2

@@ -76,6 +76,50 @@ def test_serve_reads_the_export_back_exactly(exported, tiny_workdir, tmp_path):
       np.asarray(a), np.asarray(b).astype(ml_dtypes.bfloat16)), rounded.params, want.params)
 
 
+def test_a_sharded_export_is_read_by_transformers_and_serve(exported, tiny_workdir,
+                                                           tmp_path, capsys):
+  """Past --max-shard-size the weights go into model-0000k-of-0000n.safetensors files
+  with an index, as transformers writes them: transformers and serve read the same
+  weights as from the one-file export, and no file is over the size but a tensor larger
+  than it, alone. A size that cannot be read is refused before anything is written."""
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+  one = load_file(os.path.join(exported, 'model.safetensors'))
+  limit = sorted(v.nbytes for v in one.values())[-3]   # the third largest: some alone
+  out = tmp_path / 'sharded'
+  assert hf_export.main(['--checkpoint', tiny_workdir, '--output', str(out),
+                         '--max-shard-size', str(limit)]) == 0
+  index = json.load(open(out / 'model.safetensors.index.json'))
+  files = sorted(f for f in os.listdir(out) if f.endswith('.safetensors'))
+  assert len(files) >= 3 and 'model.safetensors' not in files
+  assert files == [f'model-{k:05d}-of-{len(files):05d}.safetensors'
+                   for k in range(1, len(files) + 1)]
+  assert sorted(index['weight_map']) == sorted(one)
+  assert index['metadata']['total_size'] == sum(v.nbytes for v in one.values())
+  for f in files:
+    shard = load_file(out / f)
+    assert sorted(shard) == sorted(k for k, v in index['weight_map'].items() if v == f)
+    assert sum(v.nbytes for v in shard.values()) <= limit or len(shard) == 1
+    for name, value in shard.items():
+      np.testing.assert_array_equal(value, one[name])
+  back, want = load_hf_model(str(out), dtype='float32'), load_hf_model(exported,
+                                                                      dtype='float32')
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               back.params, want.params)
+  torch = pytest.importorskip('torch')   # not in .ci/newer-jax's environment
+  transformers = pytest.importorskip('transformers')
+  hf = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+  ids = np.random.default_rng(2).integers(0, 256, size=(1, 24)).astype(np.int32)
+  with torch.no_grad():
+    theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(theirs, our_logits(want.params, want.model_cfg, ids),
+                             atol=2e-5, rtol=1e-5)
+  capsys.readouterr()
+  assert hf_export.main(['--checkpoint', tiny_workdir, '--output', str(tmp_path / 'bad'),
+                         '--max-shard-size', '5G']) == 2
+  assert "--max-shard-size '5G': give a positive size" in capsys.readouterr().err
+  assert not (tmp_path / 'bad').exists()
+
+
 def test_what_cannot_be_exported_is_refused_and_nothing_is_left(tiny_workdir, tmp_path,
                                                                  monkeypatch, capsys):
   busy = tmp_path / 'busy'
