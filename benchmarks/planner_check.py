@@ -173,7 +173,7 @@ FIT_FACTORS = 'matmul_efficiency,launch_seconds,step_seconds'
 def fit(runs: list[dict], hw: planner.Hardware, factors: str = FIT_FACTORS) -> dict:
   """planner.fit_efficiency over run records (this run's or read from result files)."""
   measured = [(planner.Measured(0, 0, 0, 0, r['dot_flops'], {}, {}, r['dot_bytes'],
-                                r['other_bytes'], r.get('launches', 0.0)),
+                                r['other_bytes'], r['launches']),
                r['measured_step_s']) for r in runs]
   out = planner.fit_efficiency(measured, hw, factors.split(','))
   print(f"fit over {len(runs)} runs ({', '.join(out['fitted'])} fitted): matmul efficiency "
@@ -181,8 +181,10 @@ def fit(runs: list[dict], hw: planner.Hardware, factors: str = FIT_FACTORS) -> d
         f"{out['launch_seconds'] * 1e6:.2f} us a kernel launch, "
         f"{out['step_seconds'] * 1e3:.3f} ms a step; rms relative error "
         f"{out['table']['rms_relative_error']:.1%} with the table's factors, "
-        f"{out['rms_relative_error']:.1%} fitted, "
-        f"{out['matmul_only']['rms_relative_error']:.1%} fitting the FLOPs alone")
+        f"{out['rms_relative_error']:.1%} fitted" + (
+            f", {out['matmul_only']['rms_relative_error']:.1%} fitting the FLOPs alone"
+            if 'matmul_only' in out else '') + ('' if out['converged'] else
+                                                 ' (the classification did not settle)'))
   return out
 
 
@@ -216,10 +218,18 @@ def main(argv=None) -> dict:
     p.error(str(e))
   if args.fit:
     files = args.fit.split(',')
-    runs = [r for f in files for r in json.load(open(f))['runs']]
+    loaded = {f: json.load(open(f)) for f in files}
+    runs = [r for data in loaded.values() for r in data['runs']]
     result = {'hardware': dataclasses.asdict(hw), 'from': files}
     if args.replan:
+      # The counts come from this jax's CPU compile; the runs', from their machine's.
+      result['planned_with_jax'] = jax.__version__
+      result['runs_planned_with_jax'] = sorted({
+          data.get('environment', {}).get('jax_version', '?') for data in loaded.values()})
       runs = result['runs'] = replan(runs, hw)
+    elif any('launches' not in r for r in runs):
+      p.error(f'{args.fit}: runs recorded before the planner counted kernel launches; '
+              "add --replan to take today's planner's counts (their measured times kept).")
     result['fit'] = fit(runs, hw, args.fit_factors)
     print(write_result(f'planner_fit_{hw.name}' + '_replanned' * args.replan, result))
     return result

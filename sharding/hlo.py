@@ -31,7 +31,9 @@ ops, its dots in `dot_flops`, and not counted in `kernel_calls`.
 
 Kernel launches (`launches`): the kernel-level instructions that are kernels of their
 own (not control flow, views, tuples or parameters; an asynchronous pair once; an
-interpreted Pallas kernel's grid loop once), loops weighted by trip count. A step of
+interpreted Pallas kernel's grid loop once; not collectives, whose latency the planner
+costs per collective), loops weighted by trip count. Every branch of a conditional
+counts, as for FLOPs: an upper bound. A step of
 small kernels is bound by this count, not by its FLOPs or bytes (sharding/planner.py's
 LAUNCH_SECONDS). Read from a CPU compile, it too is an estimate of a GPU's.
 """
@@ -614,8 +616,10 @@ _SLICES = ('dynamic-slice', 'slice', 'gather')
 
 def _launches(opcode: str) -> bool:
   """Whether a kernel-level instruction of `opcode` is a kernel of its own: not control
-  flow, not a view, not the second half of an asynchronous pair."""
-  return opcode not in _NO_TRAFFIC and not opcode.endswith('-done')
+  flow, not a view, not the second half of an asynchronous pair, not a collective (the
+  planner costs each collective's latency itself)."""
+  return (opcode not in _NO_TRAFFIC and not opcode.endswith('-done')
+          and not _is_collective(opcode))
 
 
 def _is_collective(opcode: str) -> bool:

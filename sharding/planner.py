@@ -72,9 +72,11 @@ HARDWARE = {
 # default flags: command buffers on), 2026-11-26: default.py at grad_accum 1, 2 and 4
 # (2.0-4.4 ms a step: launches and dispatch) and gpt_64k.py at 2 sequences of 65,536
 # tokens, grad_accum 1 and 2 (8.8 s: matmuls and flash attention), with the FLOPs, bytes
-# and launches of today's planner (jax 0.10.2): rms error 1.3% over the five, against 63%
+# and launches of today's planner (jax 0.10.2): rms error 1.3% over the five, against 60%
 # with the factors assumed before (0.6, 0.8, no launch or step cost: default.py predicted
-# 3-6x fast). benchmarks/results/planner_fit_h200_replanned.json has the fit, and
+# 3-6x fast). The counts are jax's: jax 0.11.2's CPU compile (the GPU machine's) counts
+# gpt_64k's traffic 34-40% lower, and with those this table predicts its steps 5-6% fast.
+# benchmarks/results/planner_fit_h200_replanned.json has the fit, and
 # planner_check_gpu_{default,gpt_64k}.json the runs. The five runs do not pin the HBM
 # factor: fitted with the others, it comes out at 0.84 with the step cost held at 0.63 ms
 # (matmuls 0.57), at 0.65 with it held at 0.46, and at 0.40 with none (matmuls 0.68), each
@@ -247,7 +249,9 @@ def fit_efficiency(runs, hw: Hardware, free=FACTORS) -> dict:
   apart are fitted: each subset is tried, and the largest with a positive, well-conditioned
   solution wins (the lowest error among subsets of one size). Runs with no launch counts,
   the same mix of terms in all, or matmuls all bound by their traffic (no FLOPs term) fit
-  fewer. `matmul_only` is the fit with e_matmul alone and no other term, to compare."""
+  fewer. `matmul_only` is the fit with e_matmul alone and no other term, to compare (when
+  some run has dot FLOPs); `converged`, whether the classification settled (if not, the
+  last fit found stands)."""
   if not runs:
     raise ValueError('no runs to fit: measure at least one layout.')
   if not free or set(free) - set(FACTORS):
@@ -266,25 +270,33 @@ def fit_efficiency(runs, hw: Hardware, free=FACTORS) -> dict:
                     STEP_SECONDS])
   out = {'table': {**factors(table), 'rms_relative_error': error(table)}}
   # The FLOPs alone (no other term), fitted: what the other terms earn.
-  alone = float(flops @ flops / flops.sum())
-  out['matmul_only'] = {'matmul_efficiency': alone,
-                        'rms_relative_error': error(np.array([1 / alone, 0.0, 0.0, 0.0]))}
+  if flops.any():
+    alone = float(flops @ flops / flops.sum())
+    out['matmul_only'] = {'matmul_efficiency': alone, 'rms_relative_error': error(
+        np.array([1 / alone, 0.0, 0.0, 0.0]))}
   named = [i for i, name in enumerate(FACTORS) if name in free]
-  bound, best = flops * table[0] < dots * table[1], None
+  bound, best, converged = flops * table[0] < dots * table[1], None, False
   for _ in range(len(runs) + 1):
     a = np.column_stack([np.where(bound, 0.0, flops), rest + np.outer(bound * dots,
                                                                       [1, 0, 0])])
-    best = _least_squares(a, table, named)
-    if best is None or ((flops * best[1][0] < dots * best[1][1]) == bound).all():
+    found = _least_squares(a, table, named)
+    if found is None:
+      break   # the last fit found stands, not converged
+    best = found
+    now = flops * best[1][0] < dots * best[1][1]
+    converged = bool((now == bound).all())
+    if converged:
       break
-    bound = flops * best[1][0] < dots * best[1][1]
+    bound = now
   if best is None:
-    raise ValueError("the table's memory-bound, launch and step terms alone exceed the "
-                     'measured step times: its HBM efficiency is too low or its launch or '
-                     'step cost too high for these runs.')
+    raise ValueError(
+        f'none of {list(free)} can be fitted to these runs: no positive, well-conditioned '
+        'solution (launch_seconds needs runs with launch counts; matmul_efficiency runs '
+        "whose matmuls are compute-bound; and the table's other terms must leave part of "
+        'each measured step).')
   fitted, x = best
   return {**out, 'fitted': [FACTORS[i] for i in fitted], **factors(x),
-          'rms_relative_error': error(x)}
+          'rms_relative_error': error(x), 'converged': converged}
 
 
 def _least_squares(a, table, named):

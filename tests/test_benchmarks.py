@@ -193,7 +193,8 @@ def test_profile_files_ops_outside_the_hlo_apart():
   assert summary['largest_three'][0].startswith('command buffers')
 
 
-def test_planner_check_smoke_runs_the_planners_top_layouts_and_fits(tmp_path, monkeypatch):
+def test_planner_check_smoke_runs_the_planners_top_layouts_and_fits(tmp_path, monkeypatch,
+                                                                    capsys):
   from benchmarks import planner_check   # pylint: disable=import-outside-toplevel
   monkeypatch.setenv('MESHLM_RESULTS_DIR', str(tmp_path))
   result = planner_check.main(['--smoke', '--this-compile', '--batch-size=4'])
@@ -225,6 +226,17 @@ def test_planner_check_smoke_runs_the_planners_top_layouts_and_fits(tmp_path, mo
   # measured times kept, so the same fit.
   replanned = planner_check.main(['--fit', str(tmp_path / written), '--replan'])
   assert replanned['runs'] == runs and replanned['fit'] == result['fit']
+  assert replanned['planned_with_jax'] == replanned['runs_planned_with_jax'][0]
+  # Runs recorded before launches were counted are refitted only with --replan.
+  old = json.load(open(tmp_path / written))
+  for r in old['runs']:
+    del r['launches']
+  json.dump(old, open(tmp_path / 'old.json', 'w'))
+  with pytest.raises(SystemExit):
+    planner_check.main(['--fit', str(tmp_path / 'old.json')])
+  assert 'add --replan' in capsys.readouterr().err
+  assert planner_check.main(['--fit', str(tmp_path / 'old.json'),
+                             '--replan'])['fit'] == result['fit']
 
 
 @pytest.mark.parametrize('platform, kind, row', [

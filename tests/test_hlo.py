@@ -225,10 +225,33 @@ def test_kernel_launches_by_hand_and_linear_in_scanned_layers():
   tuples, parameters and the second half of an asynchronous pair do not."""
   trip = 4
   stats = hlo.hlo_stats(_ASYNC_HLO.replace('TRIP', str(trip)))
-  # %layer (trip + 1 runs): three collective starts, the dot, and the reduce-scatter the
-  # async pair wraps; %body (trip runs): the counter's add; %cond (trip + 1 runs): the
-  # compare; ENTRY: none (its calls, constants, tuple, while and get-tuple-element).
-  assert stats.launches == 5 * (trip + 1) + trip + (trip + 1)
+  # %layer (trip + 1 runs): the dot (its collectives, the async pair's reduce-scatter
+  # included, are costed as collectives); %body (trip runs): the counter's add; %cond
+  # (trip + 1 runs): the compare; ENTRY: none (its calls, constants, tuple, while and
+  # get-tuple-element).
+  assert stats.launches == (trip + 1) + trip + (trip + 1)
+  # A fusion is one kernel whatever it holds (a fusion inside it too); a copy pair one.
+  text = """\
+%inner (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(%p)
+}
+
+%outer (q: f32[8]) -> f32[8] {
+  %q = f32[8]{0} parameter(0)
+  %e = f32[8]{0} exponential(%q)
+  ROOT %f = f32[8]{0} fusion(%e), kind=kLoop, calls=%inner
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %cs = (f32[8]{0}, f32[8]{0}, u32[]) copy-start(%x)
+  %cd = f32[8]{0} copy-done(%cs)
+  %a = f32[8]{0} fusion(%cd), kind=kLoop, calls=%outer
+  ROOT %b = f32[8]{0} add(%a, %x)
+}
+"""
+  assert hlo.hlo_stats(text).launches == 3   # copy-start, the fusion, the add
   f = jax.grad(lambda x, w: _scan_layers(x, w).sum(), argnums=1)
   n = {layers: _report(f, *_inputs(layers=layers)).launches for layers in (4, 8, 16)}
   assert n[16] - n[8] == 2 * (n[8] - n[4]) > 0

@@ -226,7 +226,7 @@ def make_eval_step(cfg: Config, plan: ShardingPlan):
 # an H200 (2026-11-26, gpt_64k, one 65,536-token sequence, Mosaic GPU kernels) the step
 # took 4.47 s with it and 3.78 s without, the same loss, peak memory within 0.1 GiB (runs
 # of one device call: benchmarks/results/logs/h200_2026-11-26_third/
-# train_64k_pallas_save_attention_*). 'none' saves the kernel's output in the scan too,
+# train_64k_pallas_save_attention_pass_*). 'none' saves the kernel's output in the scan too,
 # and the same pass cloned the kernel there (hlo_pass_trace_gpt_64k_none_all_passes_gpu.json,
 # run before 'none' was listed here; hlo_pass_trace_gpt_64k_none_gpu.json after: no
 # clone). On the H200 again (the fourth session, 8,192 tokens x 2 sequences, Mosaic) the
