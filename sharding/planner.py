@@ -81,9 +81,8 @@ HARDWARE = {
 # factor: fitted with the others, it comes out at 0.84 with the step cost held at 0.63 ms
 # (matmuls 0.57), at 0.65 with it held at 0.46, and at 0.40 with none (matmuls 0.68), each
 # fit within 1.3% rms (default.py's bytes barely change with its launches, so dispatch and
-# traffic trade places). MATMUL_EFFICIENCY
-# blends gpt_64k's flash kernels (40-45% of peak in its profiled 64K step) and plain
-# matmuls.
+# traffic trade places). MATMUL_EFFICIENCY blends gpt_64k's flash kernels (40-45% of peak
+# in its profiled 64K step) and plain matmuls.
 MATMUL_EFFICIENCY = 0.595   # achieved / peak bf16 FLOP/s of the matmul kernels
 HBM_EFFICIENCY = 0.643      # achieved / peak bandwidth of a streaming kernel
 LAUNCH_SECONDS = 1.14e-6    # per kernel launched (with command buffers: CUDA graphs)
