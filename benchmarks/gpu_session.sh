@@ -40,6 +40,10 @@
 #                 the table in sharding/planner.py was fitted to). On an H200
 #                 (2026-11-26): planner 60 s, planner_64k 140 s, both with
 #                 machine in one call of 215 s                                 ~4 min
+#   planner_mid   the same for default.py at 512 sequences a step (65,536 tokens:
+#                 mostly memory-bound kernels, which the two above leave the HBM
+#                 factor's fit loose on; remat none and full, grad_accum 1 and
+#                 4), then the fit over every planner_check_gpu_*.json here  ~2 min
 #   train_64k     benchmarks.train_throughput, gpt_64k's model on this GPU, one
 #                 65,536-token sequence a step, each attention_impl:remat of
 #                 TRAIN_RUNS (default pallas:save_attention pallas:full
@@ -181,13 +185,18 @@ benchmarks.planner_check --configs=gpt_64k.py --top=2 --steps=3 --batch-size=2 \
 --grad-accums=1,2 && $PY \
 -m benchmarks.planner_check --fit=\$(ls benchmarks/results/planner_check_gpu_*.json | \
 paste -sd,)" ;;
+    planner_mid) stage planner_mid "${PLANNER_LIMIT:-300}" bash -c "$PY -m \
+benchmarks.planner_check --configs=default.py --top=4 --steps=10 --batch-size=512 \
+--grad-accums=1,4 && $PY -m benchmarks.planner_check --fit=\$(ls \
+benchmarks/results/planner_check_gpu_*.json | paste -sd,) --replan \
+--fit-factors=matmul_efficiency,hbm_efficiency,launch_seconds,step_seconds" ;;
     train_64k) stage train_64k "${TRAIN_LIMIT:-570}" bash -c 'train 65536 1' ;;
     train_8k) stage train_8k "${TRAIN_LIMIT:-570}" bash -c 'train 8192 8' ;;
     # jax takes half the GPU, not its default 75%: torch runs in the same process.
     serve) stage serve "${SERVE_LIMIT:-570}" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 "$PY" -m \
       benchmarks.serve_throughput --shapes=1b --repeats="${SERVE_REPEATS:-1}" ;;
     *) echo "unknown stage '$1': use machine, tests, pass_trace, attention, tiles, paged_decode, \
-paged_tiles, packed, planner, planner_64k, train_64k, train_8k or serve"
+paged_tiles, packed, planner, planner_64k, planner_mid, train_64k, train_8k or serve"
        return 2 ;;
   esac
   # The JSON results this session wrote (at most 8 files come back from $OUT).
@@ -195,7 +204,7 @@ paged_tiles, packed, planner, planner_64k, train_64k, train_8k or serve"
   return 0
 }
 
-for name in "${@:-machine tests pass_trace attention tiles paged_decode paged_tiles packed planner planner_64k train_64k train_8k serve}"; do
+for name in "${@:-machine tests pass_trace attention tiles paged_decode paged_tiles packed planner planner_64k planner_mid train_64k train_8k serve}"; do
   for one in $name; do run_stage "$one"; done
 done
 ls "$OUT"

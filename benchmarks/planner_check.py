@@ -21,7 +21,7 @@ the FLOPs of kernel custom-calls, such as flash attention on a GPU, are not in i
 per kernel launch and per step (`--fit-factors`; the HBM efficiency is a copy's measured
 bandwidth, held) to the measured times, with the error of the table's factors before and
 after (and of the FLOPs alone, fitted: what the other terms earn); all of it goes to
-benchmarks/results/planner_check_<platform>_<configs>.json.
+benchmarks/results/planner_check_<platform>_<configs>[_b<batch size>].json.
 `--fit` refits over the runs of several such files (e.g. one per config, run in separate
 calls) into planner_fit_<device>.json; with `--replan` the runs' FLOPs, bytes and kernel
 launches are first taken from today's planner (each config planned again on this CPU),
@@ -242,6 +242,7 @@ def main(argv=None) -> dict:
   result = {'hardware': dataclasses.asdict(hw), 'runs': runs,
             'fit': fit(runs, hw, args.fit_factors)}
   name = '_'.join(c.replace('.py', '').replace(':', '-') for c in args.configs.split(','))
+  name += f'_b{args.batch_size}' if args.batch_size else ''   # beside the config's own
   print(write_result(f'planner_check_{jax.devices()[0].platform}_{name}', result))
   return result
 
