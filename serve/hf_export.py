@@ -12,10 +12,10 @@ model.safetensors (the weights of the newest intact checkpoint, checksums verifi
 --dtype; 'auto': the run's master-weight dtype, model.param_dtype, so nothing is
 rounded; past --max-shard-size, 5GB by default, split by huggingface_hub into
 model-0000k-of-0000n.safetensors files and model.safetensors.index.json, as
-transformers' save_pretrained writes them), tokenizer.json (the run's own tokenizer.json; the byte tokenizer as a
-byte-level BPE without merges, ids 0-255 the bytes and 256 <|endoftext|>, so every id
-means what it meant in training), tokenizer_config.json and generation_config.json (the
-end-of-document token).
+transformers' save_pretrained writes them), tokenizer.json (the run's own
+tokenizer.json; the byte tokenizer as a byte-level BPE without merges, ids 0-255 the
+bytes and 256 <|endoftext|>, so every id means what it meant in training),
+tokenizer_config.json and generation_config.json (the end-of-document token).
 The weights are gathered on the host, not on an accelerator. The directory is written
 under a temporary name beside --output (`.NAME.*`) and renamed into place last: a failed
 export leaves nothing (a killed one, that hidden directory), and an existing non-empty
