@@ -23,7 +23,6 @@ joined PASSES_OFF; ..._none_gpu.json after: no pass adds a call).
 """
 
 import argparse
-import collections
 import json
 import os
 import re
@@ -40,18 +39,7 @@ def kernel_calls(text: str) -> tuple[dict[str, int], dict[str, float]]:
   """'target result-shape' -> (calls in the program text, runs per step: hlo.py's loop
   weights) of each followed custom call."""
   from sharding import hlo   # pylint: disable=import-outside-toplevel
-  comps, entry = hlo._parse_module(text)   # pylint: disable=protected-access
-  mult, _ = hlo._multiplicities(comps, entry)   # pylint: disable=protected-access
-  static, runs = collections.Counter(), collections.Counter()
-  for name, comp in comps.items():
-    for ins in comp.instrs:
-      target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
-      if ins.opcode != 'custom-call' or not target or not KERNEL.search(target.group(1)):
-        continue
-      key = f'{target.group(1)} {re.sub(r"{[^}]*}", "", ins.shape)}'   # layouts dropped
-      static[key] += 1
-      runs[key] += mult.get(name, 0)
-  return dict(static), dict(runs)
+  return hlo.custom_calls(text, KERNEL)
 
 
 def pass_dumps(dump_dir: str) -> list[str]:

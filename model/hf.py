@@ -214,6 +214,15 @@ _EXPERT = (('block_sparse_moe.experts.{j}.w1.weight', 'we_gate'),   # [D, F] eac
            ('block_sparse_moe.experts.{j}.w2.weight', 'we_down'))   # [F, D]
 
 
+def _layer_tables(cfg: ModelConfig) -> tuple[str, tuple]:
+  """(our tree's layer group, its per-layer tensor table) for cfg: Llama's, or Mixtral's
+  after _check_mixtral."""
+  if not cfg.num_experts:
+    return 'layers', _LAYER
+  _check_mixtral(cfg)
+  return 'moe_layers', _MOE_LAYER
+
+
 def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
                    on_host: bool = False) -> dict:
   """Our tree: per-layer weights stacked on a leading layers axis, [in, out] layouts, in
@@ -239,9 +248,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
 
   tree = {'embed': take('model.embed_tokens.weight', shapes['embed'].shape),
           'final_norm': take('model.norm.weight', shapes['final_norm'].shape)}
-  group, table = ('moe_layers', _MOE_LAYER) if cfg.num_experts else ('layers', _LAYER)
-  if cfg.num_experts:
-    _check_mixtral(cfg)
+  group, table = _layer_tables(cfg)
   layers = shapes[group]
   tree[group] = {ours: np.stack([take(f'model.layers.{i}.{name}', layers[ours].shape[1:],
                                       in_axes) for i in range(cfg.num_layers)])
@@ -269,9 +276,7 @@ def hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return w if in_axes is None else w.reshape(math.prod(w.shape[:in_axes]), -1).T
 
   out = {'model.embed_tokens.weight': host['embed'], 'model.norm.weight': host['final_norm']}
-  group, table = ('moe_layers', _MOE_LAYER) if cfg.num_experts else ('layers', _LAYER)
-  if cfg.num_experts:
-    _check_mixtral(cfg)
+  group, table = _layer_tables(cfg)
   for i in range(cfg.num_layers):
     out.update({f'model.layers.{i}.{name}': llama(host[group][ours][i], in_axes)
                 for name, ours, in_axes in table})

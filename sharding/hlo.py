@@ -212,6 +212,24 @@ def hlo_stats(hlo_text: str, mesh_shape=None, kernels=PALLAS_KERNELS) -> HloStat
   return stats
 
 
+def custom_calls(hlo_text: str, targets: re.Pattern) -> tuple[dict[str, int],
+                                                             dict[str, float]]:
+  """'target result-shape' (layouts dropped) -> (calls in the program text, runs per
+  step, loops weighted by trip count) of each custom call whose target `targets` finds."""
+  comps, entry = _parse_module(hlo_text)
+  mult, _ = _multiplicities(comps, entry)
+  static, runs = collections.Counter(), collections.Counter()
+  for name, comp in comps.items():
+    for ins in comp.instrs:
+      target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+      if ins.opcode != 'custom-call' or not target or not targets.search(target.group(1)):
+        continue
+      key = f'{target.group(1)} {re.sub(r"{[^}]*}", "", ins.shape)}'
+      static[key] += 1
+      runs[key] += mult.get(name, 0)
+  return dict(static), dict(runs)
+
+
 def _account(ins, comp, m: float, stats: HloStats, mesh_shape=None):
   """Adds one instruction, run `m` times per step, to `stats`."""
   if ins.opcode == 'convolution':
