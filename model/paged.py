@@ -60,7 +60,7 @@ class PagedBatch(NamedTuple):
   page_indices: jax.Array  # [S, pages_per_seq] int32: each sequence's block table
   cu_q_lens: jax.Array     # [S + 1] int32: where each sequence's tokens start
   num_seqs: jax.Array      # [1] int32: live sequences
-  sample_rows: jax.Array   # [S] int32: rows whose logits are wanted (padding: 0)
+  sample_rows: jax.Array   # [R >= S] int32: rows whose logits are wanted (padding: 0)
 
 
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
@@ -214,8 +214,8 @@ def _moe_groups(body, carry, params: Params, cfg: ModelConfig):
 def sampled_logits(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelConfig, *,
                    impl: str = 'xla', plan: ShardingPlan | None = None,
                    rope: Rope | None = None):
-  """float32 logits [S, vocab] of the batch's sample rows (only those reach the head),
+  """float32 logits [R, vocab] of the batch's sample rows (only those reach the head),
   and the updated cache."""
   hidden, cache = paged_forward(params, cache, batch, cfg, impl=impl, plan=plan, rope=rope)
-  rows = hidden[:, batch.sample_rows]                                  # [1, S, d]
+  rows = hidden[:, batch.sample_rows]                                  # [1, R, d]
   return logits(params, rows, cfg, plan)[0], cache

@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 
+from serve.speculative import SpeculativeConfig, parse_speculative_config
 from sharding import compile_cache
 
 ATTENTION_CHOICES = ('auto', 'xla', 'pallas')
@@ -28,6 +29,8 @@ class ServeConfig:
   # auto: a request's missing sampling fields take the model's generation_config.json
   # values (temperature, top_p, top_k, min_p, repetition_penalty); none: OpenAI's defaults
   generation_config: str = 'auto'
+  # vLLM's JSON, e.g. '{"method": "ngram", "num_speculative_tokens": 4}'; '': off
+  speculative_config: str = ''
 
   def validate(self) -> None:
     """Raises ValueError naming the flag and the fix."""
@@ -49,6 +52,11 @@ class ServeConfig:
     if self.generation_config not in GENERATION_CONFIG_CHOICES:
       raise ValueError(f'--generation-config={self.generation_config!r}: choose one of '
                        f'{GENERATION_CONFIG_CHOICES}.')
+    self.speculative()
+
+  def speculative(self) -> SpeculativeConfig | None:
+    """The parsed --speculative-config (serve.speculative.SpeculativeConfig) or None."""
+    return parse_speculative_config(self.speculative_config)
 
 
 def _flag(name: str) -> str:

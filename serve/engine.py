@@ -8,9 +8,12 @@ the step in flight is done, so a step never sees a request vanish under it.
   add_request ──lock──> scheduler.add_request ─┐
   abort ───────> inbox ─┐                      │
                         v                      v
-  loop:  [aborts] -> schedule() -> runner.step() -> sample()    -> update_from_output()
-                                                                  -> detokenize, stop strings
-                                                                  -> streams
+  loop:  [aborts] -> [drafts] -> schedule() -> runner.step() -> sample()
+                 -> update_from_output() -> detokenize, stop strings -> streams
+
+With --speculative-config (serve.speculative) each decoding request gets an n-gram draft
+before schedule(); every draft row is sampled as if the draft before it were output, and
+the engine accepts the draft up to the first row whose token differs, plus that token.
 """
 
 import asyncio
@@ -31,10 +34,12 @@ from serve.config import ServeConfig
 from serve.detokenizer import IncrementalDetokenizer
 from serve.hf_llama import with_dtype
 from serve.kv_cache_manager import KVCacheManager
-from serve.model_runner import ModelRunner, RunnerConfig, seq_bucket, token_buckets
+from serve.model_runner import (ModelRunner, RunnerConfig, sample_bucket, seq_bucket,
+                                token_buckets)
 from serve.request import Request, RequestStatus
 from serve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from serve.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from serve.speculative import TokenHistory, propose_ngram
 from sharding import compile_cache
 from sharding.mesh import MeshConfig, make_mesh
 
@@ -121,6 +126,10 @@ class EngineStats:
   generation_tokens: int         # sampled, summed over requests
   finished: dict[str, int]       # finished requests by finish reason
   num_preemptions: int = 0       # requests preempted (blocks freed, recomputed later)
+  # Speculative decoding: chunks that carried a draft, their draft tokens, those accepted.
+  spec_decode_num_drafts: int = 0
+  spec_decode_num_draft_tokens: int = 0
+  spec_decode_num_accepted_tokens: int = 0
 
 
 # ------------------------------------------------------------------------ streams
@@ -187,9 +196,10 @@ def collect(request_id: str, prompt_ids: list[int], outs: list[RequestOutput]):
       last.metrics, outs[0].prompt_logprobs)
 
 
-def _not_yet(req: Request) -> list[int]:
-  """The tokens the request may not draw now: before min_tokens, its eos and stop ids."""
-  if req.num_output_tokens >= req.sampling_params.min_tokens:
+def _not_yet(req: Request, ahead: int = 0) -> list[int]:
+  """The tokens the request may not draw `ahead` tokens from now: before min_tokens, its
+  eos and stop ids."""
+  if req.num_output_tokens + ahead >= req.sampling_params.min_tokens:
     return []
   return req.end_token_ids
 
@@ -240,15 +250,17 @@ class _Tracked:
   guide: object = None   # guided.RequestGuide or GrammarGuide of a structured-output request
   allowed: np.ndarray | None = None   # allowed_token_ids as the sampler's bits
   bad_words: list = dataclasses.field(default_factory=list)   # bad_word_ids of the request
+  history: TokenHistory | None = None   # its tokens as an array, for n-gram drafts
 
-  def constraints(self) -> tuple[list[int], np.ndarray | None]:
-    """(banned ids, allowed bits or None) for this step: min_tokens' and bad_words' bans;
-    the guide's or allowed_token_ids' set. Bans that would leave nothing allowed give
-    way, bad words first (a guide only a barred word can continue, or a list of end ids
-    before min_tokens): the request goes on rather than draw outside its set."""
+  def constraints(self, draft=()) -> tuple[list[int], np.ndarray | None]:
+    """(banned ids, allowed bits or None) for this step, or for the row after `draft` (a
+    request with a guide has none): min_tokens' and bad_words' bans; the guide's or
+    allowed_token_ids' set. Bans that would leave nothing allowed give way, bad words
+    first (a guide only a barred word can continue, or a list of end ids before
+    min_tokens): the request goes on rather than draw outside its set."""
     allowed = self.guide.words() if self.guide is not None else self.allowed
-    early = _not_yet(self.request)
-    words = (banned_by_words(self.bad_words, self.request.output_token_ids)
+    early = _not_yet(self.request, len(draft))
+    words = (banned_by_words(self.bad_words, self.request.output_token_ids + list(draft))
              if self.bad_words else [])
     if allowed is None:
       return early + words, None
@@ -344,6 +356,7 @@ class Engine:
     if cfg.generation_config == 'none' and served.sampling_defaults:
       served = dataclasses.replace(served, sampling_defaults={})
     self.served = served
+    self.spec = cfg.speculative()
     self.vocab_size = served.tokenizer.vocab_size
     self.max_model_len = cfg.max_model_len or served.model_cfg.max_seq_len
     if self.max_model_len > served.model_cfg.max_seq_len:
@@ -357,6 +370,11 @@ class Engine:
       print(f'Sampling defaults from generation_config.json: {fields} (for the fields a '
             'request leaves out; --generation-config none: OpenAI\'s).', flush=True)
     print(describe_cache(self.num_blocks, cfg, self.max_model_len), flush=True)
+    if self.spec is not None:
+      print(f'Speculative decoding: n-gram drafts of up to {self.spec.num_speculative_tokens} '
+            f'tokens, from the last {self.spec.prompt_lookup_max} down to '
+            f'{self.spec.prompt_lookup_min} tokens looked up in each request\'s own '
+            'prompt and output.', flush=True)
     self.scheduler, self.runner = self._build_parts()
     # The runner holds the weights now (per layer, model.paged.unstack_layers); keep the
     # rest only, so the caller can drop the stacked arrays it loaded (see serve.__main__).
@@ -365,7 +383,8 @@ class Engine:
     self._tracked: dict[str, _Tracked] = {}
     self._aborts: dict[str, str] = {}   # request id -> why
     self._observers = []
-    self._totals = {'prompt_tokens': 0, 'generation_tokens': 0}
+    self._totals = {'prompt_tokens': 0, 'generation_tokens': 0, 'drafts': 0,
+                    'draft_tokens': 0, 'accepted_tokens': 0}
     self._guided = None   # guided.GuidedDecoding, built at the first guided request
     self._guided_lock = threading.Lock()
     self._finished_by_reason = {r: 0 for r in ('stop', 'length', 'abort', 'error')}
@@ -388,7 +407,10 @@ class Engine:
         SchedulerConfig(**shared, enable_prefix_caching=cfg.enable_prefix_caching),
         self._make_kv_manager())
     runner = ModelRunner(self.served.params, self.served.model_cfg,
-                         RunnerConfig(**shared, attention=resolve_attention(cfg)),
+                         RunnerConfig(**shared, attention=resolve_attention(cfg),
+                                      num_speculative_tokens=(
+                                          self.spec.num_speculative_tokens if self.spec
+                                          else 0)),
                          mesh=self.mesh, vocab_size=self.vocab_size)
     return scheduler, runner
 
@@ -401,13 +423,12 @@ class Engine:
     mode, before the loop starts, so no request waits on a compile."""
     start, cfg = time.perf_counter(), self.runner.cfg
     hits, programs = compile_cache.hits(), compile_cache.programs()
-    logits = {}   # per sequence bucket: [bucket, V] as the runner lays them out
+    logits = {}   # per sample bucket: the runner's logits [bucket, V], uncut
     smaller = 0
     for t in token_buckets(cfg):
-      s = seq_bucket(cfg, t)
-      step = _warmup_step(s, t, cfg.block_size, cfg.max_model_len)
+      step = _warmup_step(seq_bucket(cfg, t), t, cfg.block_size, cfg.max_model_len)
       if step.num_batched_tokens > smaller:   # else no real step lands in bucket t
-        logits[s] = self.runner.execute(step)
+        logits[sample_bucket(cfg, t)] = self.runner.step(step).logits
       smaller = t
     self._warmup_sampler(logits)
     cached, built = compile_cache.hits() - hits, compile_cache.programs() - programs
@@ -417,8 +438,8 @@ class Engine:
               'compilation cache).' if cached else '.'), flush=True)
 
   def _warmup_sampler(self, logits: dict) -> None:
-    # The runner's logits are [bucket, V] cut to the n sampled rows outside jit, and the
-    # sampler pads them back: both small ops compile once per (bucket, n). Each mode
+    # The sampler takes the runner's logits [bucket, V] whole and cuts or pads them to
+    # its row bucket (n's power of two): programs per (bucket, row bucket). Each mode
     # plain and with structured output's allowed-token bits; the model's own sampling
     # defaults (generation_config.json) are a mode too (a repetition_penalty among them
     # warms its shortest history width only: penalties compile per width).
@@ -429,11 +450,12 @@ class Engine:
     # with the top N (any N: one program), without structured output.
     scored = [dataclasses.replace(m, logprobs=k) for m in modes for k in (0, 1)]
     every = sampler.pack_bits(range(self.vocab_size), self.vocab_size)
-    for s, full in logits.items():
-      for n in range(1, s + 1):
+    for rows, full in logits.items():
+      # one row count per row bucket (the largest may be cut to the rows there are)
+      for n in sorted({min(sampler.row_bucket(m), rows) for m in range(1, rows + 1)}):
         for params, allowed in ([(p, a) for p in modes for a in (None, [every] * n)]
                                 + [(p, None) for p in scored]):
-          self.sampler(full[:n], [params] * n, [0] * n, self.vocab_size,
+          self.sampler(full, [params] * n, [0] * n, self.vocab_size,
                        history=[([0], [])] * n, allowed=allowed)
 
   # ---------------------------------------------------------------- public API
@@ -529,7 +551,10 @@ class Engine:
           prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
           prompt_tokens=self._totals['prompt_tokens'],
           generation_tokens=self._totals['generation_tokens'],
-          finished=dict(self._finished_by_reason), num_preemptions=s.num_preemptions)
+          finished=dict(self._finished_by_reason), num_preemptions=s.num_preemptions,
+          spec_decode_num_drafts=self._totals['drafts'],
+          spec_decode_num_draft_tokens=self._totals['draft_tokens'],
+          spec_decode_num_accepted_tokens=self._totals['accepted_tokens'])
 
   @property
   def max_waiting_requests(self) -> int:
@@ -621,6 +646,8 @@ class Engine:
     while detokenizing and must end the request before the next schedule."""
     with self._lock:
       self._apply_aborts()
+      if self.spec is not None:
+        self._propose_drafts()
       out = self.scheduler.schedule()
     if not out.chunks:
       self._flush_outputs()
@@ -628,7 +655,11 @@ class Engine:
     try:
       tokens, logprobs = self._execute(out)
       with self._lock:
+        before = {rid: self._tracked[rid].request.num_output_tokens for rid in tokens}
         finished = self.scheduler.update_from_output(out, tokens)
+        # What the scheduler appended: accepted tokens stop at the one that finished it.
+        tokens = {rid: ts[:self._tracked[rid].request.num_output_tokens - before[rid]]
+                  for rid, ts in tokens.items()}
         self._pending_outputs = (tokens, logprobs, finished)
         if self._has_stop_strings(out):
           self._flush_outputs()
@@ -658,35 +689,70 @@ class Engine:
       with self._lock:
         self._emit(*pending)
 
+  def _propose_drafts(self) -> None:
+    """An n-gram draft for each running request in decode (none for guided output: its
+    guide follows one token at a time)."""
+    spec = self.spec
+    for request in self.scheduler.running:
+      t = self._tracked.get(request.request_id)
+      if (t is None or t.guide is not None
+          or request.num_computed_tokens != request.num_tokens - 1):
+        continue
+      if t.history is None:
+        t.history = TokenHistory(request.prompt_token_ids)
+      request.spec_token_ids = propose_ngram(
+          t.history.tokens(request.output_token_ids), spec.num_speculative_tokens,
+          spec.prompt_lookup_min, spec.prompt_lookup_max)
+
   def _execute(self, out):
-    """Runs the model and samples: ({id: token}, {id: TokenLogprob}) of sampling chunks."""
+    """Runs the model and samples: ({id: [tokens]}, {id: [TokenLogprob]}) of sampling
+    chunks; a chunk with a draft gets the draft's accepted prefix and the token after."""
     targets, top_n = self._prompt_targets(out)
     # dispatched; the device runs it while the previous step's outputs go out
     step = self.runner.step(out, targets, top_n) if targets else self.runner.step(out)
     self._flush_outputs()
     if step.scores is not None:
       self._gather_prompt_logprobs(out, targets, step.scores)
-    rows = [self._tracked[c.request_id] for c in out.chunks if c.sample]
+    # Row j of a chunk is sampled as if its draft's first j tokens were output already.
+    groups = [(self._tracked[c.request_id], c.spec_token_ids) for c in out.chunks if c.sample]
+    rows = [(t, draft[:j]) for t, draft in groups for j in range(len(draft) + 1)]
     if not rows:
       return {}, {}
-    params = [t.request.sampling_params for t in rows]
-    banned, allowed = map(list, zip(*(t.constraints() for t in rows)))
+    params = [t.request.sampling_params for t, _ in rows]
+    banned, allowed = map(list, zip(*(t.constraints(ahead) for t, ahead in rows)))
     if (all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params)
         and not any(banned) and all(a is None for a in allowed)):
       # The step's own argmax: the token the sampler would pick, without its program.
       res = sampler.SampleResult(np.asarray(step.greedy)[:len(rows)], None, [None] * len(rows))
     else:
-      res = self.sampler(step.logits[:len(rows)], params,
-                         [t.request.num_output_tokens for t in rows], self.vocab_size,
-                         [(t.request.prompt_token_ids, t.request.output_token_ids)
-                          for t in rows], banned, allowed)
-    tokens, logprobs = {}, {}
-    for i, t in enumerate(rows):
-      rid, token = t.request.request_id, int(res.token_ids[i])
-      tokens[rid] = token
-      if t.request.sampling_params.logprobs is not None:
-        top = res.top_logprobs[i] if res.top_logprobs is not None else None
-        logprobs[rid] = TokenLogprob(token, float(res.logprobs[i]), top, int(res.ranks[i]))
+      res = self.sampler(step.logits, params,
+                         [t.request.num_output_tokens + len(ahead) for t, ahead in rows],
+                         self.vocab_size,
+                         [(t.request.prompt_token_ids,
+                           t.request.output_token_ids + list(ahead) if ahead
+                           else t.request.output_token_ids) for t, ahead in rows],
+                         banned, allowed)
+    tokens, logprobs, row = {}, {}, 0
+    for t, draft in groups:
+      rid, want = t.request.request_id, t.request.sampling_params.logprobs is not None
+      accepted, scored = [], []
+      for j in range(len(draft) + 1):
+        token = int(res.token_ids[row + j])
+        accepted.append(token)
+        if want:
+          top = res.top_logprobs[row + j] if res.top_logprobs is not None else None
+          scored.append(TokenLogprob(token, float(res.logprobs[row + j]), top,
+                                     int(res.ranks[row + j])))
+        if j == len(draft) or token != draft[j]:
+          break
+      row += len(draft) + 1
+      tokens[rid] = accepted
+      if want:
+        logprobs[rid] = scored
+      if draft:
+        self._totals['drafts'] += 1
+        self._totals['draft_tokens'] += len(draft)
+        self._totals['accepted_tokens'] += len(accepted) - 1
     return tokens, logprobs
 
   def _prompt_targets(self, out):
@@ -730,9 +796,13 @@ class Engine:
 
   def _emit(self, tokens: dict, logprobs: dict, finished) -> None:
     done = {r.request_id for r in finished}
-    for rid, token in tokens.items():
-      if rid in self._tracked:
-        self._on_token(self._tracked[rid], token, logprobs.get(rid), rid in done)
+    for rid, ids in tokens.items():
+      scored = logprobs.get(rid)
+      for j, token in enumerate(ids):
+        t = self._tracked.get(rid)
+        if t is None:   # ended on an earlier token of this step (a stop string, an error)
+          break
+        self._on_token(t, token, scored and scored[j], rid in done and j == len(ids) - 1)
     for rid in done - tokens.keys():   # finished without a token this step
       if rid in self._tracked:
         self._finish(self._tracked[rid])
@@ -758,6 +828,8 @@ class Engine:
     lps = None if logprob is None else [logprob]
     if stop is not None:
       if not finished_now:
+        # Tokens accepted after this one in the same step are not output.
+        del req.output_token_ids[len(t.metrics.token_times):]
         self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
       self._finish(t, 'stop', [token], text, lps, prompt_logprobs=prompt_lps)
     elif finished_now:

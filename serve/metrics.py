@@ -46,7 +46,13 @@ class _EngineCollector:
                 ('prompt_tokens', 'Prompt tokens prefilled.', stats.prompt_tokens),
                 ('generation_tokens', 'Tokens generated.', stats.generation_tokens),
                 ('num_preemptions', 'Requests preempted: their KV blocks freed, their '
-                 'tokens recomputed when they run again.', stats.num_preemptions))
+                 'tokens recomputed when they run again.', stats.num_preemptions),
+                ('spec_decode_num_drafts', 'Speculative decoding: drafts verified.',
+                 stats.spec_decode_num_drafts),
+                ('spec_decode_num_draft_tokens', 'Speculative decoding: draft tokens '
+                 'verified.', stats.spec_decode_num_draft_tokens),
+                ('spec_decode_num_accepted_tokens', 'Speculative decoding: draft tokens '
+                 'accepted.', stats.spec_decode_num_accepted_tokens))
     for name, doc, value in counters:
       yield CounterMetricFamily(PREFIX + name, doc, value=float(value))
     success = CounterMetricFamily(PREFIX + 'request_success', 'Finished requests by reason.',
@@ -90,7 +96,8 @@ class ServerMetrics:
 class StatsLogger:
   """vLLM's periodic engine line, for whoever watches the server's output: prompt and
   generation throughput since the last line, the batch, KV cache use and the prefix
-  cache's hit rate over the prompt tokens looked up since then. Quiet while idle."""
+  cache's hit rate over the prompt tokens looked up since then, and speculative decoding's
+acceptance. Quiet while idle."""
 
   def __init__(self, engine, clock=time.monotonic):
     self._engine, self._clock = engine, clock
@@ -117,6 +124,12 @@ class StatsLogger:
     preempted = stats.num_preemptions - last.num_preemptions
     if preempted:
       text += f'; {preempted} preempted (KV cache full)'
+    drafts = stats.spec_decode_num_drafts - last.spec_decode_num_drafts
+    if drafts:
+      drafted = stats.spec_decode_num_draft_tokens - last.spec_decode_num_draft_tokens
+      accepted = stats.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens
+      text += (f'; drafts accepted {accepted / drafted:.1%} of {drafted} tokens, '
+               f'{1 + accepted / drafts:.2f} tokens a draft step')
     return text + '.'
 
   def start(self, interval_s: float, out=print) -> threading.Event:

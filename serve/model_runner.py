@@ -9,7 +9,8 @@ compiles one program per token bucket (8, 16, 32, 48, ..., 512: 11 for the defau
 not one per step. Dead sequence slots cost nothing that grows with
 the context: the XLA attention never loops over them and the kernel's programs for them
 exit at once. The cache is donated to the step, so its buffers are reused in place;
-only the sampled chunks' last rows reach the vocabulary projection.
+only the sampled chunks' last rows reach the vocabulary projection (with speculative
+decoding, a chunk's draft rows and the row before them: sample_bucket rows a step).
 """
 
 import dataclasses
@@ -40,6 +41,7 @@ class RunnerConfig:
   max_num_batched_tokens: int = 512
   max_model_len: int = 2048
   attention: str | None = None   # 'xla' | 'pallas'; None: 'pallas' on GPU, else 'xla'
+  num_speculative_tokens: int = 0   # draft tokens a chunk may carry (rows sampled each)
 
   @property
   def resolved_attention(self) -> str:
@@ -58,6 +60,9 @@ class RunnerConfig:
                  'max_model_len'):
       if getattr(self, name) <= 0:
         raise ValueError(f'runner {name}={getattr(self, name)} must be positive.')
+    if self.num_speculative_tokens < 0:
+      raise ValueError(f'runner num_speculative_tokens={self.num_speculative_tokens} must '
+                       'be 0 (off) or positive.')
     if self.max_num_batched_tokens < self.max_num_seqs:
       raise ValueError(f'runner max_num_batched_tokens={self.max_num_batched_tokens} is '
                        f'below max_num_seqs={self.max_num_seqs}: every running sequence '
@@ -85,6 +90,12 @@ def seq_bucket(cfg: RunnerConfig, token_bucket: int) -> int:
   return min(token_bucket, cfg.max_num_seqs)
 
 
+def sample_bucket(cfg: RunnerConfig, token_bucket: int) -> int:
+  """Rows whose logits a step of `token_bucket` tokens returns: one per sequence slot,
+  and with speculative decoding one more per draft token a chunk may carry."""
+  return min(token_bucket, seq_bucket(cfg, token_bucket) * (1 + cfg.num_speculative_tokens))
+
+
 def _bucket(n: int, buckets: list[int]) -> int:
   return next(b for b in buckets if b >= n)
 
@@ -105,9 +116,11 @@ SCORE_ROWS = 256   # rows whose full-vocabulary logits a scored step holds at on
 
 
 class StepResult(NamedTuple):
-  """One step's sampled rows, on the device: logits [S, vocab] (rows past num_sampled are
-  padding) and each row's greedy token [S] (argmax over the first `vocab_size` ids, as
-  the sampler's greedy rows take it), so an all-greedy step needs no sampler. With
+  """One step's sampled rows, on the device: logits [R, vocab] (R = sample_bucket; rows
+  past num_sampled are padding; a chunk with a draft has a row per draft token after
+  its last known token's) and each row's greedy token [R] (argmax over the first
+  `vocab_size` ids, as the sampler's greedy rows take it), so an all-greedy step needs no
+  sampler. With
   targets (`step`), `scores` is (log p of each token's target [T], its rank [T] (the
   tokens at least as likely, itself included, as vLLM counts), and the top_n (log p [T, n], ids [T, n]) or None) over the batch's
   token rows."""
@@ -219,9 +232,10 @@ class ModelRunner:
       *_, self.cache = self._step(self.params, self.cache, batch, self.rope)
 
   def execute(self, out) -> jax.Array:
-    """float32 logits [chunks with sample=True, vocab] in chunk order; the step's K/V
-    written into the cache. `out.chunks` items need token_ids, start_position, block_ids
-    and sample."""
+    """float32 logits [sampled rows, vocab] in chunk order (a row per chunk with
+    sample=True, and one per draft token after it); the step's K/V written into the
+    cache. `out.chunks` items need token_ids, start_position, block_ids and sample (and
+    spec_token_ids, if any)."""
     res = self.step(out)
     return res.logits[:res.num_sampled]
 
@@ -256,8 +270,7 @@ class ModelRunner:
     num_tokens = sum(len(c.token_ids) for c in chunks)
     self._check_sizes(len(chunks), num_tokens)
     t = _bucket(num_tokens, self._tokens)
-    s = seq_bucket(cfg, t)
-    a = _empty_batch(t, s, cfg)
+    a = _empty_batch(t, seq_bucket(cfg, t), cfg)
     row, sampled = 0, 0
     for i, c in enumerate(chunks):
       n, start = len(c.token_ids), c.start_position
@@ -272,8 +285,9 @@ class ModelRunner:
       row += n
       a['cu_q_lens'][i + 1:] = row
       if c.sample:
-        a['sample_rows'][sampled] = row - 1
-        sampled += 1
+        rows = 1 + len(getattr(c, 'spec_token_ids', ()))
+        a['sample_rows'][sampled:sampled + rows] = np.arange(row - rows, row)
+        sampled += rows
     a['num_seqs'][0] = len(chunks)
     # numpy leaves: the jitted step moves them to the device in its C++ dispatch, where
     # a jnp.asarray each costs ~60 us of Python (measured: 0.5 ms of a 5 ms decode step).
@@ -311,4 +325,5 @@ def _empty_batch(t: int, s: int, cfg: RunnerConfig) -> dict[str, np.ndarray]:
               # Past the end of the cache: the scatter drops padding rows' K/V.
               slots=np.full(t, cfg.num_blocks * cfg.block_size, np.int32),
               kv_lens=zeros(s), page_indices=zeros(s, cfg.pages_per_seq),
-              cu_q_lens=zeros(s + 1), num_seqs=zeros(1), sample_rows=zeros(s))
+              cu_q_lens=zeros(s + 1), num_seqs=zeros(1),
+              sample_rows=zeros(sample_bucket(cfg, t)))

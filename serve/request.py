@@ -42,6 +42,9 @@ class Request:
   num_computed_tokens: int = 0       # tokens whose K/V are in the cache
   status: RequestStatus = RequestStatus.WAITING
   stop_reason: str | int | None = None   # the stop token id or stop string that ended it
+  # Draft tokens to verify after the last known one next step (speculative decoding):
+  # set by the engine, read by the scheduler, never part of the request's tokens.
+  spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
   @property
   def all_token_ids(self) -> list[int]:

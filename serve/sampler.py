@@ -58,21 +58,26 @@ def sample(logits: jax.Array, params: list[SamplingParams], steps: list[int], vo
            allowed=None) -> SampleResult:
   """One token per row of logits [N, V >= vocab_size]; ids >= vocab_size are never drawn.
 
+  logits may have more rows than params (a runner's padded output): the first N are
+  sampled. Pass them uncut: the program cuts or pads them to N's power-of-two bucket, so
+  it is compiled per (rows given, bucket), not per N.
+
   history: each row's (prompt token ids, output token ids so far), which the penalties
   read; needed only when some row has one. banned: each row's token ids that must not be
   drawn this step (the engine's eos and stop ids before min_tokens), or None. allowed: each
   row's tokens it may draw (guided output) as unpack_bits words, or None (any)."""
   n = len(params)
-  if logits.ndim != 2 or logits.shape[0] != n or len(steps) != n:
-    raise ValueError(f'sample: logits {logits.shape} must be [len(params)={n}, vocab] and '
-                     f'steps must have {n} entries, got {len(steps)}')
+  if logits.ndim != 2 or logits.shape[0] < n or len(steps) != n:
+    raise ValueError(f'sample: logits {logits.shape} must be [at least len(params)={n}, '
+                     f'vocab] and steps must have {n} entries, got {len(steps)}')
   if logits.shape[1] < vocab_size:
     raise ValueError(f'sample: logits have {logits.shape[1]} columns, fewer than the '
                      f'vocabulary ({vocab_size}); pass the tokenizer vocab_size')
-  rows = _bucket(n)
+  rows = row_bucket(n)
   row_args = _row_arrays(params, steps, rng or np.random.default_rng(), rows, vocab_size)
   logits = jnp.asarray(logits)
-  padded = jnp.pad(logits, ((0, rows - n), (0, 0))) if rows > n else logits
+  given = logits.shape[0]
+  padded = logits[:rows] if given >= rows else jnp.pad(logits, ((0, rows - given), (0, 0)))
   want_top = any(p.logprobs for p in params)
   adjust = _adjust_arrays(params, history, rows, vocab_size, banned, allowed)
   out = _sample_rows(padded, *row_args, adjust, vocab_size=vocab_size,
@@ -82,7 +87,8 @@ def sample(logits: jax.Array, params: list[SamplingParams], steps: list[int], vo
   return _result(params, jax.device_get(out), n)
 
 
-def _bucket(n: int) -> int:
+def row_bucket(n: int) -> int:
+  """The rows a sample of n rows runs as (a power of two): its program's size."""
   return 1 << max(0, n - 1).bit_length()
 
 
@@ -96,7 +102,7 @@ def _filters(params: list[SamplingParams], vocab_size: int) -> tuple[int, bool] 
   if not any(k > 0 for k in ks):
     cap = 0
   elif all(0 < k <= FEW_TOP_K for k in ks):
-    cap = min(_bucket(max(ks)), vocab_size)
+    cap = min(row_bucket(max(ks)), vocab_size)
   else:
     cap = -1
   return cap, any(p.top_p < 1.0 for p in sampled)
@@ -143,7 +149,7 @@ def _adjust_arrays(params, history, rows, vocab_size, banned=None,
     return np.asarray(list(values) + [fill] * pad, np.float32)
 
   def padded(lists, fill=vocab_size, dtype=np.int32):
-    width = max(16, _bucket(max(map(len, lists))))
+    width = max(16, row_bucket(max(map(len, lists))))
     out = np.full((rows, width), fill, dtype)
     for i, values in enumerate(lists):
       out[i, :len(values)] = values

@@ -6,6 +6,12 @@ request a chunk of its uncomputed tokens. A fresh prompt, a prompt split over se
 steps (chunked prefill), the one token sampled last step (decode) and a preempted
 request's recompute are all the same thing, so they mix freely in one batch.
 
+A running request in decode may carry draft tokens (speculative decoding: the engine
+sets request.spec_token_ids): they ride behind its last token in the same chunk, as far
+as the budget and its max_tokens allow, taking a new block only where one stays free for
+each running request after it (a draft never preempts anyone for its blocks), and
+update_from_output takes the tokens the engine accepted, computed ones and all.
+
 Each step spends a token budget (max_num_batched_tokens): running requests first, oldest
 first, then waiting ones, first come first served, up to max_num_seqs running. When a
 running request needs a block and none is free, the most recently admitted running
@@ -50,6 +56,9 @@ class ScheduledChunk:
   start_position: int      # position of token_ids[0] (num_computed_tokens before the step)
   block_ids: list[int]     # the whole block table, covering start_position + len(token_ids)
   sample: bool             # ends at the request's last known token: sample the next one
+  # Draft tokens at the end of token_ids (sample is then True): every one of them and
+  # the last known token is sampled, and the engine accepts a prefix of the draft.
+  spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,11 +131,15 @@ class Scheduler:
                            self.cfg.max_num_batched_tokens - budget)
 
   def update_from_output(self, out: SchedulerOutput,
-                         sampled: dict[str, int]) -> list[Request]:
+                         sampled: dict[str, int | list[int]]) -> list[Request]:
     """Records a step: advances computed counts, appends sampled tokens, finishes.
 
-    Returns the requests that finished (their blocks already freed). A request finished
-    by finish_request after schedule() is skipped.
+    sampled: per sampling chunk its token, or with a draft the tokens accepted: the
+    draft's first m and the token sampled after them (1 to len(draft) + 1). They are
+    appended until one finishes the request; the rejected draft's K/V are not computed
+    (their slots are overwritten later). Returns the requests that finished (their
+    blocks already freed). A request finished by finish_request after schedule() is
+    skipped.
     """
     finished = []
     try:
@@ -134,13 +147,23 @@ class Scheduler:
         request = self.requests.get(chunk.request_id)
         if request is None or request.status is not RequestStatus.RUNNING:
           continue
-        request.num_computed_tokens = chunk.start_position + len(chunk.token_ids)
-        self.kv.cache_blocks(request)
-        if chunk.sample:
-          status = self._append_token(request, _sampled_token(sampled, chunk.request_id))
+        request.spec_token_ids = []
+        computed = chunk.start_position + len(chunk.token_ids)
+        if not chunk.sample:
+          request.num_computed_tokens = computed
+          self.kv.cache_blocks(request)
+          continue
+        tokens = _sampled_tokens(sampled, chunk)
+        request.num_computed_tokens = computed - len(chunk.spec_token_ids) + len(tokens) - 1
+        status = None
+        for token in tokens:
+          status = self._append_token(request, token)
           if status is not None:
-            self._finish(request, status)
-            finished.append(request)
+            break
+        self.kv.cache_blocks(request)   # after the append: accepted drafts are tokens now
+        if status is not None:
+          self._finish(request, status)
+          finished.append(request)
     finally:   # also when a later chunk raises: a finished request never runs again
       if finished:
         self.running = [r for r in self.running if not r.is_finished]
@@ -200,12 +223,36 @@ class Scheduler:
       request = self.running[i]
       num_tokens = request.num_tokens
       num_new = self._num_new_tokens(num_tokens, request.num_computed_tokens, budget)
-      if not self._allocate_or_preempt(request, num_new, preempted):
+      draft = self._draft(request, num_new, budget)
+      # A draft takes a new block only if one stays free for each request after it.
+      if draft and (self._new_blocks(request, num_new + len(draft))
+                    > self.kv.num_free_blocks - (len(self.running) - i - 1)
+                    or self.kv.allocate_slots(request, num_new + len(draft)) is None):
+        draft = ()   # decode without it
+      if not draft and not self._allocate_or_preempt(request, num_new, preempted):
         break   # the request was itself the last one running: nothing left after it
-      chunks.append(self._chunk(request, num_new, num_tokens))
-      budget -= num_new
+      chunks.append(self._chunk(request, num_new, num_tokens, draft))
+      budget -= num_new + len(draft)
       i += 1
     return budget
+
+  def _new_blocks(self, request: Request, num_new: int) -> int:
+    """Blocks a running request needs beyond those it holds for num_new more tokens."""
+    held = len(self.kv.get_block_ids(request.request_id))
+    return max(0, -(-(request.num_computed_tokens + num_new) // self.cfg.block_size) - held)
+
+  def _draft(self, request: Request, num_new: int, budget: int) -> tuple[int, ...]:
+    """The part of the request's draft this step verifies: none unless the chunk
+    reaches its last known token; at most the budget left, and short enough that the
+    draft and the token after it fit max_tokens and the model's context."""
+    if not request.spec_token_ids or (request.num_computed_tokens + num_new
+                                      != request.num_tokens):
+      return ()
+    params = request.sampling_params
+    max_tokens = params.max_tokens or self.cfg.max_model_len
+    room = min(max_tokens - request.num_output_tokens,
+               self.cfg.max_model_len - request.num_tokens) - 1
+    return tuple(request.spec_token_ids[:max(0, min(room, budget - num_new))])
 
   def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list) -> bool:
     """Preempts the newest running requests until `request` fits; False if it went too."""
@@ -241,16 +288,18 @@ class Scheduler:
       num_new = threshold
     return min(num_new, budget)
 
-  def _chunk(self, request: Request, num_new: int, num_tokens: int) -> ScheduledChunk:
+  def _chunk(self, request: Request, num_new: int, num_tokens: int,
+             draft: tuple[int, ...] = ()) -> ScheduledChunk:
     start = request.num_computed_tokens
     end = start + num_new
-    return ScheduledChunk(request.request_id, request.token_ids(start, end), start,
-                          self.kv.get_block_ids(request.request_id).copy(),
-                          end == num_tokens)
+    return ScheduledChunk(request.request_id, request.token_ids(start, end) + list(draft),
+                          start, self.kv.get_block_ids(request.request_id).copy(),
+                          end == num_tokens, draft)
 
   def _preempt(self, request: Request) -> None:
     self.kv.free(request)
     request.num_computed_tokens = 0
+    request.spec_token_ids = []
     request.status = RequestStatus.PREEMPTED
     self.waiting.appendleft(request)
     self.num_preemptions += 1
@@ -279,9 +328,15 @@ class Scheduler:
     self._finished_ids.append(request.request_id)
 
 
-def _sampled_token(sampled: dict[str, int], request_id: str) -> int:
-  token = sampled.get(request_id)
-  if token is None:
-    raise ValueError(f'no sampled token for request {request_id!r}, whose chunk had '
+def _sampled_tokens(sampled: dict, chunk: ScheduledChunk) -> list[int]:
+  """The chunk's accepted tokens, checked: a prefix of its draft, then one token."""
+  rid, draft = chunk.request_id, chunk.spec_token_ids
+  tokens = sampled.get(rid)
+  if tokens is None:
+    raise ValueError(f'no sampled token for request {rid!r}, whose chunk had '
                      'sample=True: pass one token per sampling chunk')
-  return int(token)
+  tokens = [int(t) for t in tokens] if isinstance(tokens, (list, tuple)) else [int(tokens)]
+  if not 1 <= len(tokens) <= len(draft) + 1 or tokens[:-1] != list(draft[:len(tokens) - 1]):
+    raise ValueError(f'request {rid!r}: {tokens} is not a prefix of its draft {list(draft)} '
+                     'followed by one sampled token')
+  return tokens

@@ -236,6 +236,19 @@ def test_one_program_per_bucket_and_mode():
   assert sampler._sample_rows._cache_size() - before == 1   # pylint: disable=protected-access
 
 
+def test_logits_with_more_rows_than_params_sample_their_first_rows():
+  """The engine passes the runner's padded logits whole: the first len(params) rows are
+  sampled as if cut, in one program per (rows given, row bucket)."""
+  rng = np.random.default_rng(11)
+  logits = rng.normal(size=(24, PADDED)).astype(np.float32)
+  for n in (3, 5, 8):
+    params = [SamplingParams(temperature=1.0, seed=i, logprobs=2) for i in range(n)]
+    want, got = (sample(x, params, list(range(n)), VOCAB) for x in (logits[:n], logits))
+    assert (got.token_ids == want.token_ids).all() and got.top_logprobs == want.top_logprobs
+  with pytest.raises(ValueError, match='at least len'):
+    sample(logits[:3], [SamplingParams()] * 4, [0] * 4, VOCAB)
+
+
 def test_bad_shapes_are_refused():
   with pytest.raises(ValueError, match='vocab'):
     sample(np.zeros((1, 100), np.float32), [SamplingParams()], [0], VOCAB)

@@ -1020,6 +1020,23 @@ def test_preemptions_are_a_counter(fake, monkeypatch):
   assert 'meshlm:num_preemptions_total 7.0' in text.splitlines()
 
 
+def test_speculative_decoding_counters_and_stats_line(fake, monkeypatch):
+  from serve.metrics import ServerMetrics, StatsLogger  # pylint: disable=import-outside-toplevel
+  spec = dict(spec_decode_num_drafts=10, spec_decode_num_draft_tokens=40,
+              spec_decode_num_accepted_tokens=30)
+  stats = iter([engine_lib.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}),
+                engine_lib.EngineStats(1, 0, 0.1, 0, 0, 0, 40, {}, **spec)])
+  fake_stats = type('E', (), {'stats': lambda self: next(stats)})()
+  logger = StatsLogger(fake_stats, clock=iter([0.0, 2.0]).__next__)
+  assert logger.line().endswith('; drafts accepted 75.0% of 40 tokens, 4.00 tokens a draft '
+                                'step.')
+  monkeypatch.setattr(fake, 'stats', lambda: engine_lib.EngineStats(
+      0, 0, 0.0, 0, 0, 0, 0, {}, **spec))
+  text = ServerMetrics(fake).render().decode().splitlines()
+  for name, value in spec.items():
+    assert f'meshlm:{name}_total {float(value)}' in text
+
+
 def test_metrics_count_what_was_served(real_server, real_engine):
   before = _metric_values(real_server)
   client = _client(real_server)
