@@ -350,3 +350,17 @@ def test_hlo_pass_trace_runs_on_a_config(tmp_path):
   assert row['changes'][0]['file'].endswith('jit_step.before_optimizations.txt')
   assert (tmp_path / 'culprit.txt').read_text() == ''
   assert not list(tmp_path.glob('hlo_passes_*'))
+
+
+def test_spec_decode_benchmark_smoke(tiny_workdir):
+  """Plain decoding and n-gram drafts on the shared tiny model (which repeats itself):
+  the run checks the greedy tokens are equal; drafts are accepted and save steps."""
+  from benchmarks import spec_decode  # pylint: disable=import-outside-toplevel
+  result = spec_decode.main(['--smoke', '--checkpoint', tiny_workdir])
+  for mode in ('one_at_a_time', 'batch'):
+    rows = result['results'][mode]
+    assert rows['plain']['acceptance'] is None
+    for name in ('ngram_k2', 'ngram_k4'):
+      assert rows[name]['acceptance'] > 0.5
+      assert rows[name]['request_steps'] < rows['plain']['request_steps']
+
