@@ -58,6 +58,8 @@ class RequestMetrics:
   """Wall-clock times (time.monotonic) of one request, for latency histograms."""
   arrival_time: float
   num_prompt_tokens: int
+  # When each step's tokens came out: one entry a step (with speculative decoding a step
+  # may give several tokens), so inter-token latencies are per step, as vLLM counts them.
   token_times: list[float] = dataclasses.field(default_factory=list)
   finish_time: float | None = None
   finish_reason: str | None = None
@@ -130,6 +132,8 @@ class EngineStats:
   spec_decode_num_drafts: int = 0
   spec_decode_num_draft_tokens: int = 0
   spec_decode_num_accepted_tokens: int = 0
+  # Per draft position (0 = the first draft token): drafts whose token there was accepted.
+  spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 # ------------------------------------------------------------------------ streams
@@ -251,6 +255,7 @@ class _Tracked:
   allowed: np.ndarray | None = None   # allowed_token_ids as the sampler's bits
   bad_words: list = dataclasses.field(default_factory=list)   # bad_word_ids of the request
   history: TokenHistory | None = None   # its tokens as an array, for n-gram drafts
+  emitted_step: int = -1   # the engine's _emit_count when its last token went out
 
   def constraints(self, draft=()) -> tuple[list[int], np.ndarray | None]:
     """(banned ids, allowed bits or None) for this step, or for the row after `draft` (a
@@ -385,10 +390,12 @@ class Engine:
     self._observers = []
     self._totals = {'prompt_tokens': 0, 'generation_tokens': 0, 'drafts': 0,
                     'draft_tokens': 0, 'accepted_tokens': 0}
+    self._accepted_per_pos = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
     self._guided = None   # guided.GuidedDecoding, built at the first guided request
     self._guided_lock = threading.Lock()
     self._finished_by_reason = {r: 0 for r in ('stop', 'length', 'abort', 'error')}
     self._pending_outputs = None   # (tokens, logprobs, finished) of the last step
+    self._emit_count = 0   # steps emitted (a step's tokens share one token_times entry)
     self._lock = threading.RLock()
     self._wake = threading.Event()
     self._admitting, self._stopping = True, False
@@ -554,7 +561,8 @@ class Engine:
           finished=dict(self._finished_by_reason), num_preemptions=s.num_preemptions,
           spec_decode_num_drafts=self._totals['drafts'],
           spec_decode_num_draft_tokens=self._totals['draft_tokens'],
-          spec_decode_num_accepted_tokens=self._totals['accepted_tokens'])
+          spec_decode_num_accepted_tokens=self._totals['accepted_tokens'],
+          spec_decode_num_accepted_tokens_per_pos=tuple(self._accepted_per_pos))
 
   @property
   def max_waiting_requests(self) -> int:
@@ -753,6 +761,8 @@ class Engine:
         self._totals['drafts'] += 1
         self._totals['draft_tokens'] += len(draft)
         self._totals['accepted_tokens'] += len(accepted) - 1
+        for pos in range(len(accepted) - 1):
+          self._accepted_per_pos[pos] += 1
     return tokens, logprobs
 
   def _prompt_targets(self, out):
@@ -795,6 +805,7 @@ class Engine:
       row += len(c.token_ids)
 
   def _emit(self, tokens: dict, logprobs: dict, finished) -> None:
+    self._emit_count += 1
     done = {r.request_id for r in finished}
     for rid, ids in tokens.items():
       scored = logprobs.get(rid)
@@ -802,18 +813,25 @@ class Engine:
         t = self._tracked.get(rid)
         if t is None:   # ended on an earlier token of this step (a stop string, an error)
           break
-        self._on_token(t, token, scored and scored[j], rid in done and j == len(ids) - 1)
+        later = len(ids) - 1 - j
+        self._on_token(t, token, scored and scored[j], rid in done and not later, later)
     for rid in done - tokens.keys():   # finished without a token this step
       if rid in self._tracked:
         self._finish(self._tracked[rid])
 
-  def _on_token(self, t: _Tracked, token: int, logprob, finished_now: bool) -> None:
+  def _on_token(self, t: _Tracked, token: int, logprob, finished_now: bool,
+                later: int = 0) -> None:
+    """One output token; `later`: the step's tokens after it (accepted draft tokens),
+    already in the request's output_token_ids."""
     req, now = t.request, time.monotonic()
     prompt_lps = None
     if not t.metrics.token_times:   # the first token: the prompt is all computed
       self._totals['prompt_tokens'] += len(req.prompt_token_ids)
       prompt_lps = t.prompt_logprobs
-    t.metrics.token_times.append(now)
+      t.metrics.token_times.append(now)
+    elif t.emitted_step != self._emit_count:   # the first of this step's tokens
+      t.metrics.token_times.append(now)
+    t.emitted_step = self._emit_count
     self._totals['generation_tokens'] += 1
     if t.guide is not None and not finished_now:
       try:
@@ -828,15 +846,15 @@ class Engine:
     lps = None if logprob is None else [logprob]
     if stop is not None:
       if not finished_now:
-        # Tokens accepted after this one in the same step are not output.
-        del req.output_token_ids[len(t.metrics.token_times):]
+        if later:   # tokens accepted after this one in the same step are not output
+          del req.output_token_ids[-later:]
         self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
       self._finish(t, 'stop', [token], text, lps, prompt_logprobs=prompt_lps)
     elif finished_now:
       self._finish(t, None, [token], text + t.detok.flush(), lps, prompt_logprobs=prompt_lps)
     else:
       t.stream.put(RequestOutput(req.request_id, [token], text, lps, False, None,
-                                 len(req.prompt_token_ids), req.num_output_tokens,
+                                 len(req.prompt_token_ids), req.num_output_tokens - later,
                                  prompt_logprobs=prompt_lps))
 
   @staticmethod

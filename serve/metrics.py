@@ -55,6 +55,13 @@ class _EngineCollector:
                  'accepted.', stats.spec_decode_num_accepted_tokens))
     for name, doc, value in counters:
       yield CounterMetricFamily(PREFIX + name, doc, value=float(value))
+    if stats.spec_decode_num_accepted_tokens_per_pos:
+      per_pos = CounterMetricFamily(
+          PREFIX + 'spec_decode_num_accepted_tokens_per_pos', 'Speculative decoding: draft '
+          'tokens accepted at each draft position (0: the first).', labels=['position'])
+      for pos, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+        per_pos.add_metric([str(pos)], float(value))
+      yield per_pos
     success = CounterMetricFamily(PREFIX + 'request_success', 'Finished requests by reason.',
                                   labels=['finished_reason'])
     for reason in FINISH_REASONS:
@@ -97,7 +104,7 @@ class StatsLogger:
   """vLLM's periodic engine line, for whoever watches the server's output: prompt and
   generation throughput since the last line, the batch, KV cache use and the prefix
   cache's hit rate over the prompt tokens looked up since then, and speculative decoding's
-acceptance. Quiet while idle."""
+  acceptance. Quiet while idle."""
 
   def __init__(self, engine, clock=time.monotonic):
     self._engine, self._clock = engine, clock

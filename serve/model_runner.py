@@ -41,7 +41,10 @@ class RunnerConfig:
   max_num_batched_tokens: int = 512
   max_model_len: int = 2048
   attention: str | None = None   # 'xla' | 'pallas'; None: 'pallas' on GPU, else 'xla'
-  num_speculative_tokens: int = 0   # draft tokens a chunk may carry (rows sampled each)
+  # Draft tokens a chunk may carry, each a sampled row. A step's program returns
+  # sample_bucket rows whether or not it carries drafts (the head then runs on padding
+  # rows too: one program per token bucket still).
+  num_speculative_tokens: int = 0
 
   @property
   def resolved_attention(self) -> str:

@@ -8,8 +8,8 @@ request's recompute are all the same thing, so they mix freely in one batch.
 
 A running request in decode may carry draft tokens (speculative decoding: the engine
 sets request.spec_token_ids): they ride behind its last token in the same chunk, as far
-as the budget and its max_tokens allow, taking a new block only where one stays free for
-each running request after it (a draft never preempts anyone for its blocks), and
+as the budget and its max_tokens allow, in the blocks it holds and free ones that no
+running request after it may need this step (a draft never preempts anyone), and
 update_from_output takes the tokens the engine accepted, computed ones and all.
 
 Each step spends a token budget (max_num_batched_tokens): running requests first, oldest
@@ -154,12 +154,15 @@ class Scheduler:
           self.kv.cache_blocks(request)
           continue
         tokens = _sampled_tokens(sampled, chunk)
-        request.num_computed_tokens = computed - len(chunk.spec_token_ids) + len(tokens) - 1
-        status = None
+        status, appended = None, 0
         for token in tokens:
           status = self._append_token(request, token)
+          appended += 1
           if status is not None:
             break
+        # Computed: the chunk up to the last appended token's predecessor (a rejected
+        # draft's K/V, and any accepted past a finishing token, are not the request's).
+        request.num_computed_tokens = computed - len(chunk.spec_token_ids) + appended - 1
         self.kv.cache_blocks(request)   # after the append: accepted drafts are tokens now
         if status is not None:
           self._finish(request, status)
@@ -218,17 +221,17 @@ class Scheduler:
 
   # Scheduling, phase by phase.
   def _schedule_running(self, budget: int, chunks: list, preempted: list) -> int:
+    reserve = self._later_needs(budget) if any(r.spec_token_ids for r in self.running) else ()
     i = 0
     while i < len(self.running) and budget > 0:
       request = self.running[i]
       num_tokens = request.num_tokens
       num_new = self._num_new_tokens(num_tokens, request.num_computed_tokens, budget)
       draft = self._draft(request, num_new, budget)
-      # A draft takes a new block only if one stays free for each request after it.
-      if draft and (self._new_blocks(request, num_new + len(draft))
-                    > self.kv.num_free_blocks - (len(self.running) - i - 1)
-                    or self.kv.allocate_slots(request, num_new + len(draft)) is None):
-        draft = ()   # decode without it
+      if draft:   # cut to the blocks the requests after it cannot need this step
+        draft = draft[:self._draft_room(request, num_new, reserve[i])]
+        if draft and self.kv.allocate_slots(request, num_new + len(draft)) is None:
+          draft = ()
       if not draft and not self._allocate_or_preempt(request, num_new, preempted):
         break   # the request was itself the last one running: nothing left after it
       chunks.append(self._chunk(request, num_new, num_tokens, draft))
@@ -236,10 +239,26 @@ class Scheduler:
       i += 1
     return budget
 
-  def _new_blocks(self, request: Request, num_new: int) -> int:
-    """Blocks a running request needs beyond those it holds for num_new more tokens."""
+  def _later_needs(self, budget: int) -> list[int]:
+    """Per running request, the new blocks the requests after it may need this step (at
+    most their next chunk's under the whole budget): what no draft before them may take."""
+    needs = [0]
+    for request in reversed(self.running[1:]):
+      num_new = self._num_new_tokens(request.num_tokens, request.num_computed_tokens, budget)
+      held = len(self.kv.get_block_ids(request.request_id))
+      needs.append(needs[-1] + max(0, self._blocks(request.num_computed_tokens + num_new)
+                                   - held))
+    return needs[::-1]
+
+  def _draft_room(self, request: Request, num_new: int, reserved: int) -> int:
+    """Draft tokens that fit the blocks the request holds and the free ones beyond
+    `reserved`, after its num_new tokens."""
     held = len(self.kv.get_block_ids(request.request_id))
-    return max(0, -(-(request.num_computed_tokens + num_new) // self.cfg.block_size) - held)
+    blocks = held + max(0, self.kv.num_free_blocks - reserved)
+    return max(0, blocks * self.cfg.block_size - request.num_computed_tokens - num_new)
+
+  def _blocks(self, num_tokens: int) -> int:
+    return -(-num_tokens // self.cfg.block_size)
 
   def _draft(self, request: Request, num_new: int, budget: int) -> tuple[int, ...]:
     """The part of the request's draft this step verifies: none unless the chunk

@@ -1023,7 +1023,8 @@ def test_preemptions_are_a_counter(fake, monkeypatch):
 def test_speculative_decoding_counters_and_stats_line(fake, monkeypatch):
   from serve.metrics import ServerMetrics, StatsLogger  # pylint: disable=import-outside-toplevel
   spec = dict(spec_decode_num_drafts=10, spec_decode_num_draft_tokens=40,
-              spec_decode_num_accepted_tokens=30)
+              spec_decode_num_accepted_tokens=30,
+              spec_decode_num_accepted_tokens_per_pos=(10, 9, 7, 4))
   stats = iter([engine_lib.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}),
                 engine_lib.EngineStats(1, 0, 0.1, 0, 0, 0, 40, {}, **spec)])
   fake_stats = type('E', (), {'stats': lambda self: next(stats)})()
@@ -1033,8 +1034,12 @@ def test_speculative_decoding_counters_and_stats_line(fake, monkeypatch):
   monkeypatch.setattr(fake, 'stats', lambda: engine_lib.EngineStats(
       0, 0, 0.0, 0, 0, 0, 0, {}, **spec))
   text = ServerMetrics(fake).render().decode().splitlines()
-  for name, value in spec.items():
-    assert f'meshlm:{name}_total {float(value)}' in text
+  for name in ('spec_decode_num_drafts', 'spec_decode_num_draft_tokens',
+               'spec_decode_num_accepted_tokens'):
+    assert f'meshlm:{name}_total {float(spec[name])}' in text
+  for pos, value in enumerate(spec['spec_decode_num_accepted_tokens_per_pos']):
+    assert (f'meshlm:spec_decode_num_accepted_tokens_per_pos_total{{position="{pos}"}} '
+            f'{float(value)}') in text
 
 
 def test_metrics_count_what_was_served(real_server, real_engine):

@@ -131,6 +131,19 @@ def test_scheduler_carries_drafts_within_budget_max_tokens_and_blocks():
   assert len(req.output_token_ids) == 8
 
 
+def test_drafts_stop_short_of_the_models_context():
+  """max_tokens unset: the request may run to max_model_len (12); a draft and the token
+  after it never pass it."""
+  sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=32, max_model_len=12))
+  req = decoding(sched, make_request('a', range(5), max_tokens=None), [0])
+  req.spec_token_ids = list(range(10, 20))
+  out = sched.schedule()
+  assert out.chunks[0].spec_token_ids == (10, 11, 12, 13, 14)   # 6 tokens + 5 + 1 = 12
+  assert out.chunks[0].start_position + len(out.chunks[0].token_ids) == 11
+  assert sched.update_from_output(out, {'a': [10, 11, 12, 13, 14, 15]}) == [req]
+  assert req.num_tokens == 12 and req.status is RequestStatus.FINISHED_LENGTH
+
+
 def test_scheduler_refuses_tokens_that_are_not_the_drafts_prefix():
   sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=32))
   req = decoding(sched, make_request('a', range(5)), [9])
@@ -141,49 +154,61 @@ def test_scheduler_refuses_tokens_that_are_not_the_drafts_prefix():
       sched.update_from_output(out, {'a': wrong})
 
 
-def test_a_draft_without_free_blocks_is_dropped_and_preempts_no_one():
-  # 3 usable blocks of 4: 'a' (7 tokens) holds 2, 'b' (3 tokens) holds 1. A draft of 2
-  # behind 'a' would need a third block: it is dropped, and nobody is preempted.
-  sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=4))
-  a, b = make_request('a', range(6), max_tokens=4), make_request('b', range(2), max_tokens=2)
+@pytest.mark.parametrize('num_blocks,a_prompt,a_max,b_prompt,free,kept', [
+    (4, 6, 4, 2, 0, 1),   # 3 usable: a (7 tokens) holds 2, b (3) 1, none free
+    (5, 5, 6, 4, 1, 2),   # 4 usable: a (6 tokens) holds 2, b (5) 1; b's decode needs the last
+])
+def test_a_draft_takes_no_block_another_request_needs(num_blocks, a_prompt, a_max, b_prompt,
+                                                      free, kept):
+  """a's draft would need a new block: it is cut to the slots a holds, b decodes,
+  nobody is preempted; with b gone, the draft gets its block."""
+  sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=num_blocks))
+  a = make_request('a', range(a_prompt), max_tokens=a_max)
   sched.add_request(a)
-  sched.add_request(b)
+  sched.add_request(make_request('b', range(b_prompt), max_tokens=4))
   sched.update_from_output(sched.schedule(), {'a': 7, 'b': 8})
-  assert sched.kv.num_free_blocks == 0
+  assert sched.kv.num_free_blocks == free
   a.spec_token_ids = [1, 2, 3]
   out = sched.schedule()
-  assert [(c.token_ids, c.spec_token_ids) for c in out.chunks] == [([7], ()), ([8], ())]
-  assert not out.preempted_ids
-
-
-def test_a_draft_leaves_a_block_for_each_request_after_it():
-  # 4 usable blocks of 4: 'a' (6 tokens) holds 2, 'b' (5 tokens) holds 1; one is free.
-  # b's decode needs it; a's draft would too: the draft goes, b runs, nobody is preempted.
-  sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=5))
-  a, b = make_request('a', range(5), max_tokens=6), make_request('b', range(4), max_tokens=4)
-  sched.add_request(a)
-  sched.add_request(b)
-  sched.update_from_output(sched.schedule(), {'a': 7, 'b': 8})
-  assert sched.kv.num_free_blocks == 1
-  a.spec_token_ids = [1, 2, 3]
-  out = sched.schedule()
-  assert [(c.token_ids, c.spec_token_ids) for c in out.chunks] == [([7], ()), ([8], ())]
-  assert not out.preempted_ids
-  # Alone, the same draft takes the free block.
+  assert [(c.token_ids, c.spec_token_ids) for c in out.chunks] == [
+      ([7, 1, 2, 3][:1 + kept], (1, 2, 3)[:kept]), ([8], ())]
+  assert not out.preempted_ids and len(sched.kv.get_block_ids('a')) == 2
   sched.finish_request('b', RequestStatus.FINISHED_ABORTED)
-  sched.update_from_output(out, {'a': 1})
+  sched.update_from_output(out, {'a': [1]})
   a.spec_token_ids = [2, 3, 4]
-  assert sched.schedule().chunks[0].spec_token_ids == (2, 3, 4)
+  assert sched.schedule().chunks[0].spec_token_ids == (2, 3, 4)[:a_max - 3]
   assert len(sched.kv.get_block_ids('a')) == 3
 
 
-def test_a_stop_token_among_the_accepted_ends_the_request_there():
-  sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=32))
-  req = decoding(sched, make_request('c', range(2), stop_token_ids=[5]), [0])
-  req.spec_token_ids = [3, 5, 6]
+def test_a_draft_leaves_the_blocks_a_later_prefill_chunk_needs():
+  # 6 usable blocks of 4. a decodes (4 tokens, 1 block); b is half prefilled (8 of 16
+  # tokens, 2 blocks; chunks of 8); 3 free, b's next chunk needs 2: a's draft may take 1.
+  sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=7, long_prefill_token_threshold=8))
+  a, b = make_request('a', range(3), max_tokens=12), make_request('b', range(16), max_tokens=2)
+  sched.add_request(a)
+  sched.add_request(b)
+  sched.update_from_output(sched.schedule(), {'a': 9})
+  assert sched.kv.num_free_blocks == 3 and b.num_computed_tokens == 8
+  a.spec_token_ids = list(range(20, 28))
   out = sched.schedule()
-  assert sched.update_from_output(out, {'c': [3, 5, 6, 1]}) == [req]
-  assert req.output_token_ids == [0, 3, 5] and req.stop_reason == 5 and req.is_finished
+  assert [c.spec_token_ids for c in out.chunks] == [tuple(range(20, 24)), ()]
+  assert [len(c.token_ids) for c in out.chunks] == [5, 8] and not out.preempted_ids
+
+
+@pytest.mark.parametrize('prompt_len,draft,outputs', [
+    (2, [3, 5, 6, 7], [0, 3, 5]),
+    # Counted as computed, the accepted tokens after the stop would reach a block past
+    # the request's tokens (7 tokens, 10 computed), which has no hash to cache it by.
+    (5, [5, 6, 7, 8], [0, 5]),
+])
+def test_a_stop_token_among_the_accepted_ends_the_request_there(prompt_len, draft, outputs):
+  """Accepted tokens after the finishing one are neither output nor computed."""
+  sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=32))
+  req = decoding(sched, make_request('c', range(prompt_len), stop_token_ids=[5]), [0])
+  req.spec_token_ids = draft
+  out = sched.schedule()
+  assert sched.update_from_output(out, {'c': draft + [1]}) == [req]
+  assert req.output_token_ids == outputs and req.stop_reason == 5 and req.is_finished
 
 
 def test_rejected_draft_tokens_never_reach_the_prefix_cache():
@@ -273,6 +298,10 @@ class Oracle:
 
 def spec_stats(eng):
   s = eng.stats()
+  # Per position: accepted there means accepted at every position before it.
+  per_pos = s.spec_decode_num_accepted_tokens_per_pos
+  assert sum(per_pos) == s.spec_decode_num_accepted_tokens
+  assert list(per_pos) == sorted(per_pos, reverse=True) and per_pos[0] <= s.spec_decode_num_drafts
   return np.array([s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens,
                    s.spec_decode_num_accepted_tokens])
 
@@ -296,12 +325,24 @@ def assert_same(want, got):
 
 
 def test_greedy_with_drafts_equals_plain_decoding(engines, prompts, monkeypatch):
+  spec = engines[1]
   params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
   want, got, (drafts, drafted, accepted) = run_both(engines, prompts, params, monkeypatch)
   assert_same(want, got)
   assert len({tuple(r.token_ids) for r in want}) == len(prompts)
   # Drafts were accepted in part: whole ones and wrong ones both happened.
   assert drafts > 0 and 0.3 * drafted < accepted < 0.9 * drafted, (drafts, drafted, accepted)
+  # Latencies per step, as vLLM counts them: a step's accepted tokens share one time.
+  assert [len(w.metrics.token_times) for w in want] == [MAX_TOKENS] * len(prompts)
+  assert sum(len(g.metrics.token_times) for g in got) == MAX_TOKENS * len(prompts) - accepted
+  # The blocks those steps filled (drafts accepted and rejected in them) are cached right:
+  # prompts that continue the outputs find them and go on as plain decoding does.
+  longer = [p + g.token_ids[:28] for p, g in zip(prompts, got) if len(p) == 20]
+  short = dataclasses.replace(params, max_tokens=8)
+  hits = spec.stats().prefix_cache_hits
+  want, got, _ = run_both(engines, longer, short, monkeypatch)
+  assert_same(want, got)
+  assert spec.stats().prefix_cache_hits - hits >= 32 * len(longer) > 0
 
 
 def test_seeded_sampling_with_penalties_and_bans_equals_plain_decoding(engines, prompts,
@@ -325,15 +366,15 @@ def test_logprobs_stop_strings_and_stop_ids_with_drafts_equal_plain_decoding(
   plain, _ = engines
   base = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
   first = plain.generate(prompts, base)
-  # Per prompt: a stop string and a stop id from its own output's middle, so the stop
-  # falls inside an accepted draft.
+  # Per prompt: a stop string or a stop id from its own output, at outputs 8..19 (so
+  # prompt + output crosses a 16-token block boundary near the stop for some), so the
+  # stop falls inside an accepted draft, with accepted tokens after it.
   params = []
   for i, r in enumerate(first):
-    token = r.token_ids[MAX_TOKENS // 2]
     if i % 2:
-      params.append(dataclasses.replace(base, stop_token_ids=[token], logprobs=2))
+      params.append(dataclasses.replace(base, stop_token_ids=[r.token_ids[8 + i]], logprobs=2))
     else:
-      params.append(dataclasses.replace(base, stop=[r.text[len(r.text) // 2:][:2]]))
+      params.append(dataclasses.replace(base, stop=[r.text[8 + i:10 + i] or r.text[-2:]]))
   want, got, (_, drafted, accepted) = run_both(engines, prompts, params, monkeypatch,
                                                wrong=0.1)
   assert_same(want, got)
