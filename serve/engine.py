@@ -257,13 +257,17 @@ class _Tracked:
   history: TokenHistory | None = None   # its tokens as an array, for n-gram drafts
   emitted_step: int = -1   # the engine's _emit_count when its last token went out
 
-  def constraints(self, draft=()) -> tuple[list[int], np.ndarray | None]:
-    """(banned ids, allowed bits or None) for this step, or for the row after `draft` (a
-    request with a guide has none): min_tokens' and bad_words' bans; the guide's or
-    allowed_token_ids' set. Bans that would leave nothing allowed give way, bad words
-    first (a guide only a barred word can continue, or a list of end ids before
-    min_tokens): the request goes on rather than draw outside its set."""
-    allowed = self.guide.words() if self.guide is not None else self.allowed
+  def constraints(self, draft=(), guided=None) -> tuple[list[int], np.ndarray | None]:
+    """(banned ids, allowed bits or None) for this step, or for the row after `draft`
+    (whose guide words are `guided`, from the guide's draft_words): min_tokens' and
+    bad_words' bans; the guide's or allowed_token_ids' set. Bans that would leave nothing
+    allowed give way, bad words first (a guide only a barred word can continue, or a
+    list of end ids before min_tokens): the request goes on rather than draw outside its
+    set."""
+    if self.guide is not None:
+      allowed = self.guide.words() if guided is None else guided
+    else:
+      allowed = self.allowed
     early = _not_yet(self.request, len(draft))
     words = (banned_by_words(self.bad_words, self.request.output_token_ids + list(draft))
              if self.bad_words else [])
@@ -698,13 +702,11 @@ class Engine:
         self._emit(*pending)
 
   def _propose_drafts(self) -> None:
-    """An n-gram draft for each running request in decode (none for guided output: its
-    guide follows one token at a time)."""
+    """An n-gram draft for each running request in decode."""
     spec = self.spec
     for request in self.scheduler.running:
       t = self._tracked.get(request.request_id)
-      if (t is None or t.guide is not None
-          or request.num_computed_tokens != request.num_tokens - 1):
+      if t is None or request.num_computed_tokens != request.num_tokens - 1:
         continue
       if t.history is None:
         t.history = TokenHistory(request.prompt_token_ids)
@@ -721,27 +723,37 @@ class Engine:
     self._flush_outputs()
     if step.scores is not None:
       self._gather_prompt_logprobs(out, targets, step.scores)
-    # Row j of a chunk is sampled as if its draft's first j tokens were output already.
-    groups = [(self._tracked[c.request_id], c.spec_token_ids) for c in out.chunks if c.sample]
-    rows = [(t, draft[:j]) for t, draft in groups for j in range(len(draft) + 1)]
+    # Row j of a chunk is sampled as if its draft's first j tokens were output already;
+    # a guide follows the draft as far as it allows (`usable`: later rows are not taken).
+    groups, rows = [], []
+    for c in out.chunks:
+      if not c.sample:
+        continue
+      t, draft = self._tracked[c.request_id], c.spec_token_ids
+      guided = (t.guide.draft_words(draft, self.served.eos_token_ids)
+                if t.guide is not None and draft else None)
+      usable = len(draft) if guided is None else len(guided) - 1
+      groups.append((t, draft, usable))
+      rows += [(t, draft[:j], guided and guided[min(j, usable)]) for j in range(len(draft) + 1)]
     if not rows:
       return {}, {}
-    params = [t.request.sampling_params for t, _ in rows]
-    banned, allowed = map(list, zip(*(t.constraints(ahead) for t, ahead in rows)))
+    params = [t.request.sampling_params for t, _, _ in rows]
+    banned, allowed = map(list, zip(*(t.constraints(ahead, guided)
+                                      for t, ahead, guided in rows)))
     if (all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params)
         and not any(banned) and all(a is None for a in allowed)):
       # The step's own argmax: the token the sampler would pick, without its program.
       res = sampler.SampleResult(np.asarray(step.greedy)[:len(rows)], None, [None] * len(rows))
     else:
       res = self.sampler(step.logits, params,
-                         [t.request.num_output_tokens + len(ahead) for t, ahead in rows],
+                         [t.request.num_output_tokens + len(ahead) for t, ahead, _ in rows],
                          self.vocab_size,
                          [(t.request.prompt_token_ids,
                            t.request.output_token_ids + list(ahead) if ahead
-                           else t.request.output_token_ids) for t, ahead in rows],
+                           else t.request.output_token_ids) for t, ahead, _ in rows],
                          banned, allowed)
     tokens, logprobs, row = {}, {}, 0
-    for t, draft in groups:
+    for t, draft, usable in groups:
       rid, want = t.request.request_id, t.request.sampling_params.logprobs is not None
       accepted, scored = [], []
       for j in range(len(draft) + 1):
@@ -751,7 +763,7 @@ class Engine:
           top = res.top_logprobs[row + j] if res.top_logprobs is not None else None
           scored.append(TokenLogprob(token, float(res.logprobs[row + j]), top,
                                      int(res.ranks[row + j])))
-        if j == len(draft) or token != draft[j]:
+        if j == usable or token != draft[j]:
           break
       row += len(draft) + 1
       tokens[rid] = accepted

@@ -16,7 +16,8 @@ is compiled per vocabulary.
 Before each of its steps the sampler sees only the tokens that keep the output a prefix
 of a match; once the output matches in full and nothing can extend it, only eos is
 allowed, so the request ends as a match ('stop'), or at max_tokens ('length') with a
-prefix of one.
+prefix of one. With speculative decoding a guide also gives the allowed tokens after each
+token of a draft (draft_words), then goes back to where it was.
 
 Token byte strings come from the tokenizer's decoder: ByteLevel (GPT-2, Llama-3) maps
 each character back to its byte; Metaspace and byte fallback (SentencePiece, Llama-2)
@@ -35,6 +36,7 @@ import numpy as np
 
 from serve.sampler import pack_bits, unpack_bits
 from serve.sampling_params import SamplingParamsError
+from serve.speculative import MAX_SPECULATIVE_TOKENS
 from training.tokenizer import bytes_to_unicode
 
 # Compiled expressions kept per engine: json_object's takes ~170 MB at a 128K vocabulary.
@@ -45,6 +47,9 @@ MAX_GRAMMAR_CHARS = 64 * 1024
 # shorter ones): its token trie panics on a token of ~1.5 KB (llguidance 1.9.1), which a
 # BPE trained on code can have.
 MAX_GRAMMAR_TOKEN_BYTES = 512
+# Draft tokens a guide follows ahead and takes back (speculative decoding): outlines-core
+# keeps this many earlier states.
+MAX_DRAFT = MAX_SPECULATIVE_TOKENS
 
 
 def json_schema_regex(schema, param: str, whitespace: str | None = None) -> str:
@@ -278,6 +283,33 @@ class _Guide:
   def words(self) -> np.ndarray:
     raise NotImplementedError
 
+  def advance(self, token: int) -> None:
+    raise NotImplementedError
+
+  def _take_back(self, num_tokens: int, words: np.ndarray) -> None:
+    """Undoes the last num_tokens advances; `words` were the words() before them."""
+    raise NotImplementedError
+
+  def draft_words(self, draft, end_ids=()) -> list[np.ndarray]:
+    """words() before a draft (speculative decoding) and after each of its tokens, up to
+    the first the guide does not allow or an end id (the request would end there): one
+    more entry than the draft tokens the guide follows. The guide ends where it began."""
+    out, taken = [self.words()], 0
+    try:
+      for token in list(draft)[:MAX_DRAFT]:
+        words = out[-1]
+        if token in end_ids or not words[token // 32] >> np.uint32(token % 32) & 1:
+          break
+        try:
+          self.advance(token)
+        except ValueError:   # nothing can follow it: the request fails there, drafts or not
+          break
+        taken += 1
+        out.append(self.words())
+    finally:
+      self._take_back(taken, out[0])
+    return out
+
   def allowed(self) -> np.ndarray:
     """[vocab_size] bool: the tokens that keep the output a prefix of a match."""
     return unpack_bits(self.words(), self._vocab_size)
@@ -288,7 +320,7 @@ class RequestGuide(_Guide):
 
   def __init__(self, index, vocab_size: int, eos_ids: list[int]):
     from outlines_core import Guide  # pylint: disable=import-outside-toplevel
-    self._guide = Guide(index)
+    self._guide = Guide(index, max_rollback=MAX_DRAFT)
     self._vocab_size = vocab_size
     self._eos, self._more_eos = eos_ids[0], eos_ids[1:]
 
@@ -304,6 +336,11 @@ class RequestGuide(_Guide):
 
   def advance(self, token: int) -> None:
     self._guide.advance(int(token), return_tokens=False)
+
+  def _take_back(self, num_tokens: int, words: np.ndarray) -> None:
+    del words   # computed on demand
+    if num_tokens:
+      self._guide.rollback_state(num_tokens)
 
   @property
   def is_finished(self) -> bool:
@@ -345,6 +382,14 @@ class GrammarGuide(_Guide):
       raise ValueError(f'token {int(token)} does not follow the grammar: '
                        f'{_first_line(self._matcher.get_error())}')
     self._words = self._next_words()
+
+  def _take_back(self, num_tokens: int, words: np.ndarray) -> None:
+    if num_tokens:
+      with _llguidance_panics():
+        if not self._matcher.rollback(num_tokens):
+          raise ValueError(f'llguidance could not take back {num_tokens} draft tokens: '
+                           f'{_first_line(self._matcher.get_error())}')
+    self._words = words
 
   @property
   def is_finished(self) -> bool:

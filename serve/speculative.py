@@ -11,8 +11,9 @@ The draft is one fixed token per row, so this is exact rejection sampling: with 
 draft's one-hot distribution, accepting with probability min(1, p(d) / q(d)) = p(d) and
 resampling from p without d on rejection is the same as drawing x ~ p and accepting iff
 x == d. Each row is sampled as if the draft before it were already output (penalties,
-min_tokens, bad words and a seeded request's per-position key all see that), so outputs
-are those of plain decoding: a greedy or seeded request gives the same tokens either way.
+min_tokens, bad words, a structured-output guide (advanced through the draft, then taken
+back) and a seeded request's per-position key all see that), so outputs are those of
+plain decoding: a greedy or seeded request gives the same tokens either way.
 """
 
 import dataclasses
@@ -21,6 +22,7 @@ import json
 import numpy as np
 
 METHODS = ('ngram',)
+MAX_SPECULATIVE_TOKENS = 64   # a structured-output guide takes back as many (guided.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,9 @@ class SpeculativeConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f'{where}: {name}={value!r} must be an integer of at least 1.')
+    if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+      raise ValueError(f'{where}: num_speculative_tokens={self.num_speculative_tokens} is '
+                       f'more than {MAX_SPECULATIVE_TOKENS}; a few (2-8) is usual.')
     if self.prompt_lookup_min > self.prompt_lookup_max:
       raise ValueError(f'{where}: prompt_lookup_min={self.prompt_lookup_min} exceeds '
                        f'prompt_lookup_max={self.prompt_lookup_max}; give min <= max.')

@@ -85,6 +85,7 @@ def test_speculative_config_parses_as_vllm_and_refuses_with_the_fix():
          ('{"method": "eagle"}', 'not supported'),
          ('{"method": "ngram", "num_speculative_tokens": 0}', 'at least 1'),
          ('{"method": "ngram", "num_speculative_tokens": 2.5}', 'integer'),
+         ('{"method": "ngram", "num_speculative_tokens": 65}', 'more than 64'),
          ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', 'min <= max'),
          ('{"method": "ngram", "model": "x"}', 'unknown field')]
   for text, message in bad:
@@ -224,6 +225,39 @@ def test_rejected_draft_tokens_never_reach_the_prefix_cache():
   assert req.all_token_ids == [1, 2, 3, 4, 5, 0] and req.num_computed_tokens == 5
   later = make_request('b', [1, 2, 3, 4, 5, 6, 7, 8, 9])
   assert len(kv.get_computed_blocks(later)) == 1        # block 0 only
+
+
+# ------------------------------------------------------------------------ guides
+
+@pytest.mark.parametrize('kind', ['regex', 'grammar'])
+def test_a_guide_follows_a_draft_as_far_as_it_allows_and_comes_back(tiny_served, kind):
+  """draft_words: the allowed set before the draft and after each token the guide
+  takes, stopping at the first it refuses or an end id; the guide is where it was."""
+  from serve import guided  # pylint: disable=import-outside-toplevel
+  tok, eos = tiny_served.tokenizer, tiny_served.eos_token_ids
+  decoding = guided.GuidedDecoding(tok, eos)
+  make = {'regex': lambda: decoding.guide('(ab)+c'),
+          'grammar': lambda: decoding.guide(grammar='root ::= ("ab")+ "c"')}[kind]
+  a, b, c, x = b'abcx'
+
+  def allowed_after(prefix):   # an independent walk: a fresh guide advanced for real
+    g = make()
+    for t in prefix:
+      g.advance(t)
+    return g.words()
+
+  g = make()
+  g.advance(a)
+  for draft, follows in (([b, a, b, c], 4), ([b, a, x, c], 2), ([b, c, eos[0], a], 2),
+                         ([x], 0), ([], 0)):
+    out = g.draft_words(draft, eos)
+    assert len(out) == follows + 1, draft
+    for j, words in enumerate(out):
+      np.testing.assert_array_equal(words, allowed_after([a] + draft[:j]))
+    np.testing.assert_array_equal(g.words(), allowed_after([a]))   # back where it was
+  g.advance(b)
+  g.advance(c)   # the real path goes on from there
+  assert g.is_finished or bool(g.words()[eos[0] // 32] >> np.uint32(eos[0] % 32) & 1)
 
 
 # ------------------------------------------------------------------------ runner
@@ -392,6 +426,25 @@ def test_logprobs_stop_strings_and_stop_ids_with_drafts_equal_plain_decoding(
     if ask.stop and w.finish_reason == 'stop':
       outs = list(spec.add_request(p, ask))
       assert outs[-1].num_output_tokens == len(w.token_ids)
+
+
+def test_structured_output_with_drafts_equals_plain_decoding(engines, prompts, monkeypatch):
+  """A guide follows each draft as far as it allows: row j may draw what the guide
+  allows after the draft's first j tokens. Greedy and seeded outputs are plain
+  decoding's, for a choice, a regular expression, a JSON schema and a grammar."""
+  from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
+  from tests.test_serve_engine import GUIDED, LISTS_GRAMMAR  # pylint: disable=import-outside-toplevel
+  _, spec = engines
+  asks = []
+  for fields in [*GUIDED.values(), {'guided_grammar': LISTS_GRAMMAR}]:
+    ask = from_openai({**fields, 'max_tokens': 40, 'temperature': 0}, spec.vocab_size)
+    asks += [ask, dataclasses.replace(ask, temperature=1.0, seed=len(asks))]
+  assert len(asks) <= len(prompts) and max(map(len, prompts)) + 40 <= 64
+  want, got, (drafts, drafted, accepted) = run_both(
+      engines, prompts[:len(asks)], asks, monkeypatch, wrong=0.15)
+  assert_same(want, got)
+  assert sum(w.finish_reason == 'stop' for w in want) >= len(asks) // 2
+  assert drafts > 0 and 0 < accepted < drafted
 
 
 def test_min_tokens_ends_a_draft_row_past_it_as_plain_decoding_does(engines, prompts,
