@@ -235,9 +235,9 @@ def test_a_guide_follows_a_draft_as_far_as_it_allows_and_comes_back(tiny_served,
   takes, stopping at the first it refuses or an end id; the guide is where it was."""
   from serve import guided  # pylint: disable=import-outside-toplevel
   tok, eos = tiny_served.tokenizer, tiny_served.eos_token_ids
-  decoding = guided.GuidedDecoding(tok, eos)
-  make = {'regex': lambda: decoding.guide('(ab)+c'),
-          'grammar': lambda: decoding.guide(grammar='root ::= ("ab")+ "c"')}[kind]
+  guides = guided.GuidedDecoding(tok, eos)
+  make = {'regex': lambda: guides.guide('(ab)+c'),
+          'grammar': lambda: guides.guide(grammar='root ::= ("ab")+ "c"')}[kind]
   a, b, c, x = b'abcx'
 
   def allowed_after(prefix):   # an independent walk: a fresh guide advanced for real
