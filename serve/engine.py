@@ -727,11 +727,15 @@ class Engine:
     # a guide follows the draft as far as it allows (`usable`: later rows are not taken).
     groups, rows = [], []
     for c in out.chunks:
-      if not c.sample:
+      t, draft = self._tracked.get(c.request_id), c.spec_token_ids
+      if not c.sample or t is None:   # None: failed while the last step's outputs went out
         continue
-      t, draft = self._tracked[c.request_id], c.spec_token_ids
-      guided = (t.guide.draft_words(draft, self.served.eos_token_ids)
-                if t.guide is not None and draft else None)
+      guided = None
+      if t.guide is not None and draft:
+        try:
+          guided = t.guide.draft_words(draft, self.served.eos_token_ids)
+        except ValueError:   # the guide could not look ahead: no draft token is taken
+          guided = [t.guide.words()]
       usable = len(draft) if guided is None else len(guided) - 1
       groups.append((t, draft, usable))
       rows += [(t, draft[:j], guided and guided[min(j, usable)]) for j in range(len(draft) + 1)]
@@ -806,8 +810,8 @@ class Engine:
     target, rank, top = jax.device_get(scores)
     row = 0
     for c, want in zip(out.chunks, targets):
-      if want is not None:
-        t = self._tracked[c.request_id]
+      t = self._tracked.get(c.request_id)
+      if want is not None and t is not None:
         count = t.request.sampling_params.prompt_logprobs
         for k in np.flatnonzero(want >= 0) + row:
           pairs = ([(int(i), float(v)) for i, v in zip(top[1][k, :count], top[0][k, :count])]
@@ -836,6 +840,13 @@ class Engine:
     """One output token; `later`: the step's tokens after it (accepted draft tokens),
     already in the request's output_token_ids."""
     req, now = t.request, time.monotonic()
+    if t.guide is not None and not finished_now:
+      try:
+        t.guide.advance(token)
+      except ValueError as e:   # a token the guide cannot follow: this request only
+        del req.output_token_ids[len(req.output_token_ids) - later - 1:]   # never output
+        self._fail([req.request_id], e)
+        return
     prompt_lps = None
     if not t.metrics.token_times:   # the first token: the prompt is all computed
       self._totals['prompt_tokens'] += len(req.prompt_token_ids)
@@ -845,12 +856,6 @@ class Engine:
       t.metrics.token_times.append(now)
     t.emitted_step = self._emit_count
     self._totals['generation_tokens'] += 1
-    if t.guide is not None and not finished_now:
-      try:
-        t.guide.advance(token)
-      except ValueError as e:   # a token the guide cannot follow: this request only
-        self._fail([req.request_id], e)
-        return
     text, stop = '', None
     if not (finished_now and self._is_stop_token(req, token)
             and not req.sampling_params.include_stop_str_in_output):

@@ -17,7 +17,7 @@ Before each of its steps the sampler sees only the tokens that keep the output a
 of a match; once the output matches in full and nothing can extend it, only eos is
 allowed, so the request ends as a match ('stop'), or at max_tokens ('length') with a
 prefix of one. With speculative decoding a guide also gives the allowed tokens after each
-token of a draft (draft_words), then goes back to where it was.
+token of a draft (draft_words) without moving.
 
 Token byte strings come from the tokenizer's decoder: ByteLevel (GPT-2, Llama-3) maps
 each character back to its byte; Metaspace and byte fallback (SentencePiece, Llama-2)
@@ -47,8 +47,8 @@ MAX_GRAMMAR_CHARS = 64 * 1024
 # shorter ones): its token trie panics on a token of ~1.5 KB (llguidance 1.9.1), which a
 # BPE trained on code can have.
 MAX_GRAMMAR_TOKEN_BYTES = 512
-# Draft tokens a guide follows ahead and takes back (speculative decoding): outlines-core
-# keeps this many earlier states.
+# Draft tokens a guide follows ahead (speculative decoding): outlines-core keeps this many
+# earlier states to go back to.
 MAX_DRAFT = MAX_SPECULATIVE_TOKENS
 
 
@@ -286,33 +286,29 @@ class _Guide:
   def advance(self, token: int) -> None:
     raise NotImplementedError
 
-  def _take_back(self, num_tokens: int, words: np.ndarray) -> None:
-    """Undoes the last num_tokens advances; `words` were the words() before them."""
-    raise NotImplementedError
-
   def draft_words(self, draft, end_ids=()) -> list[np.ndarray]:
     """words() before a draft (speculative decoding) and after each of its tokens, up to
     the first the guide does not allow or an end id (the request would end there): one
-    more entry than the draft tokens the guide follows. The guide ends where it began."""
-    out, taken = [self.words()], 0
-    try:
-      for token in list(draft)[:MAX_DRAFT]:
-        words = out[-1]
-        if token in end_ids or not words[token // 32] >> np.uint32(token % 32) & 1:
-          break
-        try:
-          self.advance(token)
-        except ValueError:   # nothing can follow it: the request fails there, drafts or not
-          break
-        taken += 1
-        out.append(self.words())
-    finally:
-      self._take_back(taken, out[0])
-    return out
+    more entry than the draft tokens the guide follows. The guide itself does not move."""
+    raise NotImplementedError
 
   def allowed(self) -> np.ndarray:
     """[vocab_size] bool: the tokens that keep the output a prefix of a match."""
     return unpack_bits(self.words(), self._vocab_size)
+
+
+def _follow(guide: _Guide, draft, end_ids) -> tuple[list[np.ndarray], int]:
+  """Advances `guide` through the draft (draft_words' walk): (the words, tokens taken)."""
+  out = [guide.words()]
+  for token in list(draft)[:MAX_DRAFT]:
+    if token in end_ids or not out[-1][token // 32] >> np.uint32(token % 32) & 1:
+      break
+    try:
+      guide.advance(token)
+    except ValueError:   # nothing can follow it: the request fails there, drafts or not
+      break
+    out.append(guide.words())
+  return out, len(out) - 1
 
 
 class RequestGuide(_Guide):
@@ -337,10 +333,13 @@ class RequestGuide(_Guide):
   def advance(self, token: int) -> None:
     self._guide.advance(int(token), return_tokens=False)
 
-  def _take_back(self, num_tokens: int, words: np.ndarray) -> None:
-    del words   # computed on demand
-    if num_tokens:
-      self._guide.rollback_state(num_tokens)
+  def draft_words(self, draft, end_ids=()) -> list[np.ndarray]:
+    # outlines-core moves only on a token it allows (the walk takes no other), and keeps
+    # MAX_DRAFT earlier states to go back to.
+    out, taken = _follow(self, draft, end_ids)
+    if taken:
+      self._guide.rollback_state(taken)
+    return out
 
   @property
   def is_finished(self) -> bool:
@@ -355,10 +354,10 @@ class GrammarGuide(_Guide):
   ValueError instead, when made or advanced, so only its own request fails, never a step
   of the batch."""
 
-  def __init__(self, matcher, vocab_size: int):
+  def __init__(self, matcher, vocab_size: int, words: np.ndarray | None = None):
     self._matcher = matcher
     self._vocab_size = vocab_size
-    self._words = self._next_words()
+    self._words = self._next_words() if words is None else words
 
   def _next_words(self) -> np.ndarray:
     words = pack_bits((), self._vocab_size)
@@ -383,13 +382,12 @@ class GrammarGuide(_Guide):
                        f'{_first_line(self._matcher.get_error())}')
     self._words = self._next_words()
 
-  def _take_back(self, num_tokens: int, words: np.ndarray) -> None:
-    if num_tokens:
-      with _llguidance_panics():
-        if not self._matcher.rollback(num_tokens):
-          raise ValueError(f'llguidance could not take back {num_tokens} draft tokens: '
-                           f'{_first_line(self._matcher.get_error())}')
-    self._words = words
+  def draft_words(self, draft, end_ids=()) -> list[np.ndarray]:
+    # On a copy of the parser: a token it takes and then cannot go on from leaves
+    # llguidance in an error state that rollback cannot undo.
+    with _llguidance_panics():
+      probe = GrammarGuide(self._matcher.deep_copy(), self._vocab_size, self._words)
+    return _follow(probe, draft, end_ids)[0]
 
   @property
   def is_finished(self) -> bool:

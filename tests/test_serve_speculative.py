@@ -447,6 +447,51 @@ def test_structured_output_with_drafts_equals_plain_decoding(engines, prompts, m
   assert drafts > 0 and 0 < accepted < drafted
 
 
+def test_a_guide_that_cannot_look_ahead_takes_no_draft_token(engines, prompts, monkeypatch):
+  """draft_words failing (llguidance refusing to copy its parser, say) costs that step's
+  draft only: the outputs are still plain decoding's."""
+  from serve import guided  # pylint: disable=import-outside-toplevel
+  from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
+
+  def refuse(self, draft, end_ids=()):
+    raise ValueError('cannot look ahead')
+  monkeypatch.setattr(guided.RequestGuide, 'draft_words', refuse)
+  ask = from_openai({'guided_regex': '([a-z]{3} ){6}', 'max_tokens': 30, 'temperature': 0},
+                    engines[0].vocab_size)
+  want, got, (drafts, _, accepted) = run_both(engines, prompts[:3], ask, monkeypatch,
+                                              wrong=0.0)
+  assert_same(want, got)
+  assert drafts > 0 and accepted == 0
+
+
+def test_a_guide_failing_mid_stream_fails_its_request_only(engines, prompts):
+  """A token the guide cannot follow ends that request ('error') when its output goes
+  out, which is while its next step runs: the other requests of that step go on."""
+  from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
+  plain, _ = engines
+  ask = from_openai({'guided_regex': '[a-z]{30}', 'max_tokens': 20, 'temperature': 0},
+                    plain.vocab_size)
+  base = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+  with plain._lock:   # pylint: disable=protected-access
+    stream = plain.add_request(prompts[0], ask)
+    others = [plain.add_request(p, base) for p in prompts[1:4]]
+    guide = plain._tracked[stream.request_id].guide   # pylint: disable=protected-access
+    real, calls = guide.advance, []
+
+    def breaks_at_the_third(token):
+      calls.append(token)
+      if len(calls) == 3:
+        raise ValueError('the guide broke')
+      real(token)
+    guide.advance = breaks_at_the_third
+  out = stream.result()
+  assert out.finish_reason == 'error' and 'the guide broke' in out.error
+  assert len(out.token_ids) == 2
+  for other in others:
+    result = other.result()
+    assert (result.finish_reason, len(result.token_ids)) == ('length', 20), result.error
+
+
 def test_min_tokens_ends_a_draft_row_past_it_as_plain_decoding_does(engines, prompts,
                                                                     monkeypatch):
   """A stop id X first drawn at output position q, with min_tokens=q: X is banned before
