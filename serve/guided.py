@@ -297,8 +297,9 @@ class _Guide:
     return unpack_bits(self.words(), self._vocab_size)
 
 
-def _follow(guide: _Guide, draft, end_ids) -> tuple[list[np.ndarray], int]:
-  """Advances `guide` through the draft (draft_words' walk): (the words, tokens taken)."""
+def _follow(guide: _Guide, draft, end_ids) -> list[np.ndarray]:
+  """Advances `guide` through the draft (draft_words' walk); the words before and after
+  each token taken."""
   out = [guide.words()]
   for token in list(draft)[:MAX_DRAFT]:
     if token in end_ids or not out[-1][token // 32] >> np.uint32(token % 32) & 1:
@@ -308,7 +309,7 @@ def _follow(guide: _Guide, draft, end_ids) -> tuple[list[np.ndarray], int]:
     except ValueError:   # nothing can follow it: the request fails there, drafts or not
       break
     out.append(guide.words())
-  return out, len(out) - 1
+  return out
 
 
 class RequestGuide(_Guide):
@@ -336,9 +337,9 @@ class RequestGuide(_Guide):
   def draft_words(self, draft, end_ids=()) -> list[np.ndarray]:
     # outlines-core moves only on a token it allows (the walk takes no other), and keeps
     # MAX_DRAFT earlier states to go back to.
-    out, taken = _follow(self, draft, end_ids)
-    if taken:
-      self._guide.rollback_state(taken)
+    out = _follow(self, draft, end_ids)
+    if len(out) > 1:
+      self._guide.rollback_state(len(out) - 1)
     return out
 
   @property
@@ -387,7 +388,7 @@ class GrammarGuide(_Guide):
     # llguidance in an error state that rollback cannot undo.
     with _llguidance_panics():
       probe = GrammarGuide(self._matcher.deep_copy(), self._vocab_size, self._words)
-    return _follow(probe, draft, end_ids)[0]
+    return _follow(probe, draft, end_ids)
 
   @property
   def is_finished(self) -> bool:

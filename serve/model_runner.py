@@ -237,8 +237,8 @@ class ModelRunner:
   def execute(self, out) -> jax.Array:
     """float32 logits [sampled rows, vocab] in chunk order (a row per chunk with
     sample=True, and one per draft token after it); the step's K/V written into the
-    cache. `out.chunks` items need token_ids, start_position, block_ids and sample (and
-    spec_token_ids, if any)."""
+    cache. `out.chunks` items need token_ids, start_position, block_ids, sample and
+    spec_token_ids."""
     res = self.step(out)
     return res.logits[:res.num_sampled]
 
@@ -288,7 +288,7 @@ class ModelRunner:
       row += n
       a['cu_q_lens'][i + 1:] = row
       if c.sample:
-        rows = 1 + len(getattr(c, 'spec_token_ids', ()))
+        rows = 1 + len(c.spec_token_ids)
         a['sample_rows'][sampled:sampled + rows] = np.arange(row - rows, row)
         sampled += rows
     a['num_seqs'][0] = len(chunks)

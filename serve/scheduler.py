@@ -253,8 +253,8 @@ class Scheduler:
   def _draft_room(self, request: Request, num_new: int, reserved: int) -> int:
     """Draft tokens that fit the blocks the request holds and the free ones beyond
     `reserved`, after its num_new tokens."""
-    held = len(self.kv.get_block_ids(request.request_id))
-    blocks = held + max(0, self.kv.num_free_blocks - reserved)
+    blocks = len(self.kv.get_block_ids(request.request_id)) + max(
+        0, self.kv.num_free_blocks - reserved)
     return max(0, blocks * self.cfg.block_size - request.num_computed_tokens - num_new)
 
   def _blocks(self, num_tokens: int) -> int:
@@ -267,9 +267,7 @@ class Scheduler:
     if not request.spec_token_ids or (request.num_computed_tokens + num_new
                                       != request.num_tokens):
       return ()
-    params = request.sampling_params
-    max_tokens = params.max_tokens or self.cfg.max_model_len
-    room = min(max_tokens - request.num_output_tokens,
+    room = min(self._max_tokens(request) - request.num_output_tokens,
                self.cfg.max_model_len - request.num_tokens) - 1
     return tuple(request.spec_token_ids[:max(0, min(room, budget - num_new))])
 

@@ -33,6 +33,7 @@ class Chunk:
   start_position: int
   block_ids: list
   sample: bool = True
+  spec_token_ids: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
