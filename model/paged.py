@@ -12,7 +12,8 @@ prefill chunks) concatenated along one axis, then padding up to a bucketed size 
                                                                                   the end:
     Each layer first scatters the step's K and V into their slots, then attends through
     the ragged paged interface (q [T, Hq, D], pages [P, page, Hkv, D], kv_lens,
-    page_indices, cu_q_lens, num_seqs), so a chunk sees its cached prefix and itself.
+    page_indices, cu_q_lens, num_seqs), so a chunk sees its cached prefix and itself;
+    the layer's pages are read in place in the stacked cache (layer_pages).
 
 The cache is a pair (k, v), each [L, P, page, Hkv, D], carried through the layer scan and
 updated in place (the caller donates it). Padding rows write to slot P * page_size, a
@@ -35,7 +36,6 @@ from sharding.rules import ShardingPlan, constrain
 
 # Logical axes of one cache array [layers, pages, page slot, kv heads, head dim].
 KV_CACHE_AXES = ('layers', None, None, 'kv_heads', 'head_dim')
-PAGED_ATTENTION = {'xla': paged_attention_xla, 'pallas': paged_attention}
 # XLA attention of steps up to SMALL_STEP tokens: every row by itself over key blocks of
 # SMALL_STEP_BLOCK_K (measured on a 2-core CPU, 6-layer d=384 model: the step 12.6 ->
 # 9.8 ms for 16 decodes, 57 -> 36 ms for 15 decodes + a 100-token chunk; larger blocks
@@ -84,47 +84,61 @@ def write_kv(cache: KVCache, layer: jax.Array, k, v, slots) -> KVCache:
   return put(cache[0], k), put(cache[1], v)
 
 
-def paged_attend(q, k_pages, v_pages, batch: PagedBatch, impl: str, plan):
-  """q [T, Hq, D] over pages [P, page, Hkv, D]; with a plan, each tensor shard attends
-  its own kv heads and their q heads (the kernel is opaque to the partitioner)."""
+def _pallas_stacked(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer,
+                    **kwargs):
+  """The kernel on the stacked cache [L, P, page, Hkv, D], reading layer `layer` ([1])."""
+  return paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                         layer=layer, **kwargs)
+
+
+PAGED_ATTENTION = {'xla': paged_attention_xla, 'pallas': _pallas_stacked}
+
+
+def paged_attend(q, k_pages, v_pages, meta, impl: str, plan):
+  """q [T, Hq, D] over pages [..., page, Hkv, D] (layer_pages' form); with a plan, each
+  tensor shard attends its own kv heads and their q heads (the kernel is opaque to the
+  partitioner)."""
   fn = PAGED_ATTENTION[impl]
   if impl == 'xla' and q.shape[0] <= SMALL_STEP:
     fn = functools.partial(fn, block_k=SMALL_STEP_BLOCK_K, row_tokens=SMALL_STEP)
   if impl == 'xla' and q.shape[0] ** 2 * q.shape[1] <= STEP_DENSE_MAX_SCORES:
     fn = functools.partial(fn, step_dense=True)
-  meta = (batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs)
   if plan is None:
     return fn(q, k_pages, v_pages, *meta)
   spec = plan.activations.spec
   q_spec = spec((None, 'act_heads', None))
-  kv_spec = spec((None, None, 'act_kv_heads', None))
+  kv_spec = spec((None,) * (k_pages.ndim - 2) + ('act_kv_heads', None))
   rep = jax.sharding.PartitionSpec()
-  return jax.shard_map(fn, mesh=plan.mesh, in_specs=(q_spec, kv_spec, kv_spec) + (rep,) * 4,
-                       out_specs=q_spec, check_vma=False)(q, k_pages, v_pages, *meta)
+  in_specs = (q_spec, kv_spec, kv_spec) + (rep,) * len(meta)
+  return jax.shard_map(fn, mesh=plan.mesh, in_specs=in_specs, out_specs=q_spec,
+                       check_vma=False)(q, k_pages, v_pages, *meta)
 
 
 def layer_pages(cache: KVCache, index, batch: PagedBatch, impl: str):
-  """Layer `index`'s K and V pages [P', page, Hkv, D], and the batch that indexes them.
+  """Layer `index`'s K and V pages as `impl` reads them, and the metadata that indexes
+  them, without slicing the layer out of the stacked cache: a slice copies that layer's
+  whole pool, every layer of every step (measured on CPU: temp memory of one layer's K
+  and V).
 
-  XLA: every layer's pages as one pool [L * P, ...] (a free reshape of the carried
-  cache), this layer's at offset index * P, because slicing the layer out copies it,
-  every layer of every step (measured: temp memory of one layer's K and V). Pallas: the
-  slice, copy included: the kernel's page offsets are int32 arithmetic, which a pool of
-  all layers is likelier to overflow (not measured on GPU).
+  XLA: every layer's pages as one pool [L * P, page, Hkv, D] (a free reshape of the
+  carried cache), this layer's at page offset index * P. Pallas: the stacked cache
+  [L, P, page, Hkv, D] as it is, and the layer index, which the kernel adds to its own
+  page reads (its offsets go 64-bit for a stack over 4 GiB: Pallas's Triton lowering).
   """
+  meta = (batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs)
   if impl == 'pallas':
-    return cache[0][index], cache[1][index], batch
+    return cache[0], cache[1], meta + (jnp.asarray(index, jnp.int32).reshape(1),)
   pool = [c.reshape(-1, *c.shape[2:]) for c in cache]
   offset = batch.page_indices + index * cache[0].shape[1]
-  return pool[0], pool[1], batch._replace(page_indices=offset)
+  return pool[0], pool[1], (batch.kv_lens, offset, batch.cu_q_lens, batch.num_seqs)
 
 
 def paged_attention_layer(x, layer, index, cache, batch, rope, impl, plan):
   """x [1, T, d] -> (attention output [1, T, d], cache with this layer's K/V written)."""
   q, k, v = project_qkv(x, layer, rope, plan)
   cache = write_kv(cache, index, k[0], v[0], batch.slots)
-  k_pages, v_pages, batch = layer_pages(cache, index, batch, impl)
-  out = paged_attend(q[0], k_pages, v_pages, batch, impl, plan)
+  k_pages, v_pages, meta = layer_pages(cache, index, batch, impl)
+  out = paged_attend(q[0], k_pages, v_pages, meta, impl, plan)
   return output_projection(out[None], layer), cache
 
 

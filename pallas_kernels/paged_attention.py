@@ -20,6 +20,10 @@ split's page blocks, gathering pages through the page table; each page block is 
 once per q block for the whole head group, never once per q head. Each split writes a
 normalized partial output and its log-sum-exp; `_merge_splits` combines them.
 
+A model carrying every layer's cache as one stack [L, P, page_size, Hkv, D] passes it
+whole with the layer's index (`layer=`): the kernel adds the layer to its own page
+reads, so no layer is copied out of the stack (one layer's pages are a stack of one).
+
 A head group that is not a power of two (7 q heads per kv head, say) is zero-padded to
 one for the kernel, whose tiles must be powers of two on GPU, and sliced back after.
 
@@ -32,6 +36,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -303,24 +308,26 @@ def _softmax_step(carry, q, k, v, visible, scale, qk, pv):
 
 def _paged_attention_kernel(
     num_seqs_ref,    # [1] int32
+    layer_ref,       # [1] int32: the layer of the stacked cache to read
     kv_lens_ref,     # [max_seqs] int32
     cu_q_lens_ref,   # [max_seqs + 1] int32
     page_row_ref,    # [pages_per_seq] int32: this sequence's page table row
     q_ref,           # [T, G, D]: the G q heads of this kv head
-    k_ref,           # [P, page_size, D]: this kv head of every page
-    v_ref,           # [P, page_size, D]
+    k_ref,           # [L, P, page_size, D]: this kv head of every page of every layer
+    v_ref,           # [L, P, page_size, D]
     *out_refs,       # (aliased inputs, only when poisoned), o [T, G, D] f32, lse [T, G] f32
     block_q, pages_per_block, num_kv_splits, sm_scale):
   o_ref, lse_ref = out_refs[-2:]
   # Program ids are read here, outside any control flow: interpret mode resolves them
   # only at the kernel's top level.
   s, split = pl.program_id(0), pl.program_id(2)
+  layer = layer_ref[0]
 
   @pl.when(s < num_seqs_ref[0])
   def _():
     q_start = cu_q_lens_ref[s]
     seq = _SeqInfo(q_start=q_start, q_len=cu_q_lens_ref[s + 1] - q_start,
-                   kv_len=kv_lens_ref[s], page_size=k_ref.shape[1],
+                   kv_len=kv_lens_ref[s], layer=layer, page_size=k_ref.shape[2],
                    pages_per_block=pages_per_block)
     lo, hi = _split_range(seq, split, num_kv_splits)
     attend = functools.partial(_attend_q_block, seq=seq, block_lo=lo, block_hi=hi,
@@ -337,8 +344,8 @@ def _paged_attention_kernel(
 class _SeqInfo:
   """Scalars of the sequence a program works on (traced values)."""
 
-  def __init__(self, *, q_start, q_len, kv_len, page_size, pages_per_block):
-    self.q_start, self.q_len, self.kv_len = q_start, q_len, kv_len
+  def __init__(self, *, q_start, q_len, kv_len, layer, page_size, pages_per_block):
+    self.q_start, self.q_len, self.kv_len, self.layer = q_start, q_len, kv_len, layer
     self.page_size, self.pages_per_block = page_size, pages_per_block
     self.block_k = page_size * pages_per_block
     self.num_pages = pl.cdiv(kv_len, page_size)
@@ -394,8 +401,9 @@ def _attend_page_block(blk, carry, *, q, q_pos, seq, refs, sm_scale):
   # Table slots past the sequence's last page hold junk ids: read page 0 instead.
   page_ids = _masked_load(page_row_ref, (pl.ds(blk * ppb, ppb),), mask=slot_ok, other=0)
   page_ids = jnp.where(slot_ok, page_ids, 0)
-  k = k_ref[page_ids].reshape(seq.block_k, d)   # gather: [ppb, page_size, D] -> [block_k, D]
-  v = v_ref[page_ids].reshape(seq.block_k, d)
+  # Gather [ppb, page_size, D] -> [block_k, D] from this layer, in place in the stack.
+  k = k_ref[seq.layer, page_ids].reshape(seq.block_k, d)
+  v = v_ref[seq.layer, page_ids].reshape(seq.block_k, d)
   k_pos = blk * seq.block_k + lax.broadcasted_iota(jnp.int32, (seq.block_k,), 0)
   k_ok = k_pos < seq.kv_len
   # A page's tail past kv_len (and page 0 above) may hold NaN. NaN scores are replaced
@@ -417,11 +425,17 @@ def _attend_page_block(blk, carry, *, q, q_pos, seq, refs, sm_scale):
 # -------------------------------------------------------------------------------- wrapper
 
 def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                    sm_scale=None, num_kv_splits=None, pages_per_block=None, num_warps=None,
-                    num_stages=None, interpret=None, _block_q=None, _poison=None):
+                    layer=None, sm_scale=None, num_kv_splits=None, pages_per_block=None,
+                    num_warps=None, num_stages=None, interpret=None, _block_q=None,
+                    _poison=None):
   """Ragged paged attention; returns out [T, Hq, D] in q's dtype.
 
-  q [T, Hq, D]; k_pages, v_pages [P, page_size, Hkv, D]; kv_lens [max_seqs] (cached tokens
+  q [T, Hq, D]; k_pages, v_pages [P, page_size, Hkv, D], or every layer's cache
+  [L, P, page_size, Hkv, D] with `layer` (an int, or an int32 scalar or [1] array, traced
+  or not) naming the layer to attend: the kernel reads that layer's pages where they lie
+  in the stack, so a model carrying a stacked cache copies no layer out of it (a slice
+  is a copy of the layer's whole pool). A traced `layer` must be in [0, L): on GPU an
+  index past the stack reads other memory. kv_lens [max_seqs] (cached tokens
   including the new ones, >= that sequence's q_len); page_indices [max_seqs, pages_per_seq];
   cu_q_lens [max_seqs + 1] (non-decreasing up to cu_q_lens[num_seqs] <= T; entries past
   num_seqs, like kv_lens and page_indices rows of dead sequences, are never read);
@@ -433,9 +447,11 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   their q is NaN). `_block_q` and `_poison` (a fill value for the per-split outputs before
   the kernel runs, to prove every live element gets written) are for tests.
   """
-  _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
+  k_pages, v_pages, layer = _as_stacked(k_pages, v_pages, layer)
+  one_layer = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)   # no slice traced
+  _check_args(q, one_layer(k_pages), one_layer(v_pages), kv_lens, page_indices, cu_q_lens)
   t, hq, d = q.shape
-  _, page_size, hkv, _ = k_pages.shape
+  _, _, page_size, hkv, _ = k_pages.shape
   max_seqs, pages_per_seq = page_indices.shape
   kv_lens, cu_q_lens, page_indices = (
       jnp.asarray(x, jnp.int32) for x in (kv_lens, cu_q_lens, page_indices))
@@ -462,7 +478,7 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   kernel = functools.partial(
       _paged_attention_kernel, block_q=block_q, pages_per_block=ppb, num_kv_splits=splits,
       sm_scale=1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale))
-  args = (num_seqs, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages)
+  args = (num_seqs, layer, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages)
   o, lse = _call_kernel(kernel, args, grid=(max_seqs, hkv, splits), poison=_poison,
                         interpret=interpret, gpu_params=(num_warps or 4, num_stages or 2))
   out = _merge_splits(o, lse)
@@ -474,14 +490,18 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
 
 def _call_kernel(kernel, args, *, grid, poison, interpret, gpu_params):
   """pallas_call over (sequence, kv head, split); returns o [K, T, Hq, D], lse [K, T, Hq]."""
-  num_seqs, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages = args
+  num_seqs, layer, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages = args
   t, hq, d = q.shape
-  num_pages, page_size, hkv, _ = k_pages.shape
+  num_layers, num_pages, page_size, hkv, _ = k_pages.shape
   groups, splits = hq // hkv, grid[2]
   whole = lambda x: pl.BlockSpec(x.shape, lambda s, h, k: (0,) * x.ndim)
-  pages = pl.BlockSpec((num_pages, page_size, None, d), lambda s, h, k: (0, 0, h, 0))
+  # Every layer's pages in the block: Triton has no scalar prefetch to put the layer in
+  # the index map, so the kernel indexes the layer itself (pointer arithmetic on GPU, no
+  # copy; interpret mode copies the block per program).
+  pages = pl.BlockSpec((num_layers, num_pages, page_size, None, d),
+                       lambda s, h, k: (0, 0, 0, h, 0))
   in_specs = [
-      whole(num_seqs), whole(kv_lens), whole(cu_q_lens),
+      whole(num_seqs), whole(layer), whole(kv_lens), whole(cu_q_lens),
       pl.BlockSpec((None, page_indices.shape[1]), lambda s, h, k: (s, 0)),
       pl.BlockSpec((t, groups, d), lambda s, h, k: (0, h, 0)),
       pages, pages]
@@ -543,6 +563,30 @@ def _choose_block_q(t, groups):
   # A block's q rows are block_q tokens x G heads; decode-only batches need few tokens.
   block_q = min(max(1, _BLOCK_ROWS // groups), pl.next_power_of_2(t))
   return max(block_q, pl.cdiv(_MIN_DOT_ROWS, groups))
+
+
+def _as_stacked(k_pages, v_pages, layer):
+  """Pages as a stack [L, P, page_size, Hkv, D] and the layer to read as [1] int32; one
+  layer's pages become a stack of one (a free reshape)."""
+  if k_pages.ndim == 4 and layer is None:
+    return k_pages[None], v_pages[None], jnp.zeros((1,), jnp.int32)
+  if k_pages.ndim != 5 or v_pages.ndim != 5 or layer is None:
+    raise ValueError(f'paged_attention: pass k_pages and v_pages as one layer\'s pages '
+                     f'[P, page_size, Hkv, D] without layer, or as a stacked cache '
+                     f'[L, P, page_size, Hkv, D] with layer=; got k_pages {k_pages.shape}, '
+                     f'v_pages {v_pages.shape}, layer={layer!r}.')
+  if jnp.size(layer) != 1 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+    raise TypeError(f'paged_attention: layer must be one integer (an int or an int32 '
+                    f'[] or [1] array); got shape {jnp.shape(layer)} dtype '
+                    f'{jnp.result_type(layer)}.')
+  try:
+    known = int(np.asarray(layer).reshape(-1)[0])
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    known = None   # traced: checked by nobody, as documented
+  if known is not None and not 0 <= known < k_pages.shape[0]:
+    raise ValueError(f'paged_attention: layer={known} is outside the stacked cache\'s '
+                     f'{k_pages.shape[0]} layers.')
+  return k_pages, v_pages, jnp.asarray(layer, jnp.int32).reshape(1)
 
 
 def _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens):

@@ -10,6 +10,7 @@ cu_q_lens entries: a kernel that does not ignore them overwrites live rows.
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -245,3 +246,103 @@ def test_gpu_tiling_refused_before_lowering():
   case = make_case([(2, 5)], seed=9)   # page_size 4 x 1 page: a 4-key block, too small
   with pytest.raises(ValueError, match='page_size \\* pages_per_block = 4'):
     pa.paged_attention(*case.args, pages_per_block=1, interpret=False)
+
+
+# ------------------------------------------------------------- stacked cache, layer index
+
+def layer_stack(case, num_layers, seed):
+  """K and V stacks [L, P, page, Hkv, D]: each layer its own random pages, with the case's
+  NaN poison (unowned pages, page tails) in every layer."""
+  rng = np.random.default_rng(seed)
+  dtype = case.args[1].dtype
+  fill = lambda x: np.where(np.isnan(x), np.nan, rng.normal(size=(num_layers, *x.shape)))
+  return tuple(jnp.asarray(fill(np.asarray(x, np.float32)), dtype) for x in case.args[1:3])
+
+
+def check_layer(out, want, live_rows):
+  live = np.asarray(out[:live_rows], np.float32)
+  assert np.isfinite(live).all(), 'a live output is NaN: read a poisoned page or layer'
+  assert rel_err(out, want) < TOL[jnp.float32], rel_err(out, want)
+  np.testing.assert_array_equal(np.asarray(out[live_rows:], np.float32), 0)
+
+
+STACKED_KWARGS = dict(num_kv_splits=2, pages_per_block=2, _block_q=4, _poison=np.nan)
+
+
+@pytest.mark.parametrize('hq,hkv', [(8, 2), (7, 1)])
+def test_stacked_cache_reads_the_named_layer(hq, hkv):
+  """A 4-layer stack, each layer its own pages: the kernel given the whole stack and
+  layer l equals the reference on layer l's pages, for every l, with the layer traced
+  (one compile for all) and as a Python int."""
+  case = make_case(MIXED, hq=hq, hkv=hkv, max_seqs=7, seed=20 + hq)
+  q, _, _, *meta = case.args
+  ks, vs = layer_stack(case, 4, seed=hq)
+  fn = jax.jit(lambda k, v, layer: pa.paged_attention(q, k, v, *meta, layer=layer,
+                                                      **STACKED_KWARGS))
+  wants = [pa.paged_attention_reference(q, ks[l], vs[l], *meta) for l in range(4)]
+  for layer, want in enumerate(wants):
+    assert rel_err(want, wants[0] if layer else wants[1]) > 0.1   # the layers differ
+    check_layer(fn(ks, vs, jnp.asarray([layer], jnp.int32)), want, case.live_rows)
+  assert fn._cache_size() == 1
+  check_layer(pa.paged_attention(q, ks, vs, *meta, layer=2, **STACKED_KWARGS), wants[2],
+              case.live_rows)
+
+
+def test_stacked_cache_other_layers_never_read():
+  """Every layer but the named one NaN throughout: the output equals the single-layer
+  call's, bitwise."""
+  case = make_case(MIXED, hq=6, hkv=2, max_seqs=7, seed=22)
+  q, kp, vp, *meta = case.args
+  single = pa.paged_attention(*case.args, **STACKED_KWARGS)
+  for layer in (0, 2):
+    nan = jnp.full((3, *kp.shape), jnp.nan, kp.dtype)
+    out = pa.paged_attention(q, nan.at[layer].set(kp), nan.at[layer].set(vp), *meta,
+                             layer=jnp.int32(layer), **STACKED_KWARGS)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(single))
+
+
+def test_stacked_cache_reaches_the_kernel_whole():
+  """Traced, the kernel's K and V operands are the stack arguments themselves, and no
+  other equation reads them: no layer is sliced out on the way in."""
+  case = make_case(MIXED, seed=23)
+  q, _, _, *meta = case.args
+  ks, vs = layer_stack(case, 3, seed=0)
+  closed = jax.make_jaxpr(lambda k, v, layer: pa.paged_attention(q, k, v, *meta,
+                                                                 layer=layer))(ks, vs, 1)
+  k_var, v_var, _ = closed.jaxpr.invars
+  [call] = [e for e in closed.jaxpr.eqns if e.primitive.name == 'pallas_call']
+  assert call.invars[-2:] == [k_var, v_var]
+  readers = [e.primitive.name for e in closed.jaxpr.eqns
+             if any(x is k_var or x is v_var for x in e.invars)]
+  assert readers == ['pallas_call'], readers
+
+
+@pytest.mark.parametrize('pages,layer,match', [
+    ('one', 0, 'stacked cache'), ('stack', None, 'stacked cache'),
+    ('stack', 3, 'layer=3 is outside'), ('stack', -1, 'layer=-1 is outside'),
+    ('stack', 1.0, 'one integer'), ('stack', jnp.asarray([0, 1]), 'one integer')])
+def test_stacked_cache_bad_layer_refused(pages, layer, match):
+  case = make_case([(2, 5)], seed=9)
+  q, kp, vp, *meta = case.args
+  if pages == 'stack':
+    kp, vp = jnp.stack([kp] * 3), jnp.stack([vp] * 3)
+  with pytest.raises((ValueError, TypeError), match=match):
+    pa.paged_attention(q, kp, vp, *meta, layer=layer)
+
+
+def test_stacked_cache_over_4gib_compiles_for_hopper_with_64_bit_offsets():
+  """The kernel on a 32 GiB bf16 stack lowers to Triton and compiles for sm_90a as the
+  single-layer one does (no spills, wgmma), its page pointers offset in 64 bits: the
+  whole stack's element offsets pass 2^31 (checked on a CPU host: no GPU needed)."""
+  pytest.importorskip('triton')
+  from benchmarks import kernel_resources as kr   # pylint: disable=import-outside-toplevel
+  shape = jax.ShapeDtypeStruct
+  pages = shape((32, 32768, 16, 8, 128), jnp.bfloat16)
+  args = (shape((64, 32, 128), jnp.bfloat16), pages, pages, shape((64,), jnp.int32),
+          shape((64, 512), jnp.int32), shape((65,), jnp.int32), shape((1,), jnp.int32),
+          shape((1,), jnp.int32))
+  fn = lambda *a: pa.paged_attention(*a[:-1], layer=a[-1], interpret=False)
+  [call] = kr.triton_calls(fn, *args)
+  assert re.search(r'tt\.addptr .*i64>', call.ttir), 'page offsets are 32-bit'
+  res = kr.compile_sm90(call)
+  assert res.stack_bytes == 0 and res.registers <= 255 and res.uses_wgmma, res

@@ -9,6 +9,8 @@ absolute), XLA and Pallas paths alike.
 """
 
 import dataclasses
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -214,3 +216,65 @@ def test_pallas_equals_xla(setup):
   for a, b in zip(*(r.cache for r in runners)):
     np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
     assert err(b, np.asarray(a)) < 1e-6
+
+
+# ------------------------------------------------- Pallas: the stacked cache, layer by index
+
+@pytest.mark.parametrize('form', ['scanned', 'unrolled'])
+def test_pallas_layers_read_their_own_pages(form):
+  """A 3-layer model, its cache NaN before the first step, prefilled in chunks through
+  the kernel on the stacked cache: the layer index traced (scan) or a Python int
+  (unstack_layers' loop), every sampled logit equals the training forward's. A layer
+  reading another's pages gets that layer's K/V, not its own."""
+  cfg = dataclasses.replace(tiny_cfg(), num_layers=3)
+  params = model.init_params(cfg, jax.random.key(3))
+  prompt = [int(t) for t in np.random.default_rng(3).integers(0, 320, 23)]
+  want = dense_logits(params, cfg, prompt)
+  runner = tiny_runner(params, cfg, attention='pallas')
+  if form == 'scanned':
+    assert not isinstance(params['layers'], (list, tuple))
+  else:
+    params = paged.unstack_layers(params, cfg)
+  step = jax.jit(functools.partial(paged.sampled_logits, cfg=cfg, impl='pallas'))
+  cache = tuple(jnp.full_like(c, jnp.nan) for c in runner.cache)
+  blocks, start = [17, 3, 29, 8, 11, 0], 0
+  for n in (10, 12, 1):
+    batch, _ = runner.build_batch([Chunk(prompt[start:start + n], start, blocks)])
+    got, cache = step(params, cache, batch)
+    start += n
+    assert err(got[0], want[start - 1]) < LOGITS_TOL, err(got[0], want[start - 1])
+
+
+def cuda_step_text(cfg, params, runner, monkeypatch) -> str:
+  """StableHLO of a Pallas step as jax lowers it for CUDA (the Triton kernel, not the
+  interpreter), on this host."""
+  monkeypatch.setitem(paged.PAGED_ATTENTION, 'pallas',
+                      functools.partial(paged._pallas_stacked, interpret=False))
+  batch, _ = runner.build_batch([Chunk([1, 2, 3], 0, [5])])
+  gpu = jax.sharding.AbstractDevice(device_kind='NVIDIA H100', num_cores=None, platform='gpu')
+  mesh = jax.sharding.AbstractMesh((1,), ('x',), axis_types=(jax.sharding.AxisType.Auto,),
+                                   abstract_device=gpu)
+  step = jax.jit(functools.partial(paged.sampled_logits, cfg=cfg, impl='pallas'))
+  with jax.sharding.use_abstract_mesh(mesh):
+    lowered = step.trace(params, runner.cache, batch).lower(lowering_platforms=('cuda',))
+  return lowered.as_text()
+
+
+@pytest.mark.parametrize('form', ['scanned', 'unrolled'])
+def test_pallas_step_slices_no_layer_out_of_the_cache(setup, form, monkeypatch):
+  """Lowered for CUDA, every Triton kernel call takes the whole stacked cache as K and
+  V, and no value anywhere in the step has one layer's pool shape ([P, page, Hkv, D],
+  with or without a leading 1): no slice of a layer is taken."""
+  cfg, params, _, _ = setup
+  runner = tiny_runner(params, cfg, attention='pallas')
+  if form == 'unrolled':
+    params = paged.unstack_layers(params, cfg)
+  text = cuda_step_text(cfg, params, runner, monkeypatch)
+  dims = 'x'.join(map(str, runner.cache[0].shape[1:]))
+  whole = f'tensor<{cfg.num_layers}x{dims}xf32>'
+  calls = [line for line in text.splitlines() if '__gpu$xla.gpu.triton' in line]
+  assert len(calls) == (cfg.num_layers if form == 'unrolled' else 1), calls
+  for line in calls:
+    operands = line[line.rindex(' : ('):line.rindex(') -> ')]
+    assert operands.count(whole) == 2, operands
+  assert not re.search(rf'tensor<(1x)?{dims}xf32>', text), 'a layer is sliced out'
