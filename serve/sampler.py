@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serve.penalties import PenaltyRow, PenaltyState, stored_rows
 from serve.sampling_params import GREEDY_BELOW, MAX_LOGPROBS, SamplingParams
 
 FEW_TOP_K = 256     # top-k up to this many works on lax.top_k's candidates, not a bisection
@@ -42,30 +43,68 @@ class SampleResult:
 
 
 class Sampler:
-  """The engine's sampler: `sample` plus the RNG that seeds requests without a seed."""
+  """The engine's sampler: `sample`, the RNG that seeds requests without a seed, and the
+  penalties' per-request state (serve/penalties.py)."""
 
   def __init__(self, seed: int | None = None):
     self._rng = np.random.default_rng(seed)
+    self.penalties = PenaltyState()
 
   def __call__(self, logits, params: list[SamplingParams], steps: list[int],
-               vocab_size: int, history=None, banned=None, allowed=None) -> SampleResult:
+               vocab_size: int, history=None, banned=None, allowed=None,
+               requests: list[PenaltyRow] | None = None) -> SampleResult:
     return sample(logits, params, steps, vocab_size, rng=self._rng, history=history,
-                  banned=banned, allowed=allowed)
+                  banned=banned, allowed=allowed, requests=requests,
+                  penalties=self.penalties)
+
+  def release(self, request_id: str) -> None:
+    """The request ended: its penalty state is freed (call it for every request)."""
+    self.penalties.release(request_id)
 
 
 def sample(logits: jax.Array, params: list[SamplingParams], steps: list[int], vocab_size: int,
            rng: np.random.Generator | None = None, history=None, banned=None,
-           allowed=None) -> SampleResult:
+           allowed=None, requests: list[PenaltyRow] | None = None,
+           penalties: PenaltyState | None = None) -> SampleResult:
   """One token per row of logits [N, V >= vocab_size]; ids >= vocab_size are never drawn.
 
   logits may have more rows than params (a runner's padded output): the first N are
   sampled. Pass them uncut: the program cuts or pads them to N's power-of-two bucket, so
   it is compiled per (rows given, bucket), not per N.
 
-  history: each row's (prompt token ids, output token ids so far), which the penalties
-  read; needed only when some row has one. banned: each row's token ids that must not be
-  drawn this step (the engine's eos and stop ids before min_tokens), or None. allowed: each
-  row's tokens it may draw (guided output) as unpack_bits words, or None (any)."""
+  The penalties read each row's tokens, from `requests` (each row's PenaltyRow: the
+  counts live in `penalties` from step to step, only new tokens are sent) or else from
+  `history` (each row's (prompt token ids, output token ids so far), counted afresh every
+  step); needed only when some row has a penalty. banned: each row's token ids that must
+  not be drawn this step (the engine's eos and stop ids before min_tokens), or None.
+  allowed: each row's tokens it may draw (guided output) as unpack_bits words, or None."""
+  return prepare(logits, params, steps, vocab_size, rng, history, banned, allowed, requests,
+                 penalties).run()
+
+
+@dataclasses.dataclass
+class Prepared:
+  """A sample's program and its inputs, made on the host: dispatch() starts the program
+  (asynchronously), result() waits for it and reads the tokens back."""
+  params: list[SamplingParams]
+  args: tuple
+  static: dict
+
+  def dispatch(self):
+    return _sample_rows(*self.args, **self.static)
+
+  def result(self, out) -> SampleResult:
+    return _result(self.params, jax.device_get(out), len(self.params))
+
+  def run(self) -> SampleResult:
+    return self.result(self.dispatch())
+
+
+def prepare(logits: jax.Array, params: list[SamplingParams], steps: list[int],
+            vocab_size: int, rng: np.random.Generator | None = None, history=None,
+            banned=None, allowed=None, requests: list[PenaltyRow] | None = None,
+            penalties: PenaltyState | None = None) -> Prepared:
+  """sample's host half: the checks, the per-row arrays, the penalty state's update."""
   n = len(params)
   if logits.ndim != 2 or logits.shape[0] < n or len(steps) != n:
     raise ValueError(f'sample: logits {logits.shape} must be [at least len(params)={n}, '
@@ -77,14 +116,15 @@ def sample(logits: jax.Array, params: list[SamplingParams], steps: list[int], vo
   row_args = _row_arrays(params, steps, rng or np.random.default_rng(), rows, vocab_size)
   logits = jnp.asarray(logits)
   given = logits.shape[0]
-  padded = logits[:rows] if given >= rows else jnp.pad(logits, ((0, rows - given), (0, 0)))
+  if given != rows:   # (a slice of all rows would still be a dispatch)
+    logits = logits[:rows] if given > rows else jnp.pad(logits, ((0, rows - given), (0, 0)))
   want_top = any(p.logprobs for p in params)
-  adjust = _adjust_arrays(params, history, rows, vocab_size, banned, allowed)
-  out = _sample_rows(padded, *row_args, adjust, vocab_size=vocab_size,
-                     filters=_filters(params, vocab_size),
-                     logprobs=any(p.logprobs is not None for p in params),
-                     top_n=min(MAX_LOGPROBS, vocab_size) if want_top else 0)
-  return _result(params, jax.device_get(out), n)
+  adjust = _adjust_arrays(params, history, rows, vocab_size, banned, allowed, requests,
+                          penalties)
+  return Prepared(params, (logits, *row_args, adjust),
+                  dict(vocab_size=vocab_size, filters=_filters(params, vocab_size),
+                       logprobs=any(p.logprobs is not None for p in params),
+                       top_n=min(MAX_LOGPROBS, vocab_size) if want_top else 0))
 
 
 def row_bucket(n: int) -> int:
@@ -108,10 +148,19 @@ def _filters(params: list[SamplingParams], vocab_size: int) -> tuple[int, bool] 
   return cap, any(p.top_p < 1.0 for p in sampled)
 
 
-def _key_data(seed: int) -> tuple[int, int]:
-  """A threefry key's two 32-bit words from any Python int (taken modulo 2**64)."""
-  seed %= 1 << 64
-  return seed >> 32, seed & 0xFFFFFFFF
+def _key_data(params, rng, rows) -> np.ndarray:
+  """[rows, 2] uint32: each row's threefry key words from its seed (any Python int, taken
+  modulo 2**64), or from a draw of rng for an unseeded row; padding rows (0, 0)."""
+  seeds = [p.seed for p in params]
+  n, drawn = len(seeds), [i for i, s in enumerate(seeds) if s is None]
+  words = np.zeros(rows, np.uint64)
+  if len(drawn) < n:
+    words[:n] = [0 if s is None else s % (1 << 64) for s in seeds]
+  if drawn:   # one draw for all: the same stream as one draw per row, in row order
+    words[drawn if len(drawn) < n else slice(0, n)] = rng.integers(1 << 63, size=len(drawn))
+  keys = np.empty((rows, 2), np.uint32)
+  keys[:, 0], keys[:, 1] = words >> np.uint64(32), words & np.uint64(0xFFFFFFFF)
+  return keys
 
 
 def _row_arrays(params, steps, rng, rows, vocab_size):
@@ -119,19 +168,17 @@ def _row_arrays(params, steps, rng, rows, vocab_size):
   pad = rows - len(params)
 
   def column(values, fill, dtype):
-    return np.asarray(list(values) + [fill] * pad, dtype)
+    return np.array(values + [fill] * pad, dtype)
 
-  seeds = [p.seed if p.seed is not None else int(rng.integers(1 << 63)) for p in params]
-  keys = np.asarray([_key_data(s) for s in seeds] + [(0, 0)] * pad, np.uint32)
-  return (column((p.temperature for p in params), 0.0, np.float32),
-          column((min(max(p.top_k, 0), vocab_size) for p in params), 0, np.int32),
-          column((p.top_p for p in params), 1.0, np.float32),
-          column((p.min_p for p in params), 0.0, np.float32),
-          keys, column(steps, 0, np.int32))
+  return (column([p.temperature for p in params], 0.0, np.float32),
+          column([min(max(p.top_k, 0), vocab_size) for p in params], 0, np.int32),
+          column([p.top_p for p in params], 1.0, np.float32),
+          column([p.min_p for p in params], 0.0, np.float32),
+          _key_data(params, rng, rows), column(list(steps), 0, np.int32))
 
 
-def _adjust_arrays(params, history, rows, vocab_size, banned=None,
-                   allowed=None) -> dict | None:
+def _adjust_arrays(params, history, rows, vocab_size, banned=None, allowed=None,
+                   requests=None, penalties=None) -> dict | None:
   """adjusted_logits' arguments for the rows (None: no row adjusts its logits). Token ids
   are padded with vocab_size, which the scatters drop, to a power-of-two width (>= 16):
   one program per width, not per length."""
@@ -142,8 +189,14 @@ def _adjust_arrays(params, history, rows, vocab_size, banned=None,
   pad = rows - len(params)
   repeat = any(p.repetition_penalty != 1 for p in params)
   count = any(p.counts_output for p in params)
-  if (repeat or count) and (history is None or len(history) != len(params)):
-    raise ValueError('sample: penalties need each row\'s (prompt ids, output ids) history')
+  stored = requests is not None and (repeat or count)
+  if stored and (penalties is None or len(requests) != len(params)):
+    raise ValueError(f'sample: requests must have one PenaltyRow per row ({len(params)}, '
+                     f'got {len(requests)}) and come with the PenaltyState that keeps them '
+                     '(Sampler passes its own)')
+  if (repeat or count) and not stored and (history is None or len(history) != len(params)):
+    raise ValueError('sample: penalties need each row\'s (prompt ids, output ids) history, '
+                     'or its PenaltyRow (requests)')
 
   def column(values, fill):
     return np.asarray(list(values) + [fill] * pad, np.float32)
@@ -155,15 +208,17 @@ def _adjust_arrays(params, history, rows, vocab_size, banned=None,
       out[i, :len(values)] = values
     return out
 
-  adjust = {}
+  adjust = penalties.arrays(params, requests, rows, vocab_size) if stored else {}
   if count:
-    adjust['output'] = padded([h[1] if p.counts_output else () for p, h in zip(params, history)])
     adjust['presence'] = column((p.presence_penalty for p in params), 0.0)
     adjust['frequency'] = column((p.frequency_penalty for p in params), 0.0)
   if repeat:
+    adjust['repetition'] = column((p.repetition_penalty for p in params), 1.0)
+  if count and not stored:
+    adjust['output'] = padded([h[1] if p.counts_output else () for p, h in zip(params, history)])
+  if repeat and not stored:
     adjust['seen'] = padded([list(h[0]) + list(h[1]) if p.repetition_penalty != 1 else ()
                              for p, h in zip(params, history)])
-    adjust['repetition'] = column((p.repetition_penalty for p in params), 1.0)
   if any(p.logit_bias for p in params):
     adjust['bias_ids'] = padded([list(p.logit_bias) for p in params])
     adjust['bias'] = padded([list(p.logit_bias.values()) for p in params], 0.0, np.float32)
@@ -182,20 +237,30 @@ def _adjust_arrays(params, history, rows, vocab_size, banned=None,
 
 
 def adjusted_logits(logits, output=None, presence=None, frequency=None, seen=None,
-                    repetition=None, bias_ids=None, bias=None, banned=None, allowed=None):
+                    repetition=None, bias_ids=None, bias=None, banned=None, allowed=None,
+                    seen_table=None, seen_slot=None, count_table=None, count_slot=None,
+                    ahead=None):
   """logits [N, V] after logit_bias (bias_ids, bias [N, B]), the repetition penalty over
   the tokens in `seen` [N, S], the frequency and presence penalties over the tokens of
   `output` [N, O] (penalties [N]), and -inf for the tokens in `banned` [N, K] and those
-  whose bit is 0 in `allowed` [N, ceil(V / 32)] (unpack_bits); ids >= V are padding."""
+  whose bit is 0 in `allowed` [N, ceil(V / 32)] (unpack_bits); ids >= V are padding.
+  Instead of seen and output, the penalties may read PenaltyState's tables: row i's
+  seen_table[seen_slot[i]] and count_table[count_slot[i]] plus its draft prefix ahead[i]."""
   logits, rows = jnp.asarray(logits), jnp.arange(logits.shape[0])[:, None]
   if bias_ids is not None:
     logits = logits.at[rows, bias_ids].add(bias, mode='drop')
-  if seen is not None:
-    hit = jnp.zeros(logits.shape, bool).at[rows, seen].set(True, mode='drop')
+  if seen_table is not None:
+    seen_mask = stored_rows(seen_table, seen_slot, ahead)
+  elif seen is not None:
+    seen_mask = jnp.zeros(logits.shape, bool).at[rows, seen].set(True, mode='drop')
+  if seen is not None or seen_table is not None:
     r = repetition[:, None]
-    logits = jnp.where(hit, jnp.where(logits > 0, logits / r, logits * r), logits)
-  if output is not None:
+    logits = jnp.where(seen_mask, jnp.where(logits > 0, logits / r, logits * r), logits)
+  if count_table is not None:
+    counts = stored_rows(count_table, count_slot, ahead).astype(jnp.float32)
+  elif output is not None:
     counts = jnp.zeros(logits.shape, jnp.float32).at[rows, output].add(1.0, mode='drop')
+  if output is not None or count_table is not None:
     logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
   if banned is not None:
     logits = logits.at[rows, banned].set(-jnp.inf, mode='drop')

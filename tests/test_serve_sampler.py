@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from serve import sampler
+from serve.penalties import PenaltyRow, PenaltyState
 from serve.sampler import Sampler, sample
+from sharding import compile_cache
 from serve.sampling_params import SamplingParams, SamplingParamsError, from_openai
 
 VOCAB, PADDED = 257, 320
@@ -475,3 +477,128 @@ def test_banned_tokens_are_never_drawn_and_logprobs_stay_raw():
                       banned=[[0, 1, 2]]).token_ids[0]) for s in range(40)]
   assert not {0, 1, 2} & set(draws) and len(set(draws)) > 10
   assert sample(hot, [SamplingParams(seed=0)], [0], VOCAB).token_ids[0] < 3   # unbanned
+
+
+# ------------------------------------------------------------------ kept penalty state
+
+KEPT_KINDS = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.5, presence_penalty=-0.3),
+              dict(), dict(repetition_penalty=0.8, presence_penalty=1.0, frequency_penalty=-1.5),
+              dict(frequency_penalty=2.0), dict(repetition_penalty=1.05, logit_bias={5: 3.0})]
+
+
+def both_paths(state, params, rows, logits):
+  """adjusted_logits from the rows' histories counted afresh, and from the kept state."""
+  bucket = sampler.row_bucket(len(rows))
+  history = [(r.prompt_ids, list(r.output_ids) + list(r.ahead)) for r in rows]
+  afresh = sampler._adjust_arrays(params, history, bucket, VOCAB)  # pylint: disable=protected-access
+  kept = sampler._adjust_arrays(params, None, bucket, VOCAB, requests=rows,  # pylint: disable=protected-access
+                                penalties=state)
+  return (np.asarray(sampler.adjusted_logits(logits, **afresh)),
+          np.asarray(sampler.adjusted_logits(logits, **kept)))
+
+
+def test_kept_penalties_equal_the_history_counted_afresh():
+  """Over many steps the kept state adjusts the logits bit for bit as the histories
+  counted afresh do: requests arriving and ending (slots reused, the table growing past
+  its first 8), sitting steps out (some lose their slot and are counted again), rows
+  after drafts, outputs cut short (a stop string), an id reused with new lists with and
+  without a release; and as the float64 reference does."""
+  rng = np.random.default_rng(3)
+  state, live, made = PenaltyState(), {}, 0
+  for step in range(70):
+    for _ in range(int(rng.integers(0, 4))):
+      params = SamplingParams(temperature=0.0, **KEPT_KINDS[made % len(KEPT_KINDS)])
+      live[f'r{made}'] = (params, rng.integers(0, VOCAB, int(rng.integers(1, 40))).tolist(), [])
+      made += 1
+    if step % 23 == 22:   # a finished id comes back as a new request, unreleased
+      rid = next(iter(live))
+      live[rid] = (live[rid][0], rng.integers(0, VOCAB, 9).tolist(), [1, 2])
+    rows, params = [], []
+    for rid, (p, prompt, output) in live.items():
+      if rng.random() < 0.25:
+        continue   # not scheduled this step
+      draft = rng.integers(0, 16, int(rng.integers(0, 5))).tolist() if rng.random() < 0.4 else []
+      rows += [PenaltyRow(rid, prompt, output, draft[:j]) for j in range(len(draft) + 1)]
+      params += [p] * (len(draft) + 1)
+    if not rows:
+      continue
+    logits = (rng.normal(size=(sampler.row_bucket(len(rows)), VOCAB)) * 3).astype(np.float32)
+    afresh, kept = both_paths(state, params, rows, logits)
+    np.testing.assert_array_equal(kept, afresh, err_msg=f'step {step}')
+    for i in range(0, len(rows), 7):
+      want = np_adjusted(logits[i], params[i], rows[i].prompt_ids,
+                         list(rows[i].output_ids) + list(rows[i].ahead))
+      np.testing.assert_allclose(kept[i], want, rtol=1e-6, atol=1e-5)
+    for rid in {r.request_id for r in rows}:
+      output = live[rid][2]
+      output += rng.integers(0, 16, int(rng.integers(1, 4))).tolist()   # accepted tokens
+      if rng.random() < 0.05:
+        del output[-2:]   # a stop string's trim
+      if rng.random() < 0.12:
+        del live[rid]
+        state.release(rid)
+  assert made > 60 and state.seen.capacity > 8 and state.counts.capacity > 8
+
+
+def test_kept_penalties_sample_the_tokens_the_histories_do():
+  """Through Sampler: the same tokens and logprobs, greedy and sampled, step after step,
+  as sample() with histories (the same seeds and unseeded RNG stream)."""
+  rng = np.random.default_rng(5)
+  kinds = [dict(temperature=0.0, repetition_penalty=1.8, logprobs=2),
+           dict(temperature=1.0, top_k=5, repetition_penalty=1.05),
+           dict(temperature=0.7, top_p=0.8, frequency_penalty=1.0, seed=7, logprobs=0),
+           dict(temperature=0.0)]
+  params = [SamplingParams(**kinds[i % 4]) for i in range(6)]
+  prompts = [rng.integers(0, VOCAB, 30).tolist() for _ in params]
+  outputs = [[] for _ in params]
+  kept, old_rng = Sampler(11), np.random.default_rng(11)
+  for step in range(12):
+    logits = (rng.normal(size=(8, PADDED)) * 2).astype(np.float32)
+    rows = [PenaltyRow(f'q{i}', p, o) for i, (p, o) in enumerate(zip(prompts, outputs))]
+    got = kept(logits, params, [step] * 6, VOCAB, requests=rows)
+    want = sample(logits, params, [step] * 6, VOCAB, rng=old_rng,
+                  history=list(zip(prompts, outputs)))
+    assert got.token_ids.tolist() == want.token_ids.tolist(), step
+    np.testing.assert_array_equal(got.logprobs, want.logprobs)
+    assert got.top_logprobs == want.top_logprobs
+    for output, token in zip(outputs, got.token_ids):
+      output.append(int(token))
+  assert len({tuple(o) for o in outputs}) > 3
+
+
+def test_kept_penalties_compile_nothing_new_after_warm_up():
+  """After reserve() and one call per row bucket, steps whose histories grow from tens to
+  thousands of tokens, with requests replaced, drafts and slots reused, build no program
+  (the rebuilt histories build one per width: the counter sees them)."""
+  state = PenaltyState()
+  state.reserve(8, VOCAB, max_ahead=4, repetition=True, counts=True)
+  params = SamplingParams(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.3)
+  logits = {n: np.zeros((n, PADDED), np.float32) for n in (1, 2, 4, 8)}
+  for n in logits:
+    warm = [PenaltyRow(f'w{i}', [0], []) for i in range(n)]
+    sample(logits[n], [params] * n, [0] * n, VOCAB, requests=warm, penalties=state)
+    for row in warm:
+      state.release(row.request_id)
+  rng = np.random.default_rng(9)
+  before = compile_cache.programs()
+  for step in range(12):
+    n = int(rng.choice([1, 2, 4, 8]))
+    length = 20 * 3 ** (step // 2)   # up to ~5000 tokens
+    rows = [PenaltyRow(f's{step}-{i // 2}', rng.integers(0, VOCAB, length).tolist(), [3] * step,
+                       [1, 2, 3][:i % 2 * 3]) for i in range(n)]
+    sample(logits[n], [params] * n, [0] * n, VOCAB, requests=rows, penalties=state)
+  assert compile_cache.programs() == before
+  for length in (100, 1000):
+    sample(logits[2], [params] * 2, [0] * 2, VOCAB, history=[(list(range(length)), [])] * 2)
+  assert compile_cache.programs() > before
+
+
+def test_unseeded_draws_follow_the_rng_in_row_order():
+  """The unseeded rows' seeds come from one vectorised draw: the same numbers, in row
+  order, as one draw per row (the stream the engine's RNG gave before)."""
+  params = [SamplingParams(seed=None if i % 3 else i - 2**70) for i in range(40)]
+  keys = sampler._key_data(params, np.random.default_rng(4), 64)  # pylint: disable=protected-access
+  one_by_one = np.random.default_rng(4)
+  want = [(p.seed if p.seed is not None else int(one_by_one.integers(1 << 63))) % (1 << 64)
+          for p in params] + [0] * 24
+  assert [(int(hi) << 32) | int(lo) for hi, lo in keys] == want
