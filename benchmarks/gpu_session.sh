@@ -29,6 +29,11 @@
 #   tiles         benchmarks.attention --tiles: our tile choices at 8K          ~4 min
 #   paged_decode  benchmarks.paged_decode: 8x4K .. 256x8K vs copy bandwidth     ~1 min
 #   paged_tiles   benchmarks.paged_decode --tiles: the kernel's tile choices    ~1 min
+#   paged_step    benchmarks.paged_decode --step: a Llama-3.2-1B-shaped decode
+#                 step at a full cache (64 x 8K tokens, 17 GB), the kernel
+#                 reading each layer in place in the stacked cache vs a layer
+#                 sliced out first: slices of a layer and copies of the cache
+#                 counted in the compiled step, and its time (not yet run)     ~2 min
 #   packed        benchmarks.attention --packed: 8K rows of 8K/2K/512-token
 #                 documents, Triton and Mosaic GPU (document block skipping)    ~3 min
 #   planner       benchmarks.planner_check on default.py: the planner's top
@@ -72,6 +77,7 @@
 #   bash benchmarks/gpu_session.sh attention
 #   bash benchmarks/gpu_session.sh tiles
 #   bash benchmarks/gpu_session.sh paged_decode paged_tiles packed
+#   bash benchmarks/gpu_session.sh paged_step
 #   bash benchmarks/gpu_session.sh planner
 #   bash benchmarks/gpu_session.sh planner_64k
 #   bash benchmarks/gpu_session.sh train_64k
@@ -177,6 +183,9 @@ jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'; packages" ;;
     paged_decode) stage paged_decode "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode ;;
     paged_tiles) stage paged_tiles "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode \
       --tiles ;;
+    # Two compiles of a 16-layer step and 17 GB of cache: more than the kernel stages.
+    paged_step) stage paged_step "${PAGED_STEP_LIMIT:-300}" "$PY" -m benchmarks.paged_decode \
+      --step ;;
     packed) stage packed "${PACKED_LIMIT:-240}" "$PY" -m benchmarks.attention --packed ;;
     planner) stage planner "${PLANNER_LIMIT:-300}" "$PY" -m benchmarks.planner_check \
       --configs=default.py --this-compile ;;
@@ -196,7 +205,7 @@ benchmarks/results/planner_check_gpu_*.json | paste -sd,) --replan \
     serve) stage serve "${SERVE_LIMIT:-570}" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 "$PY" -m \
       benchmarks.serve_throughput --shapes=1b --repeats="${SERVE_REPEATS:-1}" ;;
     *) echo "unknown stage '$1': use machine, tests, pass_trace, attention, tiles, paged_decode, \
-paged_tiles, packed, planner, planner_64k, planner_mid, train_64k, train_8k or serve"
+paged_tiles, paged_step, packed, planner, planner_64k, planner_mid, train_64k, train_8k or serve"
        return 2 ;;
   esac
   # The JSON results this session wrote (at most 8 files come back from $OUT).
@@ -204,7 +213,7 @@ paged_tiles, packed, planner, planner_64k, planner_mid, train_64k, train_8k or s
   return 0
 }
 
-for name in "${@:-machine tests pass_trace attention tiles paged_decode paged_tiles packed planner planner_64k planner_mid train_64k train_8k serve}"; do
+for name in "${@:-machine tests pass_trace attention tiles paged_decode paged_tiles paged_step packed planner planner_64k planner_mid train_64k train_8k serve}"; do
   for one in $name; do run_stage "$one"; done
 done
 ls "$OUT"

@@ -245,9 +245,9 @@ def test_pallas_layers_read_their_own_pages(form):
     assert err(got[0], want[start - 1]) < LOGITS_TOL, err(got[0], want[start - 1])
 
 
-def cuda_step_text(cfg, params, runner, monkeypatch) -> str:
-  """StableHLO of a Pallas step as jax lowers it for CUDA (the Triton kernel, not the
-  interpreter), on this host."""
+def cuda_step(cfg, params, runner, monkeypatch):
+  """A Pallas step as jax lowers it for CUDA (the Triton kernel, not the interpreter),
+  on this host."""
   monkeypatch.setitem(paged.PAGED_ATTENTION, 'pallas',
                       functools.partial(paged._pallas_stacked, interpret=False))
   batch, _ = runner.build_batch([Chunk([1, 2, 3], 0, [5])])
@@ -256,8 +256,7 @@ def cuda_step_text(cfg, params, runner, monkeypatch) -> str:
                                    abstract_device=gpu)
   step = jax.jit(functools.partial(paged.sampled_logits, cfg=cfg, impl='pallas'))
   with jax.sharding.use_abstract_mesh(mesh):
-    lowered = step.trace(params, runner.cache, batch).lower(lowering_platforms=('cuda',))
-  return lowered.as_text()
+    return step.trace(params, runner.cache, batch).lower(lowering_platforms=('cuda',))
 
 
 @pytest.mark.parametrize('form', ['scanned', 'unrolled'])
@@ -269,7 +268,7 @@ def test_pallas_step_slices_no_layer_out_of_the_cache(setup, form, monkeypatch):
   runner = tiny_runner(params, cfg, attention='pallas')
   if form == 'unrolled':
     params = paged.unstack_layers(params, cfg)
-  text = cuda_step_text(cfg, params, runner, monkeypatch)
+  text = cuda_step(cfg, params, runner, monkeypatch).as_text()
   dims = 'x'.join(map(str, runner.cache[0].shape[1:]))
   whole = f'tensor<{cfg.num_layers}x{dims}xf32>'
   calls = [line for line in text.splitlines() if '__gpu$xla.gpu.triton' in line]
@@ -278,3 +277,36 @@ def test_pallas_step_slices_no_layer_out_of_the_cache(setup, form, monkeypatch):
     operands = line[line.rindex(' : ('):line.rindex(') -> ')]
     assert operands.count(whole) == 2, operands
   assert not re.search(rf'tensor<(1x)?{dims}xf32>', text), 'a layer is sliced out'
+
+
+def test_step_benchmark_counts_see_the_slice_in_the_cuda_step(setup, monkeypatch):
+  """benchmarks.paged_decode's HLO counts (what its GPU stage reports of the compiled
+  step) on the unrolled step lowered for CUDA here: the stacked step's kernel calls each
+  take the whole cache and no value has a layer's shape; the sliced (old) step's calls
+  take K and V slices of each layer."""
+  from benchmarks import paged_decode   # pylint: disable=import-outside-toplevel
+  cfg, params, _, _ = setup
+  runner = tiny_runner(params, cfg, attention='pallas')
+  params = paged.unstack_layers(params, cfg)
+  counts = {}
+  for variant, patch in paged_decode.STEP_VARIANTS.items():
+    with patch():
+      hlo = cuda_step(cfg, params, runner, monkeypatch).compiler_ir('hlo').as_hlo_text()
+    counts[variant] = paged_decode.cache_traffic(hlo, runner.cache[0].shape, cfg.dtype)
+  layers = cfg.num_layers
+  assert counts['stacked'] == dict(layer_slices=0, cache_copies=0, kernel_calls=layers,
+                                   kernel_calls_on_whole_cache=layers)
+  assert counts['sliced']['kernel_calls'] == layers
+  assert counts['sliced']['kernel_calls_on_whole_cache'] == 0
+  assert counts['sliced']['layer_slices'] >= 2 * layers
+
+
+def test_paged_step_benchmark_smoke():
+  """benchmarks.paged_decode --step runs (CPU, interpret mode), and its HLO count sees
+  what it is for: the sliced step holds each layer's K and V slices, the stacked none."""
+  from benchmarks import paged_decode   # pylint: disable=import-outside-toplevel
+  stacked, sliced = paged_decode.main(['--smoke', '--step'])
+  assert (stacked['variant'], sliced['variant']) == ('stacked', 'sliced')
+  assert stacked['layer_slices'] == 0
+  assert sliced['layer_slices'] >= 2 * sliced['layers'], sliced
+  assert all(r['step_ms'] > 0 and r['cache_bytes'] > 0 for r in (stacked, sliced))
