@@ -497,7 +497,7 @@ def _call_kernel(kernel, args, *, grid, poison, interpret, gpu_params):
   whole = lambda x: pl.BlockSpec(x.shape, lambda s, h, k: (0,) * x.ndim)
   # Every layer's pages in the block: Triton has no scalar prefetch to put the layer in
   # the index map, so the kernel indexes the layer itself (pointer arithmetic on GPU, no
-  # copy; interpret mode copies the block per program).
+  # copy; interpret mode, a CPU loop over the programs, copies the stack in).
   pages = pl.BlockSpec((num_layers, num_pages, page_size, None, d),
                        lambda s, h, k: (0, 0, 0, h, 0))
   in_specs = [
@@ -582,7 +582,7 @@ def _as_stacked(k_pages, v_pages, layer):
   try:
     known = int(np.asarray(layer).reshape(-1)[0])
   except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    known = None   # traced: checked by nobody, as documented
+    known = None   # traced: not checkable here (the docstring says so)
   if known is not None and not 0 <= known < k_pages.shape[0]:
     raise ValueError(f'paged_attention: layer={known} is outside the stacked cache\'s '
                      f'{k_pages.shape[0]} layers.')
