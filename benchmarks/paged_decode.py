@@ -16,8 +16,9 @@ its layers unrolled as the serving runner holds them) with every page of its sta
 cache in use, the kernel reading each layer in place (`stacked`) against each layer
 sliced out first (`sliced`, a copy of its pool). From the compiled step: values of one
 layer's pool shape (slices), copies of the whole cache, kernel calls given the whole
-cache, temp bytes; then the step's median time, the cache donated as the runner does. On CPU (--smoke) the counts differ from a GPU's:
-interpret mode runs the kernel as a loop that carries its inputs, copying the cache.
+cache, temp bytes; then the step's median time, the cache donated as the runner does.
+On CPU (--smoke) the counts differ from a GPU's: interpret mode runs the kernel as a
+loop that carries its inputs, copying the cache.
 Writes benchmarks/results/paged_step_<device>.json.
 """
 
