@@ -17,6 +17,7 @@ import dataclasses
 from typing import Mapping
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MeshAxes = str | tuple[str, ...] | None
@@ -124,6 +125,44 @@ class ShardingPlan:
 
   def replicated(self) -> NamedSharding:
     return NamedSharding(self.mesh, PartitionSpec())
+
+  def process_rows(self, batch_size: int, seq_len: int) -> dict[int, tuple[int, int]]:
+    """Rows [lo, hi) of the global [batch_size, seq_len] batch that each process's
+    devices hold, by process index.
+
+    A model axis (stage, context, tensor) spanning processes gives several processes the
+    same rows, each loading them whole; the rows a process loads must be one run of
+    consecutive whole chunks (batch_size / (hi - lo) of them) for the data pipeline to
+    read just those. Raises ValueError naming the axes when a layout splits otherwise.
+    """
+    held: dict[int, set[int]] = {}
+    for device, index in self.batch_sharding().devices_indices_map(
+        (batch_size, seq_len)).items():
+      held.setdefault(device.process_index, set()).update(range(batch_size)[index[0]])
+    rows = {}
+    for process, owned in sorted(held.items()):
+      lo, hi = min(owned), max(owned) + 1
+      if len(owned) != hi - lo or batch_size % (hi - lo) or lo % (hi - lo):
+        raise ValueError(self._rows_error(process, sorted(owned), batch_size))
+      rows[process] = (lo, hi)
+    return rows
+
+  def _rows_error(self, process: int, owned: list[int], batch_size: int) -> str:
+    processes = len({d.process_index for d in self.mesh.devices.flat})
+    spanning = [a for a in self.mesh.axis_names if _spans_processes(self.mesh, a)]
+    shown = owned if len(owned) <= 8 else owned[:4] + ['...'] + owned[-2:]
+    return (f'the batch of {batch_size} rows does not split into whole chunks per process '
+            f'on this mesh {dict(self.mesh.shape)}: process {process}\'s devices hold rows '
+            f'{shown} (mesh axes {spanning} span the {processes} processes). Make mesh.data '
+            f'a multiple of the process count, e.g. --config.mesh.data={processes} with '
+            'the other axes dividing each process\'s devices.')
+
+
+def _spans_processes(mesh: Mesh, axis: str) -> bool:
+  """Whether devices along `axis` (the others fixed) belong to different processes."""
+  procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+  along = np.moveaxis(procs, mesh.axis_names.index(axis), 0)
+  return bool((along != along[:1]).any())
 
 
 def _is_axes(x) -> bool:

@@ -31,6 +31,13 @@ os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 
 
+def pytest_addoption(parser):
+  parser.addoption('--stress-seeds', type=int, default=None, metavar='N',
+                   help='tests/test_serve_stress.py: run seeds 0..N-1 (default: its CI few)')
+  parser.addoption('--layout-matrix', default=None, metavar='N|all',
+                   help='tests/test_layout_matrix.py: sample N combinations, or all')
+
+
 def pytest_configure(config):
   del config
   # Grain's multiprocessing workers read absl flags; pytest never parses them.

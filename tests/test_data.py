@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -309,17 +310,25 @@ def test_evaluation_holds_out_the_end_of_the_training_data(corpus_files, tmp_pat
     take(data_cfg, 1, held_out=n)
 
 
-@pytest.mark.parametrize('process_count', [2, 4])
-def test_process_shards_concatenate_to_the_global_batch(corpus_files, process_count):
+@pytest.mark.parametrize('chunks', [1, 2, 4])
+def test_row_chunks_are_the_global_batch_rows(corpus_files, chunks):
+  """Each process reads rows [lo, hi) of every global step: the chunks concatenate to
+  the global batch, and a process holding all rows reads the whole batch."""
   pattern, _ = corpus_files
   cfg = make_cfg(pattern, batch_size=8)
   global_batches = take(cfg, 5, seed=3)
-  shards = [take(cfg, 5, seed=3, process_index=p, process_count=process_count)
-            for p in range(process_count)]
+  size = 8 // chunks
+  shards = [take(cfg, 5, seed=3, rows=(c * size, (c + 1) * size)) for c in range(chunks)]
   for step, want in enumerate(global_batches):
     for k, v in want.items():
-      got = np.concatenate([shards[p][step][k] for p in range(process_count)])
+      got = np.concatenate([shards[c][step][k] for c in range(chunks)])
       np.testing.assert_array_equal(got, v, err_msg=f'step {step} {k}')
+
+
+@pytest.mark.parametrize('rows', [(0, 3), (2, 6), (4, 9), (3, 3)])
+def test_rows_that_are_not_an_aligned_chunk_are_refused(corpus_files, rows):
+  with pytest.raises(ValueError, match=re.escape(f'rows [{rows[0]}, {rows[1]}) are not')):
+    take(make_cfg(corpus_files[0], batch_size=8), 1, rows=rows)
 
 
 @pytest.mark.parametrize('worker_count', [0, 1])

@@ -492,24 +492,58 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def test_two_processes_train_like_one(tmp_path, cache_dir):
-  """2 processes x 4 CPU devices (gloo) = 1 process x 8 devices: per-process data
-  shards assemble the same global batch, so the losses agree."""
-  one = trainer.train(tiny(tmp_path / 'one', cache_dir, steps=4, sample__num_tokens=0))
-  args = ['--config=default.py:tiny', f'--config.workdir={tmp_path / "two"}',
-          f'--config.data.cache_dir={cache_dir}', '--config.steps=4',
-          '--config.sample.num_tokens=0', '--config.metrics.progress_bar=False',
-          f'--config.distributed.coordinator=127.0.0.1:{free_port()}',
+def launch_two(args: list[str], per_process=((), ()), devices=(4, 4)):
+  """train.py in 2 processes of `devices` CPU devices (gloo), each with its own extra
+  arguments; returns (exit codes, outputs)."""
+  args = [*args, f'--config.distributed.coordinator=127.0.0.1:{free_port()}',
           '--config.distributed.num_processes=2']
-  env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
-         'XLA_FLAGS': f'{os.environ.get("XLA_FLAGS", "")} '
-                      '--xla_force_host_platform_device_count=4'}
-  procs = [subprocess.Popen([sys.executable, 'train.py', *args,
-                             f'--config.distributed.process_id={i}'],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True) for i in range(2)]
-  outputs = [p.communicate(timeout=300)[0] for p in procs]
-  assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+  procs = []
+  for i in range(2):
+    env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
+           'XLA_FLAGS': f'{os.environ.get("XLA_FLAGS", "")} '
+                        f'--xla_force_host_platform_device_count={devices[i]}'}
+    procs.append(subprocess.Popen([sys.executable, 'train.py', *args, *per_process[i],
+                                   f'--config.distributed.process_id={i}'],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True))
+  try:
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  return [p.returncode for p in procs], outputs
+
+
+@pytest.mark.parametrize('mesh', [{'data': 8}, {'data': 1, 'context': 4, 'tensor': 2}])
+def test_two_processes_train_like_one(tmp_path, cache_dir, mesh):
+  """2 processes x 4 CPU devices (gloo) = 1 process x 8 devices: each process loads the
+  rows its devices hold (all of them when context spans the processes, as in the second
+  layout) and the global batch is assembled whole, so the losses agree."""
+  overrides = {f'mesh__{k}': v for k, v in mesh.items()}
+  one = trainer.train(tiny(tmp_path / 'one', cache_dir, steps=4, sample__num_tokens=0,
+                           **overrides))
+  codes, outputs = launch_two(
+      ['--config=default.py:tiny', f'--config.workdir={tmp_path / "two"}',
+       f'--config.data.cache_dir={cache_dir}', '--config.steps=4',
+       '--config.sample.num_tokens=0', '--config.metrics.progress_bar=False',
+       *(f'--config.mesh.{k}={v}' for k, v in mesh.items())])
+  assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
   two = [json.loads(l) for l in open(tmp_path / 'two' / 'metrics.jsonl')]
-  assert "'data': 8" in outputs[0]   # one mesh over both processes' devices
   np.testing.assert_allclose([r['loss'] for r in two], [r['loss'] for r in one], rtol=1e-5)
+
+
+@pytest.mark.parametrize('per_process, devices, message', [
+    ((('--config.data.batch_size=16',), ()), (4, 4),
+     'the processes disagree on data.batch_size: process 0 has 16, process 1 has 8'),
+    (((), ()), (4, 2), 'the processes disagree on devices per process: process 0 has 4, '
+     'process 1 has 2'),
+])
+def test_processes_that_disagree_stop_at_start(tmp_path, cache_dir, per_process, devices,
+                                               message):
+  """Every process stops with the same line instead of hanging at the first collective."""
+  codes, outputs = launch_two(
+      ['--config=default.py:tiny', f'--config.workdir={tmp_path}',
+       f'--config.data.cache_dir={cache_dir}', '--config.steps=2'], per_process, devices)
+  assert codes == [2, 2], outputs
+  for out in outputs:
+    assert message in out, out[-2000:]

@@ -251,8 +251,7 @@ def _validate_context(cfg: Config, sizes) -> None:
         f'{2 * n} (or set --config.parallel.context_load_balance=False).')
 
 
-def validate(cfg: Config, num_devices: int, process_count: int = 1,
-             platform: str | None = None) -> None:
+def validate(cfg: Config, num_devices: int, platform: str | None = None) -> None:
   """Checks what can be checked before touching a device; errors name field and fix.
 
   An axis of size 1 is always valid: ZeRO over fsdp=1 shards nothing and runs as DP.
@@ -301,9 +300,6 @@ def validate(cfg: Config, num_devices: int, process_count: int = 1,
         f'each microbatch has {micro} sequences (data.batch_size / optim.grad_accum), '
         f'not divisible by mesh.data * mesh.fsdp * mesh.expert = {batch_shards}: change '
         'data.batch_size.')
-  if cfg.data.batch_size % process_count:
-    raise ValueError(f'data.batch_size={cfg.data.batch_size} is not divisible by the '
-                     f'{process_count} processes.')
   if cfg.data.seq_len > cfg.model.max_seq_len:
     raise ValueError(f'data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len='
                      f'{cfg.model.max_seq_len}: raise model.max_seq_len.')

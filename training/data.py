@@ -13,7 +13,9 @@ stride `seq_len`, so every token is a target exactly once per epoch:
     window 2                 [c c c c E]
 
 The global sequence of windows is a seeded shuffle (new each epoch, forever); global
-step s takes the next `batch_size` windows and process p keeps rows [p*b, (p+1)*b).
+step s takes the next `batch_size` windows, and each process reads only the rows
+[lo, hi) of them that its devices hold (`ShardingPlan.process_rows`: several processes
+read the same rows when a model axis spans them).
 """
 
 import dataclasses
@@ -275,17 +277,18 @@ def _check_matches_tokenizer(path: str, meta: dict, tok) -> None:
         'data.tokenizer to the one the files were written with.')
 
 
-def _check_cfg(cfg: config_lib.DataConfig, process_index: int, process_count: int) -> None:
+def _check_cfg(cfg: config_lib.DataConfig, rows: tuple[int, int] | None) -> tuple[int, int]:
+  """The rows [lo, hi) to read (all when None), checked to be whole aligned chunks."""
   if cfg.batch_size < 1 or cfg.seq_len < 1:
     raise ValueError(f'data.batch_size={cfg.batch_size} and data.seq_len={cfg.seq_len} '
                      'must both be >= 1.')
-  if cfg.batch_size % process_count:
-    raise ValueError(f'data.batch_size={cfg.batch_size} is not divisible by the '
-                     f'{process_count} processes: change data.batch_size.')
-  if not 0 <= process_index < process_count:
-    raise ValueError(f'process_index={process_index} is outside [0, {process_count}).')
+  lo, hi = rows or (0, cfg.batch_size)
+  if not 0 <= lo < hi <= cfg.batch_size or cfg.batch_size % (hi - lo) or lo % (hi - lo):
+    raise ValueError(f'rows [{lo}, {hi}) are not one of the equal chunks that split '
+                     f'data.batch_size={cfg.batch_size}.')
   if cfg.worker_count < 0:
     raise ValueError(f'data.worker_count={cfg.worker_count} must be >= 0.')
+  return lo, hi
 
 
 def _shuffle_seed(seed: int) -> int:
@@ -305,23 +308,26 @@ def _windows(cfg: config_lib.DataConfig, files: list[str]) -> tuple[TokenWindows
 
 
 def _batched(ds: grain.MapDataset, cfg: config_lib.DataConfig, eos_id: int,
-             process_index: int, process_count: int) -> grain.MapDataset:
-  """Windows -> this process's batches of features.
+             rows: tuple[int, int]) -> grain.MapDataset:
+  """Windows -> this process's batches of features, rows [lo, hi) of each global step.
 
-  Cuts the window sequence into batches of b = batch_size / P rows: batch k is rows
-  [(k % P) * b, (k % P + 1) * b) of global step k // P, so process p keeps every P-th
-  batch from p. Slicing before reading means each process reads only its rows.
+  Cuts the window sequence into chunks of b = hi - lo rows: chunk k is rows
+  [(k % n) * b, (k % n + 1) * b) of global step k // n (n = batch_size / b), so rows
+  [lo, hi) are every n-th chunk from lo / b. Slicing before reading means each process
+  reads only its rows.
   """
-  features = functools.partial(window_features, eos_id=eos_id, pack=cfg.pack_documents)
-  return (ds.map(features).batch(cfg.batch_size // process_count, drop_remainder=True)
-          .slice(slice(process_index, None, process_count)))
+  (lo, hi), features = rows, functools.partial(window_features, eos_id=eos_id,
+                                               pack=cfg.pack_documents)
+  return (ds.map(features).batch(hi - lo, drop_remainder=True)
+          .slice(slice(lo // (hi - lo), None, cfg.batch_size // (hi - lo))))
 
 
-def make_dataset(cfg: config_lib.DataConfig, *, seed: int, process_index: int = 0,
-                 process_count: int = 1, held_out: int = 0) -> grain.IterDataset:
-  """This process's batches as a grain IterDataset (see the module docstring), without
-  the last `held_out` windows of the files (evaluation's: make_eval_batches)."""
-  _check_cfg(cfg, process_index, process_count)
+def make_dataset(cfg: config_lib.DataConfig, *, seed: int,
+                 rows: tuple[int, int] | None = None, held_out: int = 0) -> grain.IterDataset:
+  """Rows [lo, hi) (default: all) of every global batch as a grain IterDataset (see the
+  module docstring), without the last `held_out` windows of the files (evaluation's:
+  make_eval_batches)."""
+  rows = _check_cfg(cfg, rows)
   files = train_files(cfg)
   windows, eos_id = _windows(cfg, files)
   if not len(windows):
@@ -337,7 +343,7 @@ def make_dataset(cfg: config_lib.DataConfig, *, seed: int, process_index: int = 
     ds = ds[:len(windows) - held_out]
   if cfg.shuffle:
     ds = ds.shuffle(seed=_shuffle_seed(seed))
-  ds = _batched(ds.repeat(None), cfg, eos_id, process_index, process_count)
+  ds = _batched(ds.repeat(None), cfg, eos_id, rows)
   ds = ds.to_iter_dataset(_READ_OPTIONS)
   if cfg.worker_count > 0:
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count,
@@ -345,12 +351,13 @@ def make_dataset(cfg: config_lib.DataConfig, *, seed: int, process_index: int = 
   return ds
 
 
-def make_eval_batches(cfg: config_lib.Config, *, process_index: int = 0,
-                      process_count: int = 1) -> list[dict[str, np.ndarray]]:
-  """This process's part of the eval.batches evaluation batches, in order, read once:
-  from eval.files, else the last held_out_windows of the training data (unshuffled)."""
+def make_eval_batches(cfg: config_lib.Config, *, rows: tuple[int, int] | None = None
+                      ) -> list[dict[str, np.ndarray]]:
+  """Rows [lo, hi) (default: all) of the eval.batches evaluation batches, in order, read
+  once: from eval.files, else the last held_out_windows of the training data
+  (unshuffled)."""
   data_cfg, batches = cfg.data, cfg.eval.batches
-  _check_cfg(data_cfg, process_index, process_count)
+  rows = _check_cfg(data_cfg, rows)
   files = _dedupe_sidecars(config_lib.eval_files(cfg.eval)) or train_files(data_cfg)
   windows, eos_id = _windows(data_cfg, files)
   need = batches * data_cfg.batch_size
@@ -361,19 +368,20 @@ def make_eval_batches(cfg: config_lib.Config, *, process_index: int = 0,
                      f'data.batch_size = {need}: lower eval.batches or add data.')
   ds = grain.MapDataset.source(windows)
   ds = ds[len(windows) - need:] if not cfg.eval.files else ds[:need]
-  return list(_batched(ds, data_cfg, eos_id, process_index, process_count))
+  return list(_batched(ds, data_cfg, eos_id, rows))
 
 
-def make_train_iterator(cfg: config_lib.DataConfig, *, seed: int, process_index: int = 0,
-                        process_count: int = 1, held_out: int = 0) -> grain.DatasetIterator:
-  """An endless iterator of this process's batches; `get_state()` is JSON-serializable.
+def make_train_iterator(cfg: config_lib.DataConfig, *, seed: int,
+                        rows: tuple[int, int] | None = None,
+                        held_out: int = 0) -> grain.DatasetIterator:
+  """An endless iterator of rows [lo, hi) (default: all) of every global batch;
+  `get_state()` is JSON-serializable.
 
-  Each batch is a dict of numpy arrays of shape [batch_size // process_count, seq_len]:
+  Each batch is a dict of numpy arrays of shape [hi - lo, seq_len]:
   inputs, targets, positions, segment_ids (int32; only with data.pack_documents) and
   weights (float32). Call `close()`
   when done: with workers, batches not yet taken hold shared memory. A saved state only
-  restores onto the same files, cfg, seed, process layout and worker_count.
+  restores onto the same files, cfg, seed, rows and worker_count.
   """
-  ds = make_dataset(cfg, seed=seed, process_index=process_index,
-                    process_count=process_count, held_out=held_out)
+  ds = make_dataset(cfg, seed=seed, rows=rows, held_out=held_out)
   return iter(ds)

@@ -15,7 +15,7 @@ from sharding import compile_cache
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingPlan, check_divisible, make_plan
 from training import (checkpoint, config as config_lib, data, metrics, optimizer, pretrained,
-                      resilience, sample, state)
+                      processes, resilience, sample, state)
 
 console = Console(stderr=True)
 
@@ -45,6 +45,7 @@ class Trainer:
   eval_batches: list | None = None   # this process's held-out batches, with eval on
   step: int | None = None           # the last finished step, once known
   pending_save: int | None = None   # a save started but not yet known to be committed
+  rows: tuple[int, int] | None = None   # the rows of each global batch this process reads
 
 
 def setup(cfg: config_lib.Config) -> Trainer:
@@ -52,23 +53,21 @@ def setup(cfg: config_lib.Config) -> Trainer:
   from_hf = []
   try:
     cfg, from_hf = pretrained.with_pretrained(cfg)
-    config_lib.validate(cfg, jax.device_count(), jax.process_count(), jax.default_backend())
+    processes.check_agree(cfg, data.train_files(cfg.data))
+    config_lib.validate(cfg, jax.device_count(), jax.default_backend())
     info = data.data_info(cfg.data)
     if info.vocab_size > cfg.model.vocab_size:
       raise ValueError(f'model.vocab_size={cfg.model.vocab_size} is smaller than the '
                        f'tokenizer vocabulary ({info.vocab_size}): raise it.')
-    mesh = make_mesh(cfg.mesh)
-    plan = make_plan(mesh, cfg.parallel.zero_stage, cfg.parallel.sequence_parallel,
-                     cfg.parallel.context_strategy, cfg.parallel.context_load_balance,
-                     config_lib.pipeline_microbatches(cfg, mesh.shape['stage']),
-                     cfg.parallel.pipeline_repeats)
+    plan = build_plan(cfg)
     shapes, axes = model.abstract_params(cfg.model), model.logical_axes(cfg.model)
     for rules in (plan.params, plan.grads, plan.opt_state):
       check_divisible(plan, rules, shapes, axes, _FIELD_OF_AXIS)
-    where = dict(process_index=jax.process_index(), process_count=jax.process_count())
-    eval_batches = data.make_eval_batches(cfg, **where) if cfg.eval.every_steps else None
-    data_iter = data.make_train_iterator(cfg.data, seed=cfg.seed,
-                                         held_out=config_lib.held_out_windows(cfg), **where)
+    # the rows this process's devices hold: all of them when a model axis spans processes
+    rows = plan.process_rows(cfg.data.batch_size, cfg.data.seq_len)[jax.process_index()]
+    eval_batches = data.make_eval_batches(cfg, rows=rows) if cfg.eval.every_steps else None
+    data_iter = data.make_train_iterator(cfg.data, seed=cfg.seed, rows=rows,
+                                         held_out=config_lib.held_out_windows(cfg))
   except (ValueError, FileNotFoundError) as e:
     hint = (f' (the model\'s shape comes from init_from_hf={cfg.init_from_hf!r}: change '
             'the mesh or the data, not model.*)' if from_hf and 'model.' in str(e) else '')
@@ -93,7 +92,16 @@ def setup(cfg: config_lib.Config) -> Trainer:
   ckpt = checkpoint.Checkpointer(os.path.join(cfg.workdir, 'checkpoints'), cfg.checkpoint)
   return Trainer(cfg, plan, tx, optimizer.lr_schedule(cfg.optim, cfg.steps), ckpt,
                  data_iter, info.tokenizer, is_main, resilience.Events(cfg.workdir, is_main),
-                 eval_batches=eval_batches)
+                 eval_batches=eval_batches, rows=rows)
+
+
+def build_plan(cfg: config_lib.Config, devices=None) -> ShardingPlan:
+  """The mesh over `devices` (default: all) and the config's sharding plan on it."""
+  mesh = make_mesh(cfg.mesh, devices)
+  return make_plan(mesh, cfg.parallel.zero_stage, cfg.parallel.sequence_parallel,
+                   cfg.parallel.context_strategy, cfg.parallel.context_load_balance,
+                   config_lib.pipeline_microbatches(cfg, mesh.shape['stage']),
+                   cfg.parallel.pipeline_repeats)
 
 
 def restore_or_init(t: Trainer):
@@ -121,7 +129,7 @@ def restore_or_init(t: Trainer):
                   f'this checkpoint was trained holding out {saved.get("held_out", 0)}: '
                   'the windows it read are in the held-out set, so its eval loss is not '
                   'on unseen data. Give eval.files to evaluate on data never trained on.[/]')
-  if meta.get('data_setup') != data_setup(t.cfg):
+  if meta.get('data_setup') != data_setup(t):
     console.print('[yellow]warning: data files, data config, seed or process count changed '
                   'since this checkpoint; the data iterator restarts from its saved index '
                   'on the new data.[/]')
@@ -132,16 +140,27 @@ def restore_or_init(t: Trainer):
   return train_state, int(meta['step'])
 
 
-def data_setup(cfg: config_lib.Config) -> dict:
+def data_setup(t: Trainer) -> dict:
   """What the saved data position depends on."""
+  cfg, processes = t.cfg, jax.process_count()
   held_out = config_lib.held_out_windows(cfg)   # named only when some (older runs: none)
-  return {'data': dataclasses.asdict(cfg.data), 'seed': cfg.seed,
-          'processes': jax.process_count(), **({'held_out': held_out} if held_out else {})}
+  share, p = cfg.data.batch_size // processes, jax.process_index()
+  # rows named only when not the even split by process (older runs' only layout)
+  rows = {} if t.rows in (None, (share * p, share * (p + 1))) else {'rows': list(t.rows)}
+  return {'data': dataclasses.asdict(cfg.data), 'seed': cfg.seed, 'processes': processes,
+          **({'held_out': held_out} if held_out else {}), **rows}
 
 
 def global_batch(t: Trainer, local: dict) -> dict:
-  sharding = t.plan.batch_sharding()
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+  return assemble_batch(t.plan, t.cfg.data, local)
+
+
+def assemble_batch(plan: ShardingPlan, data_cfg: config_lib.DataConfig, local: dict) -> dict:
+  """The global batch from this process's rows (ShardingPlan.process_rows). The global
+  shape is given: guessed from the local rows, it is wrong whenever a model axis spans
+  processes (PITFALLS.md)."""
+  sharding, shape = plan.batch_sharding(), (data_cfg.batch_size, data_cfg.seq_len)
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), shape)
           for k, v in local.items()}
 
 
@@ -273,7 +292,7 @@ def save(t: Trainer, step: int, train_state, data_state: dict) -> None:
   one's start or the previous one's commit, goes to `_save_failed`."""
   commit_pending(t)
   try:
-    t.ckpt.save(step, train_state, {'data': data_state, 'data_setup': data_setup(t.cfg)})
+    t.ckpt.save(step, train_state, {'data': data_state, 'data_setup': data_setup(t)})
   except Exception as e:  # pylint: disable=broad-except
     _save_failed(t, step, e)
     return

@@ -1,0 +1,112 @@
+"""Every layout validate accepts trains like one device, in one process and in two.
+
+The matrix (tests/layout_matrix.py) is sampled with a fixed seed to keep the suite's
+time; `pytest tests/test_layout_matrix.py --layout-matrix=all` runs every combination
+(hours on 2 cores), `--layout-matrix=N` a sample of N. Each test prints the measured
+errors beside the tolerance.
+"""
+
+import collections
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests import layout_matrix as lm
+
+ROOT = pathlib.Path(__file__).parent.parent
+IN_PROCESS, TWO_PROCESSES = 10, 4   # sampled combinations per run
+
+
+def _matrix():
+  return lm.classify(lm.all_combos())
+
+
+def _sample_size(config, default: int) -> int | None:
+  value = config.getoption('--layout-matrix')
+  return None if value == 'all' else int(value) if value else default
+
+
+def pytest_generate_tests(metafunc):
+  if 'combo' in metafunc.fixturenames:
+    accepted, _ = _matrix()
+    combos = lm.sample(accepted, _sample_size(metafunc.config, IN_PROCESS), seed=0)
+    metafunc.parametrize('combo', combos, ids=[c.name for c in combos])
+
+
+_REFERENCES = {}
+
+
+def reference_of(combo: lm.Combo):
+  import jax  # pylint: disable=import-outside-toplevel
+  ref = lm.reference(combo)
+  if ref not in _REFERENCES:
+    _REFERENCES[ref] = lm.loss_and_grads(lm.config(ref), jax.devices()[:1])
+  return _REFERENCES[ref]
+
+
+def check(name: str, got, want) -> None:
+  loss_err, grad_err = lm.errors(got, want)
+  print(f'{name}: loss rel err {loss_err:.1e}, worst grad rel err {grad_err:.1e} '
+        f'(tolerance {lm.TOLERANCE:.0e})')
+  assert loss_err < lm.TOLERANCE and grad_err < lm.TOLERANCE, (name, loss_err, grad_err)
+
+
+def test_refused_combinations_are_listed_with_reasons():
+  accepted, refused = _matrix()
+  reasons = collections.Counter(why.split(':')[0] for _, why in refused)
+  print(f'{len(accepted)} combinations run, {len(refused)} refused:')
+  for why, count in reasons.most_common():
+    print(f'  {count:5d}  {why}')
+  assert accepted and refused
+  # every refusal names the field to change and the value it has
+  assert all('=' in why for _, why in refused)
+
+
+def test_layout_equals_one_device(combo):
+  check(combo.name, lm.loss_and_grads(lm.config(combo)), reference_of(combo))
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def run_processes(combos, out, processes=2, devices=4):
+  """Runs tests/layout_matrix.py's worker in `processes` processes of `devices` CPU
+  devices each; returns their outputs."""
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
+         'XLA_FLAGS': f'{os.environ.get("XLA_FLAGS", "")} '
+                      f'--xla_force_host_platform_device_count={devices}'}
+  args = [sys.executable, '-m', 'tests.layout_matrix', '--out', str(out),
+          '--combos', json.dumps([c.to_json() for c in combos]),
+          f'--coordinator=127.0.0.1:{free_port()}', f'--num-processes={processes}']
+  procs = [subprocess.Popen([*args, f'--process-id={i}'], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+           for i in range(processes)]
+  try:
+    outputs = [p.communicate(timeout=900)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  return [p.returncode for p in procs], outputs
+
+
+def test_layouts_across_two_processes_equal_one_device(request, tmp_path):
+  """2 processes x 4 devices, half the sample with mesh.data=1, where a model axis or
+  the fsdp/expert split spans the processes and each process loads rows of its own."""
+  accepted, _ = _matrix()
+  combos = lm.sample(accepted, _sample_size(request.config, TWO_PROCESSES), seed=1,
+                     prefer=lambda c: c.sizes['data'] == 1)
+  codes, outputs = run_processes(combos, tmp_path / 'out.npz')
+  assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+  got = np.load(tmp_path / 'out.npz')
+  for i, combo in enumerate(combos):
+    grads = [got[f'{i}_grad{j}'] for j in range(len(reference_of(combo)[1]))]
+    check(f'2 processes: {combo.name}', (float(got[f'{i}_loss']), grads), reference_of(combo))
