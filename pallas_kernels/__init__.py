@@ -1,1 +1,2 @@
-"""Pallas attention kernels with pure-jnp references (not built yet)."""
+"""Pallas attention kernels (flash attention: portable and Mosaic GPU; ragged paged
+attention), each with a pure-jnp reference beside it."""

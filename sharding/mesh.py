@@ -16,13 +16,14 @@ class MeshConfig:
   data: int = -1
   """Data parallelism: batch split, everything else replicated."""
   stage: int = 1
-  """Pipeline parallelism (not built yet: must be 1)."""
+  """Pipeline parallelism: the layer stack split into stages (parallel.microbatches,
+  parallel.pipeline_repeats); dense models with model.attention_impl=xla, mesh.context=1."""
   fsdp: int = 1
   """Batch split whose devices also share the ZeRO-sharded state (parallel.zero_stage)."""
   expert: int = 1
   """Expert parallelism: MoE experts split (model.num_experts), and the batch too."""
   context: int = 1
-  """Context parallelism (not built yet: must be 1)."""
+  """Context parallelism: each sequence split over devices (parallel.context_strategy)."""
   tensor: int = 1
   """Tensor parallelism: heads, MLP and vocab split (Megatron layout)."""
 
