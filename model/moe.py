@@ -13,8 +13,10 @@ no gradient from the language-model loss.
 
 Capacity groups are sequences: each expert takes at most
 C = ceil(capacity_factor * seq_len * k / E) of a sequence's (token, choice) pairs, first
-choices before second choices, earlier tokens first; the rest are dropped. A group never
-spans devices, so what drops does not depend on the mesh.
+choices before second choices, earlier tokens first; the rest are dropped. "Earlier" is
+by original token index: under context load balance the sequence arrives reordered
+(sharding.context.token_order), and the queues follow the original order, so what drops
+does not depend on the mesh, the context strategy or load balance.
 
 Capacity dispatch is plain jnp that the partitioner splits on the batch, unless
 mesh.expert > 1: then sharding.moe's all-to-all exchange in shard_map. Dropless dispatch
@@ -27,9 +29,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from model.config import ModelConfig
-from sharding import moe as moe_sharding
+from sharding import context, moe as moe_sharding
 from sharding.rules import ShardingPlan, constrain
 
 # Values each MoE forward reports (mean over MoE layers, dropped summed over them).
@@ -115,11 +118,26 @@ def capacity(cfg: ModelConfig, seq_len: int) -> int:
   return max(1, math.ceil(cfg.capacity_factor * seq_len * k / e))
 
 
-def capacity_slots(ids, num_experts: int, cap: int):
-  """Slot of each (token, choice) in its sequence's [E * C] buffer, E * C if dropped.
+def capacity_queue(ids, cfg: ModelConfig, plan: ShardingPlan | None):
+  """capacity_slots of ids [b, t, k] laid out as the plan lays out the sequence."""
+  t = ids.shape[1]
+  # A queue spans its whole sequence: the ids (small) whole on every context device.
+  ids = constrain(ids, ('batch', None, None), plan)
+  return capacity_slots(ids, cfg.num_experts, capacity(cfg, t), context.token_order(plan, t))
 
-  Queue order within an expert: all first choices (by position), then second choices...
+
+def capacity_slots(ids, num_experts: int, cap: int, order: np.ndarray | None = None):
+  """(slot of each (token, choice) in its sequence's [E * C] buffer, E * C if dropped;
+  kept mask), both [b, t, k].
+
+  Queue order within an expert: all first choices, then second choices..., each by
+  original token index; order[p] is the original index of position p (None: positions
+  are original). A reordered sequence is queued in original order and its slots moved
+  back: a gather of the ids, small next to the tokens.
   """
+  if order is not None and np.any(order != np.arange(len(order))):
+    slots, keep = capacity_slots(ids[:, np.argsort(order)], num_experts, cap)
+    return slots[:, order], keep[:, order]
   b, t, k = ids.shape
   by_rank = jnp.swapaxes(ids, 1, 2).reshape(b, k * t)                # [b, k*t]
   onehot = jax.nn.one_hot(by_rank, num_experts, dtype=jnp.int32)     # [b, k*t, e]
@@ -153,7 +171,7 @@ def combine(y, slots, weights):
 def capacity_experts(x, ids, weights, experts, cfg: ModelConfig, plan):
   """(out [b,t,d], dropped (token, choice) pairs)."""
   cap = capacity(cfg, x.shape[1])
-  slots, keep = capacity_slots(ids, cfg.num_experts, cap)
+  slots, keep = capacity_queue(ids, cfg, plan)
   buffers = dispatch(x, slots, cfg.num_experts, cap)
   if moe_sharding.expert_shards(plan) > 1:
     y = moe_sharding.all_to_all_experts(plan, expert_swiglu, buffers, experts)

@@ -1,6 +1,8 @@
 """Mixture of experts: router and losses vs float64 numpy, capacity and dropless dispatch,
-dropped-token counts, expert parallelism equal to one device, all-to-all in the compiled
-step, aux values in metrics.jsonl, and FLOPs of active parameters only."""
+dropped-token counts, expert parallelism equal to one device, capacity queued in original
+token order (under context parallelism the same dropped pairs, loss and gradients as one
+device), gradient accumulation with aux losses, all-to-all in the compiled step, aux
+values in metrics.jsonl, and FLOPs of active parameters only."""
 
 import dataclasses
 import json
@@ -15,7 +17,7 @@ import pytest
 import model
 from model import moe
 from model.config import ModelConfig
-from sharding import hlo
+from sharding import context, hlo
 from sharding.mesh import MeshConfig, make_mesh
 from sharding.rules import make_plan
 from tests.test_parallel import random_batch, rel_err, tiny_config
@@ -118,6 +120,46 @@ def test_capacity_slots_by_hand():
   np.testing.assert_array_equal(np.asarray(keep[0]), [[1, 1], [1, 1], [1, 1], [0, 0]])
 
 
+def np_dropped_pairs(ids, num_experts, cap) -> set:
+  """Independent queue: (row, token, expert) of each pair over capacity, ids [b, t, k] in
+  original token order; per row, every token's first choice queues before any second."""
+  dropped = set()
+  for row in range(ids.shape[0]):
+    taken = np.zeros(num_experts, int)
+    for choice, token in np.ndindex(ids.shape[2], ids.shape[1]):
+      e = int(ids[row, token, choice])
+      if taken[e] == cap:
+        dropped.add((row, token, e))
+      else:
+        taken[e] += 1
+  return dropped
+
+
+def pairs_of(mask, ids, order) -> set:
+  """(row, original token, expert) of the pairs where mask [b, t, k] (laid out in `order`:
+  the original index at each position) is set."""
+  ids = np.asarray(ids)
+  return {(int(r), int(order[p]), int(ids[r, p, c])) for r, p, c in zip(*np.nonzero(mask))}
+
+
+@pytest.mark.parametrize('layout', ['identity', 'balanced2', 'balanced4', 'random'])
+def test_capacity_queues_by_original_token_order(layout):
+  """Tokens reordered along the sequence (context load balance, or any permutation) with
+  their original indices given: the same (row, token, expert) pairs drop as in original
+  order, and every kept pair gets the slot it has there (the same expert buffers)."""
+  rng = np.random.default_rng(0)
+  b, t, cap = 3, 16, 2
+  ids = np.stack([rng.permutation(E)[:K] for _ in range(b * t)]).reshape(b, t, K)
+  order = {'identity': np.arange(t), 'balanced2': context.load_balance_order(t, 2),
+           'balanced4': context.load_balance_order(t, 4), 'random': rng.permutation(t)}[layout]
+  want = np_dropped_pairs(ids, E, cap)
+  assert len(want) > 10
+  slots, keep = moe.capacity_slots(jnp.asarray(ids[:, order]), E, cap, order)
+  assert pairs_of(~np.asarray(keep), ids[:, order], order) == want
+  one_slots, _ = moe.capacity_slots(jnp.asarray(ids), E, cap)
+  np.testing.assert_array_equal(np.asarray(slots), np.asarray(one_slots)[:, order])
+
+
 def np_dropped(ids, num_experts, cap):
   """Independent count: per sequence and expert, pairs beyond the capacity."""
   counts = np.stack([np.bincount(s.reshape(-1), minlength=num_experts) for s in ids])
@@ -150,14 +192,15 @@ def test_dropped_tokens_counted_and_outputs_zero():
 
 def ep_config(dispatch='capacity', **model_kw) -> config_lib.Config:
   cfg = tiny_config()
+  model_kw = {'capacity_factor': E / K, **model_kw}   # by default nothing is dropped
   cfg.model = dataclasses.replace(
       cfg.model, num_experts=E, experts_per_token=K, num_shared_experts=S, moe_mlp_dim=F,
-      moe_every=2, capacity_factor=E / K, moe_dispatch=dispatch, **model_kw)
+      moe_every=2, moe_dispatch=dispatch, **model_kw)
   return cfg
 
 
-def sharded(cfg, mesh_cfg, zero, devices=None, sp=False):
-  plan = make_plan(make_mesh(mesh_cfg, devices), zero, sp)
+def sharded(cfg, mesh_cfg, zero, devices=None, sp=False, strategy='all_gather', lb=False):
+  plan = make_plan(make_mesh(mesh_cfg, devices), zero, sp, strategy, lb)
   axes = model.logical_axes(cfg.model)
   params = jax.device_put(model.init_params(cfg.model, jax.random.key(0)),
                           plan.tree(plan.params, axes))
@@ -174,13 +217,16 @@ def one_device():
           for d in ('capacity', 'dropless')}
 
 
-def assert_close(got, ref):
+def assert_close(got, ref, drops=False):
+  """Loss, gradients and aux losses at the parity tolerance; the same dropped count (and
+  some dropped when `drops`, none otherwise)."""
   assert rel_err(got[0], ref[0]) < 1e-5, (got[0], ref[0])
   errs = jax.tree.map(rel_err, got[1], ref[1])
   assert max(jax.tree.leaves(errs)) < 1e-5, errs
   for k in ('moe_aux_loss', 'router_z_loss'):
     assert rel_err(got[2][k], ref[2][k]) < 1e-5, k
-  assert float(got[2]['dropped_tokens']) == float(ref[2]['dropped_tokens']) == 0
+  dropped = float(ref[2]['dropped_tokens'])
+  assert float(got[2]['dropped_tokens']) == dropped and (dropped > 0) == drops, dropped
 
 
 def test_capacity_and_dropless_agree_without_drops(one_device):
@@ -203,17 +249,42 @@ def test_expert_parallel_matches_single_device(name, one_device):
   assert_close(sharded(ep_config(dispatch), mesh_cfg, zero, sp=sp), one_device[dispatch])
 
 
+def per_microbatch_penalty(cfg: config_lib.Config, accum: int):
+  """One device, no accumulation code: the mean over microbatches (rows i, i + accum, ...)
+  of the aux penalty's gradient and of the aux values."""
+  m = cfg.model
+
+  def penalty(p, mb):
+    aux = model.summed_nll_and_aux(p, mb, m)[1]
+    return m.moe_aux_loss_coef * aux['moe_aux_loss'] + m.router_z_loss_coef * aux[
+        'router_z_loss'], aux
+
+  params, batch = model.init_params(m, jax.random.key(0)), random_batch(cfg)
+  grad = jax.jit(jax.grad(penalty, has_aux=True))
+  parts = [grad(params, {k: v[i::accum] for k, v in batch.items()}) for i in range(accum)]
+  return jax.tree.map(lambda *xs: sum(xs) / accum, *parts)
+
+
 def test_grad_accumulation_under_expert_parallel():
-  """2 microbatches on EP 4 = one batch on one device (aux coefficients 0: the
-  load-balancing loss is per microbatch; the z-loss, a mean, averages back exactly)."""
-  cfg = ep_config(moe_aux_loss_coef=0.0, router_z_loss_coef=0.0)
-  cfg.data.batch_size = 16
-  ref = sharded(cfg, MeshConfig(data=1), 0, jax.devices()[:1])
-  cfg.optim.grad_accum = 2
+  """2 microbatches on EP 4, tokens dropped, aux losses in the gradient = one device.
+
+  The load-balancing loss E * sum_i f_i * P_i is a product of batch means, so it is
+  defined per microbatch (as Megatron-LM's default): the global batch's f_i are not known
+  until every microbatch has gone forward. The reference: the language-model gradient of
+  the whole batch on one device plus the mean of the microbatches' penalty gradients. The
+  z-loss, a mean over tokens, equals the whole batch's either way."""
+  cfg = ep_config(capacity_factor=0.5, moe_aux_loss_coef=0.1, router_z_loss_coef=0.01)
+  cfg.data.batch_size, accum = 16, 2
+  lm_only = ep_config(capacity_factor=0.5, moe_aux_loss_coef=0.0, router_z_loss_coef=0.0)
+  lm_only.data.batch_size = 16
+  loss, lm_grads, whole = sharded(lm_only, MeshConfig(data=1), 0, jax.devices()[:1])
+  penalty_grads, aux = per_microbatch_penalty(cfg, accum)
+  ref = (loss, jax.tree.map(jnp.add, lm_grads, penalty_grads),
+         {**aux, 'dropped_tokens': whole['dropped_tokens']})
+  assert rel_err(aux['router_z_loss'], whole['router_z_loss']) < 1e-5
+  cfg.optim.grad_accum = accum
   got = sharded(cfg, MeshConfig(data=2, expert=4), 0)
-  assert rel_err(got[0], ref[0]) < 1e-5
-  assert max(jax.tree.leaves(jax.tree.map(rel_err, got[1], ref[1]))) < 1e-5
-  assert rel_err(got[2]['router_z_loss'], ref[2]['router_z_loss']) < 1e-5
+  assert_close(got, ref, drops=True)
 
 
 def test_aux_losses_enter_the_gradient_not_the_loss(one_device):
@@ -238,16 +309,69 @@ def test_aux_losses_enter_the_gradient_not_the_loss(one_device):
   assert rel_err(router(grads), router(grads0)) > 1e-3
 
 
-def test_expert_parallel_dropped_count_matches_one_device():
-  """With drops, the count (and loss) under EP equals one device: capacity groups are
-  sequences, which never span devices."""
-  cfg = ep_config()
-  cfg.model = dataclasses.replace(cfg.model, capacity_factor=0.5)
-  one = sharded(cfg, MeshConfig(data=1), 0, jax.devices()[:1])
-  ep = sharded(cfg, MeshConfig(data=2, expert=4), 0)
-  assert float(one[2]['dropped_tokens']) > 0
-  assert float(ep[2]['dropped_tokens']) == float(one[2]['dropped_tokens'])
-  assert rel_err(ep[0], one[0]) < 1e-5
+def dropping_config() -> config_lib.Config:
+  """Capacity 2 of a sequence's 32 (token, choice) pairs per expert: many dropped."""
+  return ep_config(capacity_factor=0.5)
+
+
+@pytest.fixture(scope='module')
+def one_device_dropping():
+  return sharded(dropping_config(), MeshConfig(data=1), 0, jax.devices()[:1])
+
+
+def test_expert_parallel_dropped_count_matches_one_device(one_device_dropping):
+  """With drops, the count, loss and gradients under EP equal one device's: capacity
+  groups are sequences, which never span devices."""
+  ep = sharded(dropping_config(), MeshConfig(data=2, expert=4), 0)
+  assert_close(ep, one_device_dropping, drops=True)
+
+
+CP_LAYOUTS = {
+    'cp4_all_gather_balanced': (MeshConfig(data=2, context=4), 'all_gather', True),
+    'cp4_all_gather': (MeshConfig(data=2, context=4), 'all_gather', False),
+    'cp4_ring_balanced': (MeshConfig(data=2, context=4), 'ring', True),
+    'cp4_ring': (MeshConfig(data=2, context=4), 'ring', False),
+    # The config's defaults: all_gather, load balance on.
+    'ep2_cp4': (MeshConfig(data=1, expert=2, context=4), 'all_gather', True),
+}
+
+
+def dropped_pairs(x, router, cfg: ModelConfig, plan=None) -> set:
+  """(row, original token, expert) of each pair over capacity when x [b, t, d] (original
+  order) is routed and queued as the model does under `plan`: the sequence reordered for
+  load balance and split over `context`."""
+  order = context.token_order(plan, x.shape[1])
+  x = x[:, order]
+  if plan is not None:
+    x = jax.device_put(x, plan.sharding(plan.activations, ('batch', 'act_seq', 'act_embed')))
+
+  @jax.jit
+  def queue(x, router):
+    ids = moe.route(x, router, cfg)[0]
+    return ids, moe.capacity_queue(ids, cfg, plan)[1]
+
+  ids, keep = queue(x, router)
+  return pairs_of(~np.asarray(keep), ids, order)
+
+
+@pytest.mark.parametrize('name', CP_LAYOUTS)
+def test_capacity_under_context_parallel_drops_what_one_device_drops(name,
+                                                                     one_device_dropping):
+  """Capacity counts each sequence in its original token order whatever the context
+  strategy and load balance: the same dropped pairs (as a set) as one device and an
+  independent numpy queue, and the same loss, gradients and aux values."""
+  mesh_cfg, strategy, lb = CP_LAYOUTS[name]
+  cfg = dropping_config()
+  plan = make_plan(make_mesh(mesh_cfg), 0, False, strategy, lb)
+  x = random_x((8, cfg.data.seq_len, cfg.model.embed_dim), seed=4)
+  router = np.asarray(moe_layer(cfg.model, seed=4)['router'])
+  want = np_dropped_pairs(np_route(x, router, cfg.model)[0], E,
+                          moe.capacity(cfg.model, cfg.data.seq_len))
+  assert len(want) > 10
+  assert dropped_pairs(x, router, cfg.model) == want
+  assert dropped_pairs(x, router, cfg.model, plan) == want
+  got = sharded(cfg, mesh_cfg, 0, strategy=strategy, lb=lb)
+  assert_close(got, one_device_dropping, drops=True)
 
 
 def test_expert_parallel_step_uses_all_to_all():
