@@ -28,7 +28,7 @@ output_ids[counted:]. Output only grows while a request runs; where it was cut s
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +40,7 @@ CLEARS = 8      # slots an update zeroes (padded): a count of its own would be a
 PAIR_BUCKETS = (64, 256, 1024, 4096, 16384)   # (slot, token) pairs an update scatters
 
 
-@dataclasses.dataclass(frozen=True)
-class PenaltyRow:
+class PenaltyRow(NamedTuple):   # a tuple: the engine makes one per row and step
   """One sampled row's request: its id, its prompt and output token lists, and the draft
   tokens the row is sampled after (as if output already)."""
   request_id: str

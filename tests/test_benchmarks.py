@@ -364,3 +364,17 @@ def test_spec_decode_benchmark_smoke(tiny_workdir):
       assert rows[name]['acceptance'] > 0.5
       assert rows[name]['request_steps'] < rows['plain']['request_steps']
 
+
+
+def test_sampler_penalties_benchmark_smoke():
+  """Both penalty paths draw the same tokens (the benchmark asserts it) and are timed;
+  after warm-up the kept state builds no program while serving, the histories counted
+  afresh build one per new width."""
+  from benchmarks import sampler_penalties  # pylint: disable=import-outside-toplevel
+  out = sampler_penalties.main(['--smoke'])
+  (shape,) = out['shapes']
+  assert all(shape[f'{k}_{path}'] > 0 for k in ('host_ms', 'host_cpu_ms', 'device_ms')
+             for path in ('history', 'requests'))
+  sequence = out['serving_sequence']
+  assert sequence['requests']['programs_built'] == 0
+  assert sequence['history']['programs_built'] > 0
