@@ -212,7 +212,8 @@ class PenaltyState:
 
   def release(self, request_id: str) -> None:
     """The request ended: its slots go back at the next step (safe from any thread)."""
-    self._released.append(request_id)
+    if request_id in self.seen.slots or request_id in self.counts.slots:
+      self._released.append(request_id)
 
   def arrays(self, params, rows: Sequence[PenaltyRow], padded_rows: int,
              vocab_size: int) -> dict:

@@ -602,3 +602,12 @@ def test_unseeded_draws_follow_the_rng_in_row_order():
   want = [(p.seed if p.seed is not None else int(one_by_one.integers(1 << 63))) % (1 << 64)
           for p in params] + [0] * 24
   assert [(int(hi) << 32) | int(lo) for hi, lo in keys] == want
+
+
+def test_releasing_requests_that_took_no_slot_keeps_nothing():
+  """The engine releases every request it ends; those without penalties leave no trace
+  (the state sees no step until a penalised request comes)."""
+  state = PenaltyState()
+  for i in range(100):
+    state.release(f'plain-{i}')
+  assert not state._released   # pylint: disable=protected-access
