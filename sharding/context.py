@@ -19,7 +19,8 @@ the last chunk of the sequence has N times the work of the first. The batch is t
 reordered once at the input (`reorder_batch`): the sequence is cut into 2N chunks and
 device i holds chunks i and 2N-1-i, with inputs, targets, weights, positions and segment
 ids moved alike (the loss is a sum over tokens, so it does not change). Attention masks
-then compare original token indices (`token_order`), not array positions.
+then compare original token indices (`token_order`), not array positions, and MoE
+capacity queues tokens by them (model/moe.py: the same tokens drop as on one device).
 
 Packed documents: segment ids travel with their tokens (and with the K/V chunks round
 the ring); a query sees keys of its own document only.

@@ -269,8 +269,8 @@ def test_grad_accumulation_under_expert_parallel():
   """2 microbatches on EP 4, tokens dropped, aux losses in the gradient = one device.
 
   The load-balancing loss E * sum_i f_i * P_i is a product of batch means, so it is
-  defined per microbatch (as Megatron-LM's default): the global batch's f_i are not known
-  until every microbatch has gone forward. The reference: the language-model gradient of
+  defined per microbatch and averaged: the whole batch's f_i are not known until every
+  microbatch has gone forward. The reference: the language-model gradient of
   the whole batch on one device plus the mean of the microbatches' penalty gradients. The
   z-loss, a mean over tokens, equals the whole batch's either way."""
   cfg = ep_config(capacity_factor=0.5, moe_aux_loss_coef=0.1, router_z_loss_coef=0.01)
