@@ -40,6 +40,7 @@ from serve.request import Request, RequestStatus
 from serve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from serve.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from serve.speculative import TokenHistory, propose_ngram
+from serve.step_rows import PADDING, RequestRows, StepRows
 from sharding import compile_cache
 from sharding.mesh import MeshConfig, make_mesh
 
@@ -715,71 +716,99 @@ class Engine:
           spec.prompt_lookup_min, spec.prompt_lookup_max)
 
   def _execute(self, out):
-    """Runs the model and samples: ({id: [tokens]}, {id: [TokenLogprob]}) of sampling
-    chunks; a chunk with a draft gets the draft's accepted prefix and the token after."""
+    """Runs the model and samples: ({id: [tokens]}, {id: [TokenLogprob]}) of the sampling
+    chunks whose requests are still live; a chunk with a draft gets the draft's accepted
+    prefix and the token after."""
+    layout = StepRows(out.chunks)
     targets, top_n = self._prompt_targets(out)
     # dispatched; the device runs it while the previous step's outputs go out
     step = self.runner.step(out, targets, top_n) if targets else self.runner.step(out)
+    if step.num_sampled != layout.num_rows:
+      raise RuntimeError(f'the runner sampled {step.num_sampled} rows of a step laid out '
+                         f'with {layout.num_rows}: its row order is not StepRows\'.')
     self._flush_outputs()
+    layout.keep(self._tracked)   # a request failed while those outputs went out drops out
     if step.scores is not None:
       self._gather_prompt_logprobs(out, targets, step.scores)
-    # Row j of a chunk is sampled as if its draft's first j tokens were output already;
-    # a guide follows the draft as far as it allows (`usable`: later rows are not taken).
-    groups, rows = [], []
-    for c in out.chunks:
-      t, draft = self._tracked.get(c.request_id), c.spec_token_ids
-      if not c.sample or t is None:   # None: failed while the last step's outputs went out
-        continue
-      guided = None
-      if t.guide is not None and draft:
-        try:
-          guided = t.guide.draft_words(draft, self.served.eos_token_ids)
-        except ValueError:   # the guide could not look ahead: no draft token is taken
-          guided = [t.guide.words()]
-      usable = len(draft) if guided is None else len(guided) - 1
-      groups.append((t, draft, usable))
-      rows += [(t, draft[:j], guided and guided[min(j, usable)]) for j in range(len(draft) + 1)]
-    if not rows:
+    inputs = self._row_inputs(layout)
+    if not layout:
       return {}, {}
-    params = [t.request.sampling_params for t, _, _ in rows]
-    banned, allowed = map(list, zip(*(t.constraints(ahead, guided)
-                                      for t, ahead, guided in rows)))
+    return self._accept(layout, self._sample(step, layout, inputs))
+
+  def _row_inputs(self, layout: StepRows) -> dict:
+    """Per live request, per row: (params, step, history, banned, allowed) as the sampler
+    takes them. A request whose guide or bans fail here fails alone and drops out."""
+    inputs = {}
+    for r in layout:
+      t = self._tracked[r.request_id]
+      try:
+        inputs[r.request_id] = self._request_inputs(t, r)
+      except Exception as e:  # pylint: disable=broad-except
+        traceback.print_exc(file=sys.stderr)
+        layout.drop(r.request_id)
+        self._fail([r.request_id], e)
+    return inputs
+
+  def _request_inputs(self, t: _Tracked, r: RequestRows) -> list[tuple]:
+    # Row j is sampled as if the draft's first j tokens were output already; a guide
+    # follows the draft as far as it allows (later rows are not taken).
+    if t.guide is not None and r.draft:
+      try:
+        r.guided = t.guide.draft_words(r.draft, self.served.eos_token_ids)
+      except ValueError:   # the guide could not look ahead: no draft token is taken
+        r.guided = [t.guide.words()]
+    req, rows = t.request, []
+    for j in range(len(r)):
+      ahead = r.draft[:j]
+      banned, allowed = t.constraints(ahead, r.guided and r.guided[min(j, r.usable)])
+      history = (req.prompt_token_ids,
+                 req.output_token_ids + list(ahead) if ahead else req.output_token_ids)
+      rows.append((req.sampling_params, req.num_output_tokens + j, history, banned, allowed))
+    return rows
+
+  def _sample(self, step, layout: StepRows, inputs: dict) -> sampler.SampleResult:
+    """Every row of the step, each live request's at its own place, the others padding."""
+    padding = (PADDING, 0, ([0], []), [], None)
+    rows = layout.per_row(lambda r, j: inputs[r.request_id][j], padding)
+    params, steps, history, banned, allowed = map(list, zip(*rows))
     if (all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params)
         and not any(banned) and all(a is None for a in allowed)):
       # The step's own argmax: the token the sampler would pick, without its program.
-      res = sampler.SampleResult(np.asarray(step.greedy)[:len(rows)], None, [None] * len(rows))
-    else:
-      res = self.sampler(step.logits, params,
-                         [t.request.num_output_tokens + len(ahead) for t, ahead, _ in rows],
-                         self.vocab_size,
-                         [(t.request.prompt_token_ids,
-                           t.request.output_token_ids + list(ahead) if ahead
-                           else t.request.output_token_ids) for t, ahead, _ in rows],
-                         banned, allowed)
-    tokens, logprobs, row = {}, {}, 0
-    for t, draft, usable in groups:
-      rid, want = t.request.request_id, t.request.sampling_params.logprobs is not None
+      return sampler.SampleResult(np.asarray(step.greedy)[:len(rows)], None,
+                                  [None] * len(rows))
+    return self.sampler(step.logits, params, steps, self.vocab_size, history, banned,
+                        allowed)
+
+  def _accept(self, layout: StepRows, res: sampler.SampleResult):
+    """Each request's draft up to its first row whose token differs, and that token."""
+    tokens, logprobs = {}, {}
+    for r in layout:
+      rid = r.request_id
+      want = self._tracked[rid].request.sampling_params.logprobs is not None
       accepted, scored = [], []
-      for j in range(len(draft) + 1):
-        token = int(res.token_ids[row + j])
+      for j in range(len(r)):
+        row = r.row(j)
+        token = int(res.token_ids[row])
         accepted.append(token)
         if want:
-          top = res.top_logprobs[row + j] if res.top_logprobs is not None else None
-          scored.append(TokenLogprob(token, float(res.logprobs[row + j]), top,
-                                     int(res.ranks[row + j])))
-        if j == usable or token != draft[j]:
+          top = res.top_logprobs[row] if res.top_logprobs is not None else None
+          scored.append(TokenLogprob(token, float(res.logprobs[row]), top,
+                                     int(res.ranks[row])))
+        if j == r.usable or token != r.draft[j]:
           break
-      row += len(draft) + 1
       tokens[rid] = accepted
       if want:
         logprobs[rid] = scored
-      if draft:
-        self._totals['drafts'] += 1
-        self._totals['draft_tokens'] += len(draft)
-        self._totals['accepted_tokens'] += len(accepted) - 1
-        for pos in range(len(accepted) - 1):
-          self._accepted_per_pos[pos] += 1
+      self._count_draft(r.draft, accepted)
     return tokens, logprobs
+
+  def _count_draft(self, draft, accepted) -> None:
+    if draft:
+      self._totals['drafts'] += 1
+      self._totals['draft_tokens'] += len(draft)
+      self._totals['accepted_tokens'] += len(accepted) - 1
+      for pos in range(len(accepted) - 1):
+        self._accepted_per_pos[pos] += 1
 
   def _prompt_targets(self, out):
     """Per chunk, the prompt token each of its rows predicts (-1: none), or None for
@@ -821,19 +850,32 @@ class Engine:
       row += len(c.token_ids)
 
   def _emit(self, tokens: dict, logprobs: dict, finished) -> None:
+    """A step's outputs, request by request: one that fails to go out (its detokenizer
+    raising, say) fails that request alone, and every request that finished is closed."""
     self._emit_count += 1
     done = {r.request_id for r in finished}
-    for rid, ids in tokens.items():
-      scored = logprobs.get(rid)
-      for j, token in enumerate(ids):
-        t = self._tracked.get(rid)
-        if t is None:   # ended on an earlier token of this step (a stop string, an error)
-          break
-        later = len(ids) - 1 - j
-        self._on_token(t, token, scored and scored[j], rid in done and not later, later)
-    for rid in done - tokens.keys():   # finished without a token this step
-      if rid in self._tracked:
-        self._finish(self._tracked[rid])
+    for rid in [*tokens, *(done - tokens.keys())]:   # some finished without a token
+      try:
+        self._emit_request(rid, tokens.get(rid, ()), logprobs.get(rid), rid in done)
+      except Exception as e:  # pylint: disable=broad-except
+        traceback.print_exc(file=sys.stderr)
+        self._fail([rid], e)
+
+  def _emit_request(self, rid: str, ids, scored, finished: bool) -> None:
+    t = self._tracked.get(rid)
+    if t is not None and not ids and finished:
+      self._finish(t)
+    for j, token in enumerate(ids):
+      t = self._tracked.get(rid)
+      if t is None:   # ended on an earlier token of this step (a stop string, an error)
+        return
+      later = len(ids) - 1 - j
+      try:
+        self._on_token(t, token, scored and scored[j], finished and not later, later)
+      except Exception:
+        if rid in self._tracked:   # this token and the step's later ones never went out
+          del t.request.output_token_ids[len(t.request.output_token_ids) - later - 1:]
+        raise
 
   def _on_token(self, t: _Tracked, token: int, logprob, finished_now: bool,
                 later: int = 0) -> None:

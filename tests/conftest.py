@@ -4,6 +4,7 @@ import os
 import pathlib
 
 import jax
+import pytest
 
 # LLVM's optimizations off for the CPU programs the tests compile (and, through the
 # environment, the train.py and server processes they start): compiling, not running,
@@ -57,6 +58,24 @@ def pytest_collection_modifyitems(config, items):
   del config
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: order kept
+
+
+@pytest.fixture(autouse=True)
+def environment_unchanged(request):
+  """A test that changes os.environ outside monkeypatch fails: its change would leak into
+  every later test of the worker (and their subprocesses)."""
+  before = dict(os.environ)
+  yield
+  changed = sorted(k for k in before.keys() | os.environ.keys()
+                   if before.get(k) != os.environ.get(k) and k != 'PYTEST_CURRENT_TEST')
+  if changed:
+    for k in changed:
+      if k in before:
+        os.environ[k] = before[k]
+      else:
+        del os.environ[k]
+    pytest.fail(f'{request.node.nodeid} changed os.environ ({", ".join(changed)}) without '
+                'restoring it: use monkeypatch.setenv.', pytrace=False)
 
 
 pytest_plugins = ['tests.serve_fixtures']
