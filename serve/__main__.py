@@ -3,19 +3,23 @@
 Binds 127.0.0.1:8000 unless told otherwise. The first SIGTERM or Ctrl-C drains: new
 requests get 503, running ones get up to --shutdown-grace seconds to finish, the rest end
 with a final chunk saying why, and the process exits 0. A second signal exits at once.
+If the engine dies (its loop ends, or makes no progress for --engine-stall-timeout
+seconds with requests open), /health answers 503, every open request ends with an
+EngineDeadError, and the process exits 1, for a supervisor to restart it.
 """
 
 import argparse
 import asyncio
 import os
 import sys
+import threading
 
 import uvicorn
 
 from serve import config as config_lib
 from serve import metrics
 from serve import tools
-from serve.engine import Engine
+from serve.engine import STALL_TIMEOUT_S, Engine
 from serve.server import create_app
 from sharding import compile_cache
 
@@ -36,6 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help='the model id clients send (default: the model\'s own name)')
   http.add_argument('--shutdown-grace', type=float, default=30.0, metavar='SECONDS',
                     help='on SIGTERM, how long running requests may take to finish')
+  http.add_argument('--engine-stall-timeout', type=float, default=STALL_TIMEOUT_S,
+                    metavar='SECONDS', help='the engine is dead (exit 1) if no step completes '
+                    'for this long with requests open; longer than the slowest step, a '
+                    'compile included')
   http.add_argument('--log-level', default='info',
                     choices=('critical', 'error', 'warning', 'info', 'debug'))
   http.add_argument('--log-stats-interval', type=float, default=10.0, metavar='SECONDS',
@@ -89,19 +97,39 @@ class GracefulServer(uvicorn.Server):
 
 
 def run(app, engine, *, host: str, port: int, grace_s: float, log_level: str = 'info',
-        sockets=None, stats_interval_s: float = 0.0) -> None:
+        sockets=None, stats_interval_s: float = 0.0, health_interval_s: float = 1.0) -> int:
   """Serves app until a signal (or should_exit); then stops the engine. Every
-  stats_interval_s seconds (0: never) while busy, prints the engine's stats line."""
+  stats_interval_s seconds (0: never) while busy, prints the engine's stats line. Every
+  health_interval_s, checks the engine's health: a dead engine stops the server. The
+  exit status: 0 after a signal, 1 when the engine died."""
   config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan='off',
                           timeout_graceful_shutdown=5)
   server = GracefulServer(config, grace_s)
   stats = metrics.StatsLogger(engine).start(stats_interval_s) if stats_interval_s > 0 else None
+  stop, dead = threading.Event(), []
+  watchdog = threading.Thread(target=_watch, args=(engine, server, health_interval_s, stop,
+                                                   dead), name='meshlm-health', daemon=True)
+  watchdog.start()
   try:
     server.run(sockets=sockets)
   finally:
+    stop.set()
     if stats is not None:
       stats.set()
     engine.shutdown()
+  return 1 if dead else 0
+
+
+def _watch(engine, server, interval_s: float, stop: threading.Event, dead: list) -> None:
+  """Stops the server once the engine is dead (its health() has failed every open
+  request by then, so their handlers send the error before the server closes)."""
+  while not stop.wait(interval_s):
+    reason = engine.health()
+    if reason is not None:
+      print(f'error: the engine is dead ({reason}); exiting.', file=sys.stderr, flush=True)
+      dead.append(reason)
+      server.should_exit = True
+      return
 
 
 def main(argv=None) -> int:
@@ -110,7 +138,7 @@ def main(argv=None) -> int:
     compile_cache.enable(args.compilation_cache_dir)   # before the engine compiles
     cfg = config_lib.config_from_args(args)
     served = config_lib.load_served_model(args)
-    engine = Engine(served, cfg)
+    engine = Engine(served, cfg, stall_timeout_s=args.engine_stall_timeout)
     served = engine.served   # without the loaded weights: the engine's copy is the one kept
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
@@ -119,9 +147,8 @@ def main(argv=None) -> int:
                    tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
   print(f'Serving {app.state.meshlm.model_name!r} on http://{args.host}:{args.port}/v1',
         flush=True)
-  run(app, engine, host=args.host, port=args.port, grace_s=args.shutdown_grace,
-      log_level=args.log_level, stats_interval_s=args.log_stats_interval)
-  return 0
+  return run(app, engine, host=args.host, port=args.port, grace_s=args.shutdown_grace,
+             log_level=args.log_level, stats_interval_s=args.log_stats_interval)
 
 
 if __name__ == '__main__':

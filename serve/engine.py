@@ -52,6 +52,15 @@ class EngineClosed(RuntimeError):
   """The engine is shutting down and admits no new requests (HTTP 503)."""
 
 
+class EngineDeadError(EngineClosed):
+  """The engine loop died or stopped making progress (vLLM's EngineDeadError): every open
+  request has failed with it, and no request is admitted again (HTTP 503)."""
+
+
+STALL_TIMEOUT_S = 300.0   # no step done for this long with requests open: the engine is dead
+MAX_FAILED_STEPS = 8      # this many failed steps in a row: the engine is dead
+
+
 # ------------------------------------------------------------------------ plain outputs
 
 @dataclasses.dataclass
@@ -358,7 +367,12 @@ def _warmup_step(num_seqs: int, num_tokens: int, block_size: int,
 class Engine:
   """A continuous-batching engine over one ServedModel; starts its thread at once."""
 
-  def __init__(self, served, cfg: ServeConfig | None = None):
+  def __init__(self, served, cfg: ServeConfig | None = None, *,
+               stall_timeout_s: float = STALL_TIMEOUT_S):
+    if not stall_timeout_s > 0:
+      raise ValueError(f'stall_timeout_s={stall_timeout_s}: give a positive number of seconds '
+                       '(longer than the slowest step, a compile included).')
+    self.stall_timeout_s = stall_timeout_s
     self.cfg = cfg = cfg or ServeConfig()
     cfg.validate()
     if cfg.dtype != 'auto':   # the loaders take it too, and cast while loading
@@ -404,6 +418,10 @@ class Engine:
     self._lock = threading.RLock()
     self._wake = threading.Event()
     self._admitting, self._stopping = True, False
+    # Liveness (health): when a step last completed, the failed steps since, and why the
+    # engine is dead once it is.
+    self._progress_at, self._failed_steps, self._dead = time.monotonic(), 0, None
+    self._dead_lock = threading.Lock()
     if cfg.warmup:
       self._warmup()
     self._thread = threading.Thread(target=self._run, name='meshlm-engine', daemon=True)
@@ -627,6 +645,8 @@ class Engine:
     return ids
 
   def _admit(self, request_id: str, bounded: bool) -> None:
+    if self._dead is not None:
+      raise EngineDeadError(f'The engine is dead ({self._dead}); no request can run.')
     if not self._admitting:
       raise EngineClosed('The engine is shutting down and takes no new requests.')
     if request_id in self._tracked:
@@ -639,17 +659,60 @@ class Engine:
   # ---------------------------------------------------------------- the loop
 
   def _run(self) -> None:
-    while not self._stopping:
-      self._wake.clear()
-      try:
-        busy = self._step()
-      except Exception:  # pylint: disable=broad-except
-        # A bug outside the model step: report it and keep serving the others.
-        traceback.print_exc(file=sys.stderr)
-        busy = False
-      if not busy:
-        self._wake.wait(0.05)
-    self._flush_outputs()
+    try:
+      while not self._stopping:
+        self._wake.clear()
+        try:
+          busy = self._step()
+        except Exception:  # pylint: disable=broad-except
+          # A bug outside the model step: report it and keep serving the others.
+          traceback.print_exc(file=sys.stderr)
+          self._failed_steps += 1
+          busy = False
+        if not busy:
+          self._wake.wait(0.05)
+      self._flush_outputs()
+    except BaseException as e:  # pylint: disable=broad-except
+      traceback.print_exc(file=sys.stderr)
+      self._die(f'the engine loop died: {type(e).__name__}: {e}')
+
+  # ---------------------------------------------------------------- liveness
+
+  def health(self) -> str | None:
+    """None while the loop runs and makes progress; else why the engine is dead: its loop
+    ended other than by shutdown(), MAX_FAILED_STEPS steps in a row failed, or no step
+    completed for stall_timeout_s with requests open. Dead is final: every open request
+    is failed with EngineDeadError and none is admitted again."""
+    if self._dead is None:
+      reason = self._liveness_problem()
+      if reason is not None:
+        self._die(reason)
+    return self._dead
+
+  def _liveness_problem(self) -> str | None:
+    if self._stopping:
+      return None
+    if not self._thread.is_alive():
+      return 'the engine loop is not running'
+    if self._failed_steps >= MAX_FAILED_STEPS:
+      return f'the last {self._failed_steps} engine steps all failed (see the server log)'
+    stalled, open_requests = time.monotonic() - self._progress_at, len(self._tracked)
+    if open_requests and stalled > self.stall_timeout_s:
+      return (f'no engine step completed for {stalled:.0f} s with {open_requests} requests '
+              f'open (the bound is {self.stall_timeout_s:g} s)')
+    return None
+
+  def _die(self, reason: str) -> None:
+    """Fails every open request with EngineDeadError. Without the lock: a stalled loop
+    may hold it forever."""
+    with self._dead_lock:   # the loop thread and a health check may both find it dead
+      if self._dead is not None:
+        return
+      self._dead, self._admitting, self._stopping = reason, False, True
+    print(f'Engine dead: {reason}. Failing every open request.', file=sys.stderr, flush=True)
+    message = f'{EngineDeadError.__name__}: the engine is dead ({reason}).'
+    for t in list(self._tracked.values()):
+      self._finish(t, 'error', error=message)
 
   def _step(self) -> bool:
     """One scheduler step; False when there was nothing to run.
@@ -664,6 +727,7 @@ class Engine:
       out = self.scheduler.schedule()
     if not out.chunks:
       self._flush_outputs()
+      self._progress_at = time.monotonic()
       return False
     try:
       tokens, logprobs = self._execute(out)
@@ -676,7 +740,9 @@ class Engine:
         self._pending_outputs = (tokens, logprobs, finished)
         if self._has_stop_strings(out):
           self._flush_outputs()
+      self._progress_at, self._failed_steps = time.monotonic(), 0
     except Exception as e:  # pylint: disable=broad-except
+      self._failed_steps += 1
       self._flush_outputs()
       traceback.print_exc(file=sys.stderr)
       failed = [c.request_id for c in out.chunks]

@@ -27,7 +27,7 @@ from fastapi import responses
 from serve import metrics as metrics_lib
 from serve import sampling_params as sp_lib
 from serve import tools as tools_lib
-from serve.engine import EngineClosed, QueueFull
+from serve.engine import EngineClosed, EngineDeadError, QueueFull
 
 
 class ApiError(Exception):
@@ -419,6 +419,9 @@ def _submit(state: ServerState, prompts: list[list[int]], params: list,
     _abort(state, reqs)
     raise ApiError(429, f'The server is busy: its waiting queue is full ({e}).',
                    type_='rate_limit_error', code='queue_full') from None
+  except EngineDeadError:
+    _abort(state, reqs)
+    raise _engine_dead(state.engine.health()) from None
   except EngineClosed as e:
     _abort(state, reqs)
     raise ApiError(503, str(e), type_='server_error', code='shutting_down') from None
@@ -524,9 +527,16 @@ async def _collect(state: ServerState, request: fastapi.Request, reqs: list[_Req
     raise consumer.exception()   # our failure, not an abort: a 500 (`unexpected`)
 
 
+def _engine_dead(reason: str) -> ApiError:
+  return ApiError(503, f'The engine is dead ({reason}): this server cannot generate and is '
+                  'exiting; retry on another replica.', type_='server_error', code='engine_dead')
+
+
 def _ended_early(state: ServerState, reqs: list[_Req]) -> ApiError | None:
   """The error for a request the server or the engine cut short, if any."""
   for r in reqs:
+    if r.finish_reason == 'error' and state.engine.health() is not None:
+      return _engine_dead(state.engine.health())
     if r.finish_reason == 'error':
       return ApiError(500, 'The engine failed while generating this request; see the server '
                       'log. Other requests are unaffected.', type_='server_error',
@@ -942,6 +952,9 @@ def _add_routes(app: fastapi.FastAPI, state: ServerState) -> None:
 
   @app.get('/health')
   async def health():
+    dead = state.engine.health()
+    if dead is not None:   # the process is about to exit (serve.__main__'s watchdog)
+      return _engine_dead(dead).response()
     return {}
 
   @app.get('/version')

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -18,7 +19,8 @@ import pytest
 
 import model
 from serve.config import ServeConfig
-from serve.engine import Engine, EngineClosed, QueueFull, bad_word_ids
+from serve import engine as engine_lib
+from serve.engine import Engine, EngineClosed, EngineDeadError, QueueFull, bad_word_ids
 from serve.hf_llama import with_dtype
 from serve.sampling_params import SamplingParams, SamplingParamsError
 from tests.test_serve_sampler import np_adjusted
@@ -931,3 +933,58 @@ def test_shutdown_lets_requests_finish_within_grace_then_aborts(varied, prompts,
   result = stream.result()
   assert result.finish_reason == 'abort' and 'shut down' in result.error
   assert eng.stats().kv_cache_usage == 0 and not eng._thread.is_alive()
+
+
+# ------------------------------------------------------------------------ liveness
+
+class Fatal(BaseException):
+  """What no `except Exception` catches: it ends the engine's loop thread."""
+
+
+def test_a_dead_loop_fails_every_open_request_and_admits_none(varied, prompts, monkeypatch):
+  eng = Engine(varied, ServeConfig(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32))
+  assert eng.health() is None
+  monkeypatch.setattr(eng.runner, 'step', lambda *a: (_ for _ in ()).throw(Fatal('boom')))
+  result = eng.add_request(prompts[0], GREEDY).result()
+  assert result.finish_reason == 'error' and 'EngineDeadError' in result.error
+  assert 'loop died: Fatal: boom' in result.error
+  assert 'loop died' in eng.health() and not eng._thread.is_alive()
+  with pytest.raises(EngineDeadError, match='engine is dead'):
+    eng.add_request(prompts[1], GREEDY)
+  eng.shutdown()
+
+
+def test_a_loop_without_progress_is_dead_after_the_bound(varied, prompts, monkeypatch):
+  eng = Engine(varied, ServeConfig(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32),
+               stall_timeout_s=0.5)
+  entered, release = threading.Event(), threading.Event()
+  real = eng.runner.step
+
+  def hangs(*args):
+    entered.set()
+    release.wait(30)
+    return real(*args)
+  monkeypatch.setattr(eng.runner, 'step', hangs)
+  stream = eng.add_request(prompts[0], GREEDY)
+  assert entered.wait(30) and eng.health() is None   # stuck, but not for long yet
+  time.sleep(0.6)
+  assert 'no engine step completed' in eng.health()
+  result = stream.result()
+  assert result.finish_reason == 'error' and 'EngineDeadError' in result.error
+  release.set()
+  eng.shutdown()
+  assert not eng._thread.is_alive()
+
+
+def test_steps_that_keep_failing_make_the_engine_dead(varied, prompts, monkeypatch):
+  eng = Engine(varied, ServeConfig(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32))
+
+  def fails(*args):
+    raise RuntimeError('the device is gone')
+  monkeypatch.setattr(eng.runner, 'step', fails)
+  for i in range(engine_lib.MAX_FAILED_STEPS):
+    assert eng.health() is None   # a failed step fails its requests; the next may work
+    assert eng.add_request(prompts[i], GREEDY).result().finish_reason == 'error'
+    wait_idle(eng)
+  assert 'steps all failed' in eng.health()
+  eng.shutdown()

@@ -100,6 +100,9 @@ class FakeEngine:
   def stats(self):
     return engine_lib.EngineStats(self.held, 0, self.held / 10, 0, 0, 0, 0, {})
 
+  def health(self):
+    return None   # the fake's loop never dies
+
   def add_observer(self, fn):
     self._observers.append(fn)
 
@@ -1200,6 +1203,85 @@ def test_cli_serves_a_checkpoint_with_the_key_from_the_environment(tiny_workdir,
     assert log.read_text().count('Engine: ') <= count + 1
     proc.send_signal(signal.SIGINT)   # Ctrl-C: the same drain as SIGTERM
     assert proc.wait(timeout=60) == 0
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+
+
+class Fatal(BaseException):
+  """What no `except Exception` catches: it ends the engine's loop thread."""
+
+
+def test_health_is_503_and_open_requests_fail_once_the_engine_loop_dies(tiny_served,
+                                                                        monkeypatch):
+  from serve.config import ServeConfig  # pylint: disable=import-outside-toplevel
+  engine = engine_lib.Engine(tiny_served, ServeConfig(num_blocks=16, max_num_seqs=2,
+                                                      max_num_batched_tokens=32))
+  entered, release = threading.Event(), threading.Event()
+
+  def dies(*args):
+    entered.set()
+    release.wait(30)
+    raise Fatal('injected fatal error')
+  monkeypatch.setattr(engine.runner, 'step', dies)
+  server = ServerThread(create_app(engine, tiny_served, model_name='tiny'))
+  try:
+    assert _health(server.url) == 200
+    sink = []
+    reader = threading.Thread(target=_sse_stream, args=(server.url, {
+        'model': 'tiny', 'prompt': 'ab', 'max_tokens': 8}, sink))
+    reader.start()
+    assert entered.wait(30) and _health(server.url) == 200   # in a step: alive
+    release.set()
+    reader.join(30)
+    assert sink[-1] == '[DONE]'
+    error = json.loads(sink[-2])['error']
+    assert error['code'] == 'engine_dead' and 'loop died: Fatal' in error['message']
+    resp = httpx.get(server.url + '/health', timeout=5)
+    assert resp.status_code == 503 and 'injected fatal error' in resp.json()['error']['message']
+    refused = httpx.post(server.url + '/v1/completions', json={'model': 'tiny', 'prompt': 'a'})
+    assert refused.status_code == 503 and refused.json()['error']['code'] == 'engine_dead'
+  finally:
+    release.set()
+    server.stop()
+    engine.shutdown()
+
+
+DYING_SERVER = '''
+import sys
+from serve.__main__ import run
+from serve.config import ServeConfig
+from serve.engine import Engine
+from serve.loader import load_checkpoint
+from serve.server import create_app
+class Fatal(BaseException):
+  pass
+served = load_checkpoint(sys.argv[1])
+engine = Engine(served, ServeConfig(num_blocks=16, max_num_seqs=2, max_num_batched_tokens=32))
+def dies(*args):
+  raise Fatal('injected fatal error')
+engine.runner.step = dies
+sys.exit(run(create_app(engine, served, model_name='tiny'), engine, host='127.0.0.1',
+             port=int(sys.argv[2]), grace_s=1.0, log_level='warning', health_interval_s=0.1))
+'''
+
+
+def test_the_server_exits_nonzero_after_failing_open_requests_when_the_engine_dies(
+    tiny_workdir, tmp_path):
+  port = _free_port()
+  url = f'http://127.0.0.1:{port}'
+  log = tmp_path / 'stderr.log'
+  proc = subprocess.Popen([sys.executable, '-c', DYING_SERVER, tiny_workdir, str(port)],
+                          cwd=ROOT, stderr=log.open('w'))
+  try:
+    _wait_for(lambda: proc.poll() is not None or _health(url) == 200, timeout=120)
+    assert proc.poll() is None, 'the server process died at start'
+    resp = httpx.post(url + '/v1/completions', json={'model': 'tiny', 'prompt': 'ab',
+                                                     'max_tokens': 4}, timeout=30)
+    assert resp.status_code == 503 and resp.json()['error']['code'] == 'engine_dead'
+    assert proc.wait(timeout=30) == 1
+    assert 'the engine is dead (the engine loop died: Fatal' in log.read_text()
   finally:
     if proc.poll() is None:
       proc.kill()
