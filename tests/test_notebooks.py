@@ -12,14 +12,15 @@ NOTEBOOKS = sorted(f for f in os.listdir(os.path.join(ROOT, 'notebooks')) if f.e
 
 
 @pytest.mark.parametrize('name', NOTEBOOKS)
-def test_notebook_runs_and_is_stored_without_outputs(name):
+def test_notebook_runs_and_is_stored_without_outputs(name, monkeypatch):
   path = os.path.join(ROOT, 'notebooks', name)
   nb = nbformat.read(path, as_version=4)
   code = [c for c in nb.cells if c.cell_type == 'code']
   assert code and not any(c.outputs or c.execution_count for c in code), \
       f'{name} is stored with outputs: clear them before committing'
-  env_path = os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')])
-  os.environ['PYTHONPATH'] = env_path   # the kernel imports this checkout
+  # the kernel imports this checkout (restored after the test: the next test's
+  # subprocesses must not inherit it)
+  monkeypatch.setenv('PYTHONPATH', os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
   NotebookClient(nb, timeout=600, kernel_name='python3',
                  resources={'metadata': {'path': ROOT}}).execute()
   outputs = [o for c in nb.cells if c.cell_type == 'code' for o in c.outputs]

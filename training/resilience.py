@@ -23,9 +23,14 @@ EXIT_PREEMPTED = 143
 
 
 class RunStopped(Exception):
-  """A clean stop: the message says what happened and how to go on."""
+  """A clean stop: the message says what happened and how to go on; `step`, when set,
+  the step it happened at (the loop may have dispatched the next one already)."""
   exit_status = 1
   event = 'stopped'
+
+  def __init__(self, message: str, step: int | None = None):
+    super().__init__(message)
+    self.step = step
 
 
 class Preempted(RunStopped):
@@ -64,7 +69,7 @@ class Events:
   def stopped(self, error: BaseException, step: int | None) -> None:
     """The line for a run ending by an exception: its kind, step and message."""
     if isinstance(error, RunStopped):
-      self(error.event, step=step, message=str(error))
+      self(error.event, step=step if error.step is None else error.step, message=str(error))
     elif isinstance(error, KeyboardInterrupt):
       self('interrupted', step=step)
     else:

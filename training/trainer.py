@@ -46,6 +46,7 @@ class Trainer:
   step: int | None = None           # the last finished step, once known
   pending_save: int | None = None   # a save started but not yet known to be committed
   rows: tuple[int, int] | None = None   # the rows of each global batch this process reads
+  eval_fn: object = None            # the compiled eval step, once evaluated
 
 
 def setup(cfg: config_lib.Config) -> Trainer:
@@ -179,15 +180,42 @@ def compile_step(t: Trainer, train_state, batch):
   return compiled
 
 
+class _Records:
+  """Each step's metrics record: fetched from the device one step late, while the next
+  step runs, so the host's next batch and dispatch overlap the device's work; at once
+  where the loop needs them (eval, checkpoint, stop, the last step)."""
+
+  def __init__(self, t: Trainer, logger: metrics.MetricsLogger):
+    cfg = t.cfg
+    self._t, self._logger, self.history, self._skips, self._last_done = t, logger, [], 0, 0.0
+    self._tokens = cfg.data.batch_size * cfg.data.seq_len
+    self._flops = model.flops_per_token(cfg.model, cfg.data.seq_len) * self._tokens
+    self._peak = metrics.peak_flops_per_device(cfg.metrics)
+
+  def add(self, step: int, out: dict, started: float, more=None) -> None:
+    """Step `step`'s record; `started`: when its batch was taken (its time runs from
+    then or from the previous step's end, whichever is later). `more()` adds fields."""
+    out = {k: float(v) for k, v in jax.device_get(out).items()}
+    done = time.perf_counter()
+    record = _record(step, out, done - max(started, self._last_done), self._tokens,
+                     self._flops, self._peak)
+    self._last_done = done
+    if more is not None:
+      record.update(more())
+    self.history.append(record)
+    cfg = self._t.cfg
+    if (step % cfg.metrics.log_every == 0 or step == cfg.steps or record['skipped']
+        or more is not None):
+      self._logger.log(record)
+    self._skips = _count_skips(self._t, record, self._skips)
+
+
 def run_loop(t: Trainer, train_state, start: int,
              stop: resilience.StopSignal) -> tuple[object, list[dict]]:
   cfg = t.cfg
-  tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-  flops_per_step = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
-  peak = metrics.peak_flops_per_device(cfg.metrics)
   logger = metrics.MetricsLogger(cfg.workdir, cfg.metrics, start_step=start,
                                  total_steps=cfg.steps, enabled=t.is_main)
-  history, step_fn, eval_fn, t.step, skips = [], None, None, start, 0
+  records, step_fn, t.step, pending = _Records(t, logger), None, start, None
   data_state = t.data_iter.get_state()   # the data position matching `train_state`
   try:
     while t.step < cfg.steps:
@@ -197,45 +225,43 @@ def run_loop(t: Trainer, train_state, start: int,
         step_fn = compile_step(t, train_state, batch)
         tic = time.perf_counter()   # compile time stays out of step_time_s
       train_state, out = step_fn(train_state, batch)
-      out = {k: float(v) for k, v in jax.device_get(out).items()}
       t.step, data_state = t.step + 1, t.data_iter.get_state()
-      record = _record(t.step, out, time.perf_counter() - tic, tokens_per_step,
-                       flops_per_step, peak)
+      if pending is not None:
+        records.add(*pending)
+      pending = (t.step, out, tic)
       evaluated = cfg.eval.every_steps and (t.step % cfg.eval.every_steps == 0
                                             or t.step == cfg.steps)
-      if evaluated:
-        eval_fn, result = evaluate(t, train_state.params, eval_fn)
-        record.update(result)
-      history.append(record)
-      if (t.step % cfg.metrics.log_every == 0 or t.step == cfg.steps or record['skipped']
-          or evaluated):
-        logger.log(record)
-      skips = _count_skips(t, record, skips)
-      if t.step % cfg.checkpoint.every_steps == 0 or t.step == cfg.steps:
-        save(t, t.step, train_state, data_state)
-      if stop.should_stop(t.step) and t.step < cfg.steps:
-        _save_and_stop(t, train_state, data_state)
+      saving = t.step % cfg.checkpoint.every_steps == 0 or t.step == cfg.steps
+      stopping = stop.should_stop(t.step) and t.step < cfg.steps
+      if evaluated or saving or stopping:
+        params = train_state.params
+        records.add(*pending, more=(lambda: evaluate(t, params)) if evaluated else None)
+        pending = None
+        if saving:
+          save(t, t.step, train_state, data_state)
+        if stopping:
+          _save_and_stop(t, train_state, data_state)
   except KeyboardInterrupt:
     _save_on_interrupt(t, t.step, start, train_state, data_state)
     raise
   finally:
     logger.close()
     commit_pending(t)
-  return train_state, history
+  return train_state, records.history
 
 
-def evaluate(t: Trainer, params, eval_fn=None) -> tuple[object, dict]:
-  """(the compiled eval step, {eval_loss, eval_perplexity, eval_tokens}) over the
-  held-out batches: the weighted mean token loss, as training's."""
+def evaluate(t: Trainer, params) -> dict:
+  """{eval_loss, eval_perplexity, eval_tokens} over the held-out batches: the weighted
+  mean token loss, as training's (the eval step compiled on first use)."""
   start = time.perf_counter()
   totals = []
   for local in t.eval_batches:
     batch = global_batch(t, local)
-    if eval_fn is None:
-      eval_fn = state.make_eval_step(t.cfg, t.plan).lower(params, batch).compile()
+    if t.eval_fn is None:
+      t.eval_fn = state.make_eval_step(t.cfg, t.plan).lower(params, batch).compile()
       if t.is_main:
         console.print(f'compiled eval step in {time.perf_counter() - start:.1f}s')
-    totals.append(eval_fn(params, batch))
+    totals.append(t.eval_fn(params, batch))
   nll, weight = np.sum(np.asarray(jax.device_get(totals), np.float64), axis=0)
   loss = float(nll / max(weight, 1.0))
   result = {'eval_loss': loss, 'eval_perplexity': float(np.exp(min(loss, 80.0))),
@@ -244,23 +270,23 @@ def evaluate(t: Trainer, params, eval_fn=None) -> tuple[object, dict]:
     console.print(f'eval at step {t.step}: loss {loss:.4f}, perplexity '
                   f'{result["eval_perplexity"]:.2f} ({result["eval_tokens"]} tokens, '
                   f'{time.perf_counter() - start:.1f}s)', highlight=False)
-  return eval_fn, result
+  return result
 
 
 def _count_skips(t: Trainer, record: dict, skips: int) -> int:
   """Consecutive skipped steps so far; too many stop the run."""
   if not record['skipped']:
     return 0
-  t.events('skipped', step=t.step, reason=record['skipped'])
-  console.print(f'[yellow]step {t.step} skipped: {record["skipped"]}[/]')
+  t.events('skipped', step=record['step'], reason=record['skipped'])
+  console.print(f'[yellow]step {record["step"]} skipped: {record["skipped"]}[/]')
   skips += 1
   if skips >= t.cfg.optim.max_skipped_steps:
     latest = max(t.ckpt.steps(), default=None)
     raise resilience.TooManySkippedSteps(
-        f'{skips} steps in a row (to step {t.step}) had a {record["skipped"]} and were '
+        f'{skips} steps in a row (to step {record["step"]}) had a {record["skipped"]} and were '
         f'skipped (optim.max_skipped_steps={t.cfg.optim.max_skipped_steps}); stopped. '
         f'Newest checkpoint: {latest} in {t.ckpt.directory}. Lower optim.learning_rate or '
-        'check the data, then run again to resume.')
+        'check the data, then run again to resume.', step=record['step'])
   return skips
 
 
