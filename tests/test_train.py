@@ -85,6 +85,33 @@ def test_training_lowers_loss_and_writes_run_files(tmp_path, cache_dir):
     assert r['mfu'] == pytest.approx(step_flops / r['step_time_s'] / (0.5e12 * jax.device_count()))
 
 
+def test_metrics_are_fetched_while_the_next_step_runs(tmp_path, cache_dir, monkeypatch):
+  """Step k's metrics come to the host after step k+1 is dispatched, except where the
+  loop needs them at once (checkpoint steps: 3 and the last, 6); every step is recorded."""
+  order, real_compile, real_get = [], trainer.compile_step, jax.device_get
+
+  def compile_step(*args):
+    compiled = real_compile(*args)
+
+    def run(state, batch):
+      order.append('dispatch')
+      return compiled(state, batch)
+    return run
+
+  def device_get(x):
+    if isinstance(x, dict) and 'loss' in x:
+      order.append('fetch')
+    return real_get(x)
+  monkeypatch.setattr(trainer, 'compile_step', compile_step)
+  monkeypatch.setattr(trainer.jax, 'device_get', device_get)
+  history = trainer.train(tiny(tmp_path, cache_dir, steps=6, checkpoint__every_steps=3,
+                               sample__num_tokens=0))
+  assert [r['step'] for r in history] == [1, 2, 3, 4, 5, 6]
+  #         step 1      2 (1 fetched)      3 (2, then 3: a checkpoint)
+  assert order == ['dispatch', 'dispatch', 'fetch', 'dispatch', 'fetch', 'fetch',
+                   'dispatch', 'dispatch', 'fetch', 'dispatch', 'fetch', 'fetch']
+
+
 def test_resume_continues_exactly(tmp_path, cache_dir, capsys):
   """Stop after 6 steps, rerun with steps=12: steps 7..12 match an uninterrupted run.
   The reruns read the train step from the suite's compilation cache, and say so."""
