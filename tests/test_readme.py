@@ -1,12 +1,14 @@
-"""Every shell command in README.md's code blocks runs as written, on one CPU device.
+"""Every shell command in the code blocks of README.md and docs/*.md runs as written, on one
+CPU device.
 
-Commands are parsed from the README, so one added later is covered too. Each code block
+Commands are parsed from the files, so one added later is covered too. Each code block
 runs in order in its own temporary directory (relative paths such as runs/ and data/ land
-there). `python train.py` commands are sized with `--check` first; those not marked
+there; each holds a copy of README.md, the data example's input). `python train.py` commands are sized with `--check` first; those not marked
 (GPU) then train for 2 steps. Commands marked (GPU) or (server) in the README, the
 install and the test suite itself are skipped by name.
 """
 
+import glob
 import os
 import re
 import shlex
@@ -17,7 +19,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP_PREFIXES = {'pip install': 'the install (CI runs it first)',
-                 'python -m pytest': "the test suite (this test's own runner)"}
+                 'python -m pytest': "the test suite (this test's own runner)",
+                 'python -m sphinx': 'the docs build (tests/test_docs.py runs it)'}
 # An absl log record (`W1124 15:38:09.485875 1398... file.py:32] ...`): user messages
 # must print as plain lines.
 ABSL_RECORD = re.compile(r'^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]', re.M)
@@ -43,7 +46,20 @@ def _commands(lines: list[str]) -> list[str]:
   return commands
 
 
-CASES = [(i, j) for i, block in enumerate(readme_blocks()) for j in range(len(block))]
+def doc_files() -> list[str]:
+  """README.md, then every docs page, as paths relative to the repository."""
+  pages = glob.glob(os.path.join(ROOT, 'docs', '**', '*.md'), recursive=True)
+  return ['README.md'] + sorted(os.path.relpath(p, ROOT) for p in pages)
+
+
+def all_blocks() -> dict[tuple[str, int], list[str]]:
+  """{(file, block index): its commands} over README.md and the docs."""
+  return {(name, i): block for name in doc_files()
+          for i, block in enumerate(readme_blocks(os.path.join(ROOT, name)))}
+
+
+BLOCKS = all_blocks()
+CASES = [(key, j) for key, block in BLOCKS.items() for j in range(len(block))]
 
 
 def skip_reason(command: str) -> str | None:
@@ -97,28 +113,34 @@ def run_command(command: str, cwd, cache_dir) -> None:
   run(argv, env, cwd)
 
 
+def block_dir(key: tuple[str, int]) -> str:
+  return f'{key[0].replace(os.sep, "_")}-{key[1]}'
+
+
 @pytest.fixture(scope='module')
 def workspace(tmp_path_factory):
   """One directory per code block, holding README.md (an input of the data example)."""
   root = tmp_path_factory.mktemp('readme')
-  for i in range(len(readme_blocks())):
-    (root / str(i)).mkdir()
-    (root / str(i) / 'README.md').write_text(open(os.path.join(ROOT, 'README.md')).read())
+  for key in BLOCKS:
+    (root / block_dir(key)).mkdir()
+    (root / block_dir(key) / 'README.md').write_text(
+        open(os.path.join(ROOT, 'README.md')).read())
   return root
 
 
 @pytest.mark.parametrize('block, index', CASES,
-                         ids=[readme_blocks()[i][j][:60] for i, j in CASES])
+                         ids=[f'{key[0]}:{BLOCKS[key][j][:60]}' for key, j in CASES])
 def test_readme_command(block, index, workspace):
-  command = readme_blocks()[block][index]
+  command = BLOCKS[block][index]
   reason = skip_reason(command)
   if reason:
     pytest.skip(f'{reason}: {command}')
-  run_command(command, workspace / str(block), workspace / 'cache')
+  run_command(command, workspace / block_dir(block), workspace / 'cache')
 
 
 def test_readme_commands_are_found():
-  commands = [c for block in readme_blocks() for c in block]
+  assert any(name.startswith('docs') for name, _ in BLOCKS), 'no docs page has a code block'
+  commands = [c for block in BLOCKS.values() for c in block]
   assert 'python train.py --config=gpt_64k.py:smoke' in ' '.join(commands)
   assert any(c.startswith('JAX_NUM_CPU_DEVICES=8 ') for c in commands)
   heredoc = next(c for c in commands if c.startswith('cat > prompts.jsonl'))
