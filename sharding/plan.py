@@ -4,10 +4,13 @@
       [--batch-size N]
 
 A command-line entry, like train.py: it sits on top and imports training (the layout
-compiles) inside main(). It simulates N CPU devices for its own process, compiles each
-candidate layout's train step from abstract shapes, predicts its step time on the named
-GPU (sharding/planner.py) and prints the ranked table; --output DIR also writes
-plan.json and plan.csv, each row with the train.py overrides that run it.
+compiles) inside main(). It simulates N CPU devices for its own process, bounds every
+candidate layout's step from below without compiling it (training/plan_bound.py),
+compiles the train steps of those that could be among the --top rows, best bound first,
+predicts each one's step time on the named GPU (sharding/planner.py) and prints the
+ranked table: its rows are a full search's. --output DIR also writes plan.json and
+plan.csv, each row with the train.py overrides that run it. Each compile's numbers are
+kept in --cache-dir (training/plan_cache.py), so a rerun compiles nothing it has seen.
 """
 
 import argparse
@@ -25,7 +28,15 @@ def parse_args(argv=None):
   p.add_argument('--device', default='h100', help='GPU kind: h100, h200, a100')
   p.add_argument('--hosts', type=int, default=0,
                  help='hosts the GPUs are spread over (default: 8 GPUs per host)')
-  p.add_argument('--top', type=int, default=10, help='rows to print')
+  p.add_argument('--top', type=int, default=10,
+                 help='rows to print; the layouts that cannot be among them are not '
+                      'compiled (0: print and compile all)')
+  p.add_argument('--max-compiles', type=int, default=0, metavar='K',
+                 help='compile at most K layouts, best lower bound first (0: as many as '
+                      'the --top rows need); the rows past what K proves are marked')
+  p.add_argument('--cache-dir', default='~/.cache/meshlm/plan',
+                 help="where each compile's numbers are kept for later runs ('none': "
+                      'off)')
   p.add_argument('--layers', default='', metavar='A,B',
                  help='compile A- and B-layer versions and extrapolate (big models)')
   p.add_argument('--zero', default='0,1,3', help='ZeRO stages to try')
@@ -41,8 +52,16 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
+# LLVM's optimizations off: the planner reads the optimized HLO and the buffer
+# assignment, which XLA's own passes make before LLVM runs, so the numbers are the same
+# and a compile takes 30-40% less (tests/conftest.py does the same for the suite).
+CPU_XLA_FLAGS = '--xla_backend_optimization_level=0'
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if CPU_XLA_FLAGS not in os.environ.get('XLA_FLAGS', ''):   # read when the backend starts
+    os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {CPU_XLA_FLAGS}'.strip()
   import jax   # pylint: disable=import-outside-toplevel
   # The planner compiles for CPU devices, on a GPU machine too (the Pallas kernels are
   # costed from the interpreter's program): this process only.
@@ -51,7 +70,7 @@ def main(argv=None) -> int:
   # pylint: disable=import-outside-toplevel
   import dataclasses
   from sharding import planner
-  from training import plan as plan_lib
+  from training import plan as plan_lib, plan_cache
   from training.cli import load_config_file
   try:
     hw = planner.hardware(args.device)
@@ -73,39 +92,66 @@ def main(argv=None) -> int:
     layers = ints(args.layers) or None
     if layers is not None and len(layers) != 2:
       raise ValueError(f'--layers {args.layers!r}: give two layer counts, A,B.')
-    progress = lambda i, n, layout: print(f'[{i + 1}/{n}] compiling {layout.name()}',
-                                          file=sys.stderr, flush=True)
-    rows, rejected = plan_lib.plan_layouts(
-        cfg, args.devices, hw.name, layers=layers, progress=progress,
+    for flag in ('top', 'max_compiles'):
+      if getattr(args, flag) < 0:
+        raise ValueError(f'--{flag.replace("_", "-")} {getattr(args, flag)}: give a count '
+                         '>= 0 (0: no limit).')
+    off = args.cache_dir.strip().lower() in ('', 'none')
+    cache = None if off else plan_cache.MeasureCache(args.cache_dir)
+    progress = lambda k, n, layout, left: print(
+        f'compiling {k}/{n}: {layout.name()} ({left} left)', file=sys.stderr, flush=True)
+    found = plan_lib.search(
+        cfg, args.devices, hw.name, top=args.top, max_compiles=args.max_compiles,
+        cache=cache, layers=layers, progress=progress,
         zero_stages=ints(args.zero), remats=tuple(args.remat.split(',')),
         grad_accums=ints(args.grad_accum), microbatches=ints(args.microbatches))
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
+  _print(args, found, hw, extra)
+  if args.output:
+    _write(args, found, hw, extra, cfg.data.batch_size)
+  return 0
+
+
+def _print(args, found, hw, extra) -> None:
+  rows = found.rows
   print(f'{args.config} on {args.devices} x {hw.name} ({hw.gpus_per_host} per host): '
-        f'{len(rows)} layouts compiled, {len(rejected)} rejected by validate')
+        f'{len(rows) + len(found.pruned)} layouts, {found.compiled} compiled, '
+        f'{found.cached} from the cache, {len(found.pruned)} not compiled, '
+        f'{len(found.rejected)} rejected by validate')
+  from sharding import planner   # pylint: disable=import-outside-toplevel
   print(planner.table(rows, args.top))
+  if found.exact < min(len(rows), args.top or len(rows)):
+    print(f'rows from #{found.exact + 1} on may differ from a full search: '
+          f'--max-compiles {args.max_compiles} left layouts uncompiled that could rank there')
   if rows and rows[0]['prediction'].fits:
     print('run the best with: python train.py --config=' + args.config + ' '
           + ' '.join(extra + rows[0]['layout'].overrides()))
-  if args.output:
-    os.makedirs(args.output, exist_ok=True)
-    records = [planner.as_record(r) for r in rows]
-    for r in records:
-      r['overrides'] = ' '.join(extra + [r['overrides']])
-    with open(os.path.join(args.output, 'plan.json'), 'w') as f:
-      json.dump({'config': args.config, 'devices': args.devices, 'device': hw.name,
-                 'batch_size': cfg.data.batch_size, 'rows': records,
-                 'rejected': [{'layout': l.name(), 'why': w} for l, w in rejected]}, f,
-                indent=2)
-    flat = ['layout', 'fits', 'memory_gib', 'headroom_gib', 'step_s', 'tokens_per_s', 'mfu',
-            'matmul_s', 'memory_bound_s', 'launch_s',
-            'dominant', 'why_not', 'overrides']
-    with open(os.path.join(args.output, 'plan.csv'), 'w', newline='') as f:
-      writer = csv.DictWriter(f, fieldnames=flat, extrasaction='ignore')
-      writer.writeheader()
-      writer.writerows(records)
-  return 0
+
+
+def _write(args, found, hw, extra, batch_size) -> None:
+  """plan.json (every compiled row, the rejected and the uncompiled layouts) and
+  plan.csv (the rows) in --output."""
+  from sharding import planner   # pylint: disable=import-outside-toplevel
+  os.makedirs(args.output, exist_ok=True)
+  records = [planner.as_record(r) for r in found.rows]
+  for r in records:
+    r['overrides'] = ' '.join(extra + [r['overrides']])
+  with open(os.path.join(args.output, 'plan.json'), 'w') as f:
+    json.dump({'config': args.config, 'devices': args.devices, 'device': hw.name,
+               'batch_size': batch_size, 'rows': records,
+               'rejected': [{'layout': l.name(), 'why': w} for l, w in found.rejected],
+               'not_compiled': [{'layout': l.name(), 'lower_bound_step_s': b.step_s,
+                                 'lower_bound_memory_bytes': b.memory_bytes}
+                                for l, b in found.pruned]}, f, indent=2)
+  flat = ['layout', 'fits', 'memory_gib', 'headroom_gib', 'step_s', 'tokens_per_s', 'mfu',
+          'matmul_s', 'memory_bound_s', 'launch_s',
+          'dominant', 'why_not', 'overrides']
+  with open(os.path.join(args.output, 'plan.csv'), 'w', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=flat, extrasaction='ignore')
+    writer.writeheader()
+    writer.writerows(records)
 
 
 if __name__ == '__main__':

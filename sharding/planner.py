@@ -232,6 +232,43 @@ def predict(measured: Measured, layout: Layout, hw: Hardware, model_flops: float
       matmul_s=matmul, memory_s=memory_bound, launch_s=launch)
 
 
+@dataclasses.dataclass(frozen=True)
+class Floor:
+  """What a layout's step must at least do per device, known without compiling it
+  (training/plan_bound.py says why each is a floor of what the compiled step holds)."""
+  dot_flops: float
+  other_bytes: float         # memory-bound traffic
+  memory_bytes: float        # of the compiled peak
+  exposed: dict              # mesh axes (tuple) -> collectives on the critical path
+
+
+def lower_bound(floor: Floor, layout: Layout, hw: Hardware) -> Prediction:
+  """A prediction no compile of `layout` can beat: predict's own terms with each count at
+  its floor and what has none (kernel launches, the matmuls' traffic, collective bytes,
+  the overlapped collectives) at zero. Every term of predict grows with its counts, and
+  max(compute, overlapped) >= compute, so step_s <= predict(...).step_s and
+  memory_bytes <= its memory_bytes for any compile whose numbers are above the floor's."""
+  bandwidth = hw.hbm_bandwidth * HBM_EFFICIENCY
+  matmul = floor.dot_flops / (hw.peak_flops * MATMUL_EFFICIENCY)
+  memory_bound = floor.other_bytes / bandwidth
+  # One collective may span several axes and serve two floors: only the costliest counts.
+  exposed = max([collective_seconds('all-reduce', axes, count, 0.0, layout, hw)
+                 for axes, count in floor.exposed.items()], default=0.0)
+  step = matmul + memory_bound + exposed + STEP_SECONDS
+  budget = hw.hbm_bytes * (1 - MEMORY_HEADROOM)
+  return Prediction(
+      step_s=step, compute_s=matmul + memory_bound, comm_s={}, exposed_comm_s=exposed,
+      fits=floor.memory_bytes <= budget, memory_bytes=floor.memory_bytes,
+      headroom_bytes=budget - floor.memory_bytes, tokens_per_s=0.0, mfu=0.0,
+      dominant='lower bound', matmul_s=matmul, memory_s=memory_bound)
+
+
+def rank_key(p: Prediction) -> tuple:
+  """Layouts that fit first, fastest first; then those that do not, by memory. A lower
+  bound's key is below the key of any compile it bounds."""
+  return (not p.fits, p.step_s if p.fits else p.memory_bytes)
+
+
 FACTORS = ('matmul_efficiency', 'hbm_efficiency', 'launch_seconds', 'step_seconds')
 
 
@@ -324,9 +361,7 @@ def _least_squares(a, table, named):
 
 def rank(rows: list[dict]) -> list[dict]:
   """Layouts that fit first, fastest first; then those that do not, by memory."""
-  return sorted(rows, key=lambda r: (not r['prediction'].fits,
-                                     r['prediction'].step_s if r['prediction'].fits
-                                     else r['prediction'].memory_bytes))
+  return sorted(rows, key=lambda r: rank_key(r['prediction']))
 
 
 def table(rows: list[dict], top: int | None = None) -> str:

@@ -2,6 +2,7 @@
 counts, the cost model's orderings on constructed cases, the few-layer extrapolation
 against a full compile, and the CLI's refusals."""
 
+import copy
 import dataclasses
 import math
 import os
@@ -18,7 +19,7 @@ from sharding.mesh import MESH_AXES, MeshConfig, make_mesh
 from sharding.rules import make_plan
 from tests.test_hlo import traffic_with_loops_once, xla_bytes_accessed
 from tests.test_parallel import random_batch, tiny_config
-from training import optimizer, plan, state
+from training import describe, optimizer, plan, plan_bound, plan_cache, state
 
 H100 = planner.hardware('h100')
 
@@ -362,6 +363,7 @@ def cli(*args):
     (['--devices', '8', '--device', 'tpu9'], "unknown device 'tpu9'"),
     (['--devices', '1', '--zero', '3'], 'no layout tried has fsdp > 1: add ZeRO stage 0'),
     (['--devices', '1', '--batch-size', '-2'], '--batch-size -2: give a positive count'),
+    (['--devices', '1', '--max-compiles', '-1'], '--max-compiles -1: give a count >= 0'),
 ])
 def test_cli_rejects_impossible_requests(args, message):
   result = cli('--config=default.py:tiny', *args)
@@ -371,10 +373,22 @@ def test_cli_rejects_impossible_requests(args, message):
 
 def test_cli_ranks_and_writes_json_and_csv(tmp_path):
   """--batch-size 4 (the tiny config has 8): planned at 4 sequences of 32 tokens a step
-  (each row's tokens/s is 4 x 32 over its step time), and every train.py command sets it."""
-  result = cli('--config=default.py:tiny', '--devices', '2', '--zero', '0',
-               '--remat', 'full', '--batch-size', '4', '--output', str(tmp_path))
+  (each row's tokens/s is 4 x 32 over its step time), and every train.py command sets it.
+  Progress names each compile and how many may follow; a second run reads every
+  layout's numbers from the first's cache and compiles nothing."""
+  args = ['--config=default.py:tiny', '--devices', '2', '--zero', '0', '--remat', 'full',
+          '--batch-size', '4', '--cache-dir', str(tmp_path / 'cache')]
+  result = cli(*args, '--output', str(tmp_path))
   assert result.returncode == 0, result.stderr[-2000:]
+  progress = re.findall(r'compiling (\d+)/(\d+): (.+) \((\d+) left\)', result.stderr)
+  assert [int(k) for k, _, _, _ in progress] == list(range(1, len(progress) + 1))
+  assert all(int(k) + int(left) == int(n) for k, n, _, left in progress), progress
+  assert ': 5 layouts, 5 compiled, 0 from the cache, 0 not compiled' in result.stdout
+  again = cli(*args, '--output', str(tmp_path / 'again'))
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert 'compiling' not in again.stderr
+  assert ': 5 layouts, 0 compiled, 5 from the cache, 0 not compiled' in again.stdout
+  assert again.stdout.split('\n', 1)[1] == result.stdout.split('\n', 1)[1]
   assert 'GiB/dev' in result.stdout
   assert ('run the best with: python train.py --config=default.py:tiny '
           '--config.data.batch_size=4 --config.mesh.') in result.stdout, result.stdout
@@ -510,3 +524,103 @@ def test_pallas_attention_is_planned_from_a_cpu_compile_only(monkeypatch):
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
   with pytest.raises(ValueError, match='python -m sharding.plan'):
     plan.compile_layout(cfg, layout(data=8))
+
+
+# ------------------------------------------------- the pruned search and its lower bound
+
+SEARCH = dict(zero_stages=(0, 1, 3), remats=('none', 'full'))   # 14 layouts on 2 devices
+# Compute a million times slower than an H100's: the tiny model's step is its matmuls,
+# as a large model's is, so the bound is close and prunes (on the real table this model
+# is launches and dispatch, which the bound cannot see, and it prunes nothing).
+SLOW = dataclasses.replace(H100, name='slow', peak_flops=H100.peak_flops * 1e-6)
+# Every layout's parameters and optimizer state overflow it: ranked by memory instead.
+SMALL = dataclasses.replace(H100, name='small', hbm_bytes=1e3)
+
+
+@pytest.fixture(scope='module')
+def searches():
+  """The pruned search on SLOW (top 2), then the full search on H100, each layout
+  compiled once (memoized across the two); the layouts the pruned search compiled."""
+  cfg = planner_config()
+  memo, compiled = {}, []
+  real = plan.compile_layout
+
+  def compile_once(cfg, lay, layers=None, devices=None):
+    compiled.append(lay.name())
+    if lay.name() not in memo:
+      memo[lay.name()] = real(cfg, lay, layers, devices)
+    return memo[lay.name()]
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setitem(planner.HARDWARE, 'slow', SLOW)
+    patch.setattr(plan, 'compile_layout', compile_once)
+    pruned = plan.search(cfg, 2, 'slow', top=2, **SEARCH), list(compiled)
+    full, rejected = plan.plan_layouts(cfg, 2, 'h100', **SEARCH)
+  assert not rejected, rejected
+  return cfg, pruned, full
+
+
+def full_ranking(full, hw, cfg):
+  """The full search's rows re-predicted on `hw` (the same compiles), ranked."""
+  tokens = cfg.data.batch_size * cfg.data.seq_len
+  flops = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+  return planner.rank([{**r, 'prediction': planner.predict(r['measured'], r['layout'], hw,
+                                                           flops, tokens)} for r in full])
+
+
+def test_pruned_search_prints_the_full_searchs_top_rows_compiling_fewer(searches):
+  cfg, (found, compiled), full = searches
+  assert len(full) == 14
+  assert found.compiled == len(compiled) < len(full), compiled
+  assert found.compiled + len(found.pruned) == len(full) and found.exact >= 2
+  want = full_ranking(full, SLOW, cfg)[:2]
+  got = found.rows[:2]
+  assert [r['layout'] for r in got] == [r['layout'] for r in want]
+  assert [r['prediction'].step_s for r in got] == [r['prediction'].step_s for r in want]
+  # What it skipped could not have ranked there: its bound is above the second row.
+  for _, bound in found.pruned:
+    assert planner.rank_key(bound) > planner.rank_key(want[1]['prediction'])
+
+
+@pytest.mark.parametrize('hw', [H100, SLOW, SMALL], ids=lambda hw: hw.name)
+def test_lower_bound_is_below_every_compiled_prediction(hw, searches):
+  """For every layout of the search (DP, FSDP at ZeRO 0/1/3, TP, CP, PP; remat none and
+  full): the bound from analytic floors against the compiled step's own prediction."""
+  cfg, _, full = searches
+  for row in full_ranking(full, hw, cfg):
+    lay, got, m = row['layout'], row['prediction'], row['measured']
+    size = describe.run_size(plan.configure(cfg, lay), 2)
+    floor = plan_bound.floor(plan.configure(cfg, lay), lay, size)
+    bound = planner.lower_bound(floor, lay, hw)
+    assert bound.step_s <= got.step_s, (lay.name(), bound, got)
+    assert planner.rank_key(bound) <= planner.rank_key(got), lay.name()
+    assert floor.dot_flops <= m.dot_flops and floor.other_bytes <= m.other_bytes, lay.name()
+    assert floor.memory_bytes <= m.argument_bytes, lay.name()
+    for axes, count in floor.exposed.items():
+      crossing = sum(c for (_, a), (c, _) in m.by_axes.items() if set(axes) <= set(a))
+      assert count <= crossing, (lay.name(), axes, count, m.by_axes)
+
+
+def test_cache_keys_the_whole_program_and_reads_back_what_it_kept(tmp_path, monkeypatch):
+  """An entry comes back equal for the same config and layout; another layout, another
+  field of the config, other source code or other XLA flags each miss; a damaged entry
+  misses (it is compiled again) instead of failing the search."""
+  cfg = plan.configure(planner_config(), layout(fsdp=2, zero=3))
+  measured = synthetic(dot_flops=3e9, dot_bytes=1e8, other_bytes=2e8, launches=700,
+                       all_gather__fsdp=1e6, all_reduce__data__tensor=5e5)
+  cache = plan_cache.MeasureCache(str(tmp_path))
+  assert cache.get(cfg) is None
+  cache.put(cfg, measured)
+  assert cache.get(cfg) == measured and cache.get(copy.deepcopy(cfg)) == measured
+  assert cache.get(plan.configure(cfg, layout(fsdp=2, zero=1))) is None
+  other = copy.deepcopy(cfg)
+  other.optim.learning_rate *= 2
+  assert cache.get(other) is None
+  monkeypatch.setattr(plan_cache, 'source_digest', lambda: 'edited')
+  assert cache.get(cfg) is None
+  monkeypatch.undo()
+  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+  assert cache.get(cfg) is None
+  monkeypatch.undo()
+  (tmp_path / f'{cache.key(cfg)}.json').write_text('{"dot_flops": ')
+  assert cache.get(cfg) is None

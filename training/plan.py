@@ -20,7 +20,7 @@ import model
 from sharding import hlo, planner
 from sharding.mesh import MESH_AXES, MeshConfig, make_mesh
 from sharding.rules import make_plan
-from training import config as config_lib, describe, optimizer, state
+from training import config as config_lib, describe, optimizer, plan_bound, state
 
 REMAT = ('none', 'full')
 
@@ -169,24 +169,135 @@ def extrapolate(a: planner.Measured, b: planner.Measured, la: int, lb: int,
       line(a.other_bytes, b.other_bytes), line(a.launches, b.launches))
 
 
-def measure(cfg, layout, layers=None, devices=None) -> planner.Measured:
-  """Full compile, or with layers=(a, b) the extrapolation from a and b layers."""
+def measure(cfg, layout, layers=None, devices=None, cache=None) -> planner.Measured:
+  """Full compile, or with layers=(a, b) the extrapolation from a and b layers; each
+  compile read from `cache` (plan_cache.MeasureCache) when it has it, else kept there."""
   if layers is None:
-    return compile_layout(cfg, layout, devices=devices)
+    return _compiled(cfg, layout, None, devices, cache)
   la, lb = layers
-  return extrapolate(compile_layout(cfg, layout, la, devices),
-                     compile_layout(cfg, layout, lb, devices), la, lb, cfg.model.num_layers)
+  return extrapolate(_compiled(cfg, layout, la, devices, cache),
+                     _compiled(cfg, layout, lb, devices, cache), la, lb, cfg.model.num_layers)
+
+
+def _from_cache(cfg, layout, layers, cache) -> planner.Measured | None:
+  """The layout's measurement if `cache` has every compile it needs, else None."""
+  if cache is None:
+    return None
+  if layers is None:
+    return cache.get(configure(cfg, layout))
+  found = [cache.get(configure(cfg, layout, n)) for n in layers]
+  if None in found:
+    return None
+  return extrapolate(*found, *layers, cfg.model.num_layers)
+
+
+def _compiled(cfg, layout, layers, devices, cache) -> planner.Measured:
+  if cache is None:
+    return compile_layout(cfg, layout, layers, devices)
+  applied = configure(cfg, layout, layers)
+  found = cache.get(applied)
+  if found is None:
+    found = compile_layout(cfg, layout, layers, devices)
+    cache.put(applied, found)
+  return found
 
 
 def plan_layouts(cfg: config_lib.Config, devices: int, device: str = 'h100', *,
                  layers=None, progress=None, layouts=None, compile_on=None,
                  **candidate_args) -> tuple[list, list]:
   """(ranked rows, rejected layouts with why) for `devices` GPUs of kind `device`: the
-  given `layouts` (validated), or the candidates `candidates` enumerates. Each row:
-  layout, measured (planner.Measured), prediction (planner.Prediction) and state (per
-  device bytes of parameters, gradients and optimizer state, from abstract shapes).
-  compile_on: the jax devices to compile for (default jax.devices())."""
+  given `layouts` (validated), or the candidates `candidates` enumerates, every one
+  compiled. Each row: layout, measured (planner.Measured), prediction
+  (planner.Prediction), bound (planner.lower_bound's) and state (per device bytes of
+  parameters, gradients and optimizer state, from abstract shapes). compile_on: the jax
+  devices to compile for (default jax.devices())."""
+  found = search(cfg, devices, device, layers=layers, progress=progress, layouts=layouts,
+                 compile_on=compile_on, **candidate_args)
+  return found.rows, found.rejected
+
+
+@dataclasses.dataclass
+class Search:
+  rows: list          # compiled (or cached) layouts, ranked: plan_layouts' rows
+  rejected: list      # [(layout, why)] refused by config.validate
+  pruned: list        # [(layout, planner.lower_bound's Prediction)] never compiled
+  compiled: int       # layouts compiled by this search
+  cached: int         # layouts read from the cache
+  exact: int          # the first `exact` rows are the full search's, whatever it compiled
+
+
+def search(cfg: config_lib.Config, devices: int, device: str = 'h100', *, top: int = 0,
+           max_compiles: int = 0, cache=None, layers=None, progress=None, layouts=None,
+           compile_on=None, **candidate_args) -> Search:
+  """Ranks the layouts (plan_layouts' rows) compiling only those that could be among the
+  `top` best (0: all): every layout gets a lower bound from analytic floors
+  (training/plan_bound.py), layouts are compiled in order of it, and the search stops
+  when the next one's bound is above the top-th best compiled, since no layout left can
+  then be among the top rows. So the first `top` rows are the full search's, in its order.
+  max_compiles (0: no cap) stops sooner; then `exact` says how many rows are proven.
+  cache: a plan_cache.MeasureCache, read first and written after each compile. progress:
+  called before each compile, (k, n, layout, left): the k-th compile of at most n, left
+  = n - k the layouts after it that could still need one."""
   hw = planner.hardware(device)
+  layouts, rejected = _layouts(cfg, devices, layouts, candidate_args)
+  tokens = cfg.data.batch_size * cfg.data.seq_len
+  model_flops = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+  sizes, bounds = {}, []
+  for layout in layouts:
+    size = _run_size(cfg, layout, devices, sizes)
+    floor = plan_bound.floor(configure(cfg, layout), layout, size)
+    bounds.append(planner.lower_bound(floor, layout, hw))
+  # Cached layouts cost nothing: known before the first compile, they tighten the cut.
+  measured = {i: m for i, layout in enumerate(layouts)
+              if (m := _from_cache(cfg, layout, layers, cache)) is not None}
+  cached = len(measured)
+  keys = {i: planner.rank_key(b) for i, b in enumerate(bounds)}
+  order = sorted((i for i in keys if i not in measured), key=lambda i: (keys[i], i))
+  rows = {i: _row(cfg, layouts[i], measured[i], hw, model_flops, tokens, devices, sizes,
+                  bounds[i]) for i in measured}
+  compiled = 0
+  for position, i in enumerate(order):
+    cut = _cut(rows, top)
+    if keys[i] > cut or (max_compiles and compiled >= max_compiles):
+      break
+    left = sum(keys[j] <= cut for j in order[position + 1:])
+    if max_compiles:
+      left = min(left, max_compiles - compiled - 1)
+    if progress:
+      progress(compiled + 1, compiled + 1 + left, layouts[i], left)
+    m = measure(cfg, layouts[i], layers, compile_on, cache)
+    compiled += 1
+    rows[i] = _row(cfg, layouts[i], m, hw, model_flops, tokens, devices, sizes, bounds[i])
+  # Enumeration order before ranking: ties fall as in a full search.
+  ranked = planner.rank([rows[i] for i in sorted(rows)])
+  pruned = [(layouts[i], bounds[i]) for i in order if i not in rows]
+  least = min((keys[i] for i in order if i not in rows), default=None)
+  exact = sum(least is None or planner.rank_key(r['prediction']) < least for r in ranked)
+  return Search(ranked, rejected, pruned, compiled, cached, exact)
+
+
+def _cut(rows: dict, top: int):
+  """The top-th best rank key among the rows (no cut until there are `top` rows)."""
+  keys = sorted(planner.rank_key(r['prediction']) for r in rows.values())
+  return keys[top - 1] if top and len(keys) >= top else (True, math.inf)
+
+
+def _row(cfg, layout, measured, hw, model_flops, tokens, devices, sizes, bound):
+  size = _run_size(cfg, layout, devices, sizes)
+  return {'layout': layout, 'measured': measured, 'bound': bound,
+          'prediction': planner.predict(measured, layout, hw, model_flops, tokens),
+          'state': {k: size[f'{k}_bytes'] for k in ('param', 'grad', 'opt_state')}}
+
+
+def _run_size(cfg, layout, devices, sizes: dict) -> dict:
+  """describe.run_size of the layout; the same for every remat and accumulation."""
+  key = (tuple(layout.mesh.items()), layout.zero_stage)
+  if key not in sizes:
+    sizes[key] = describe.run_size(configure(cfg, layout), devices)
+  return sizes[key]
+
+
+def _layouts(cfg, devices, layouts, candidate_args):
   layouts_given = layouts
   if layouts is None:
     layouts, rejected = candidates(cfg, devices, **candidate_args)
@@ -202,18 +313,7 @@ def plan_layouts(cfg: config_lib.Config, devices: int, device: str = 'h100', *,
       reasons = ['no layout was given']
     raise ValueError(f'no layout of this config runs on {devices} devices; e.g. '
                      + ' | '.join(reasons))
-  tokens = cfg.data.batch_size * cfg.data.seq_len
-  model_flops = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens
-  rows = []
-  for i, layout in enumerate(layouts):
-    if progress:
-      progress(i, len(layouts), layout)
-    measured = measure(cfg, layout, layers, compile_on)
-    size = describe.run_size(configure(cfg, layout), devices)
-    rows.append({'layout': layout, 'measured': measured,
-                 'prediction': planner.predict(measured, layout, hw, model_flops, tokens),
-                 'state': {k: size[f'{k}_bytes'] for k in ('param', 'grad', 'opt_state')}})
-  return planner.rank(rows), rejected
+  return layouts, rejected
 
 
 def _validated(cfg, layouts, devices):
