@@ -534,9 +534,10 @@ def _engine_dead(reason: str) -> ApiError:
 
 def _ended_early(state: ServerState, reqs: list[_Req]) -> ApiError | None:
   """The error for a request the server or the engine cut short, if any."""
+  dead = state.engine.health() if any(r.finish_reason == 'error' for r in reqs) else None
+  if dead is not None:
+    return _engine_dead(dead)
   for r in reqs:
-    if r.finish_reason == 'error' and state.engine.health() is not None:
-      return _engine_dead(state.engine.health())
     if r.finish_reason == 'error':
       return ApiError(500, 'The engine failed while generating this request; see the server '
                       'log. Other requests are unaffected.', type_='server_error',
