@@ -20,14 +20,11 @@ microbatch):
   python train.py --config=gpt_64k.py --config.mesh.context=4 --config.optim.grad_accum=2
 
 benchmarks/memory_gpt_64k.py compiles both from abstract shapes and records the
-per-device memory (benchmarks/results/memory_gpt_64k.json). On one H200 at 65,536 tokens
-a step (benchmarks/results/train_gpt_64k_65536_*_gpu.json), full remat: cuDNN attention
-33.0% MFU (4.08 s a step), the Mosaic GPU flash kernels that attention_impl=pallas runs
-on Hopper (model.pallas_backend=auto) 30.1% (4.46 s), the portable Triton ones 20.7%.
-Fastest measured: --config.model.remat=save_attention (the backward runs no attention
-forward; about 11 GiB more a device at one 64K sequence) with
---config.model.attention_impl=cudnn, 40.2% MFU (3.35 s a step on an H200), or pallas
-37.0% (3.64 s).
+per-device memory (benchmarks/results/memory_gpt_64k.json). The fastest of the measured
+settings is --config.model.remat=save_attention (the backward runs no attention forward,
+for more memory a device) with --config.model.attention_impl=cudnn, or pallas (the Mosaic
+GPU flash kernels on Hopper); step times and MFU of each are in docs/benchmarks.md and
+benchmarks/results/train_gpt_64k_65536_*_gpu.json.
 
 Variants: '' (the real run, GPU), 'smoke' (same structure, tiny sizes, runs on CPU with
 mesh.context=4).

@@ -37,15 +37,14 @@ from sharding.rules import ShardingPlan, constrain
 # Logical axes of one cache array [layers, pages, page slot, kv heads, head dim].
 KV_CACHE_AXES = ('layers', None, None, 'kv_heads', 'head_dim')
 # XLA attention of steps up to SMALL_STEP tokens: every row by itself over key blocks of
-# SMALL_STEP_BLOCK_K (measured on a 2-core CPU, 6-layer d=384 model: the step 12.6 ->
-# 9.8 ms for 16 decodes, 57 -> 36 ms for 15 decodes + a 100-token chunk; larger blocks
-# were slower). Bigger steps keep the default split (long prefills by sequence).
+# SMALL_STEP_BLOCK_K, which on CPU beat both the by-sequence split and larger blocks
+# (benchmarks/results/serving_model_cpu.md). Bigger steps keep the default split (long
+# prefills by sequence).
 SMALL_STEP, SMALL_STEP_BLOCK_K = 128, 32
 # XLA attention of steps with at most this many [T, T] scores per kv-head group (T^2 *
 # Hq, 256 tokens at 6 heads) tries the split path (paged_attention_xla's step_dense):
-# the step's own rows densely, cached prefixes for the decode rows only. Measured, same
-# model: serve_throughput's 256-token mixed steps 47 -> 34 ms; at 512 tokens the dense
-# scores cost what they save.
+# the step's own rows densely, cached prefixes for the decode rows only. Past this size
+# the dense scores cost what they save (benchmarks/results/serving_model_cpu.md).
 STEP_DENSE_MAX_SCORES = 1 << 20
 
 KVCache = tuple[jax.Array, jax.Array]
@@ -117,8 +116,7 @@ def paged_attend(q, k_pages, v_pages, meta, impl: str, plan):
 def layer_pages(cache: KVCache, index, batch: PagedBatch, impl: str):
   """Layer `index`'s K and V pages as `impl` reads them, and the metadata that indexes
   them, without slicing the layer out of the stacked cache: a slice copies that layer's
-  whole pool, every layer of every step (measured on CPU: temp memory of one layer's K
-  and V).
+  whole K and V pool, every layer of every step.
 
   XLA: every layer's pages as one pool [L * P, page, Hkv, D] (a free reshape of the
   carried cache), this layer's at page offset index * P. Pallas: the stacked cache
@@ -147,9 +145,9 @@ def paged_attention_layer(x, layer, index, cache, batch, rope, impl, plan):
 def rope_table(cfg: ModelConfig, max_len: int) -> Rope:
   """sin/cos of every position below max_len ([1, max_len, 1, e/2] each), for
   paged_forward's `rope`: computed by rope_tables itself, so the rows are the values a
-  step would compute (bitwise; checked). A step then gathers its rows: XLA:CPU otherwise fuses a sin and a
-  cos per element into every layer's q and k (measured, 6-layer d=384 model, interleaved
-  runs: 16-token step 5.11 -> 4.97 ms, 256 tokens 31.7 -> 29.5 ms, 512 59.1 -> 54.6 ms)."""
+  step would compute (bitwise; checked). A step then gathers its rows: XLA:CPU otherwise
+  fuses a sin and a cos per element into every layer's q and k, a few percent of a step
+  (benchmarks/results/serving_model_cpu.md)."""
   tables = jax.jit(functools.partial(rope_tables, inv_freq=rope_inv_freq(cfg)))
   return tables(jnp.arange(max_len, dtype=jnp.int32)[None])
 
@@ -186,11 +184,10 @@ def paged_forward(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelC
 def unstack_layers(params: Params, cfg: ModelConfig) -> Params:
   """Dense configs: params['layers'] as a tuple of per-layer trees, which paged_forward
   runs as an unrolled loop. A scan slices each layer's weights out of the stacked arrays,
-  a copy of every weight every step (measured on a 2-core CPU, 6 layers, d=384, 16
-  decodes: 6.6 -> 5.5 ms a step); separate arrays are read in place. The stacked arrays
-  are copied, not moved: memory holds both until the caller drops its tree (the serving
-  engine keeps no reference to it). A sharded leaf's layers keep its sharding. MoE
-  configs keep the scanned groups."""
+  a copy of every weight every step (benchmarks/results/serving_model_cpu.md); separate
+  arrays are read in place. The stacked arrays are copied, not moved: memory holds both
+  until the caller drops its tree (the serving engine keeps no reference to it). A
+  sharded leaf's layers keep its sharding. MoE configs keep the scanned groups."""
   if cfg.num_experts or isinstance(params['layers'], (list, tuple)):
     return params
   leaves, treedef = jax.tree.flatten(params['layers'])

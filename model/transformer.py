@@ -258,7 +258,7 @@ def attention_core(q, k, v, cfg: ModelConfig, segment_ids, plan):
 
 def output_projection(out, layer):
   # One [b, t, h*e] x [h*e, d] matmul: as a two-axis contraction, XLA:CPU copied wo into
-  # another layout every call (measured, 6-layer d=384 serving step: 7-9% of the step).
+  # another layout every call (benchmarks/results/serving_model_cpu.md).
   b, t, h, e = out.shape
   wo = layer['wo'].astype(out.dtype)
   return jnp.einsum('btx,xd->btd', out.reshape(b, t, h * e), wo.reshape(h * e, -1))
@@ -484,12 +484,11 @@ def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
 
   The backward rounds the logits' float32 cotangent to h's dtype, so both its matmuls run
   in the compute dtype, as the forward does. jax's own transpose of the forward would run
-  them in float32, since its cotangent is float32: on an H200 the loss's backward then
-  took 2.2-3x the forward matmul's time for as many FLOPs (gpt_64k at 8K tokens,
-  benchmarks/results/train_gpt_64k_8192_*_gpu.json). The head's gradient is accumulated
-  and returned in float32, its master dtype. In float32 this is the plain einsum's VJP.
-  A custom VJP has no forward-mode rule: jax.jvp (jacfwd, hessian) of the loss raises;
-  reverse mode, second order included, works.
+  them in float32, since its cotangent is float32: several times the forward matmul's
+  time for as many FLOPs on a GPU (docs/benchmarks.md, gpt_64k at 8,192 tokens). The
+  head's gradient is accumulated and returned in float32, its master dtype. In float32
+  this is the plain einsum's VJP. A custom VJP has no forward-mode rule: jax.jvp (jacfwd,
+  hessian) of the loss raises; reverse mode, second order included, works.
   """
   return jnp.einsum('sbcd,sdv->sbcv', h, head.astype(h.dtype),
                     preferred_element_type=jnp.float32)

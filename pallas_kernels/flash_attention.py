@@ -501,14 +501,11 @@ def default_backend(q, tiles=None, interpret=None, device=None) -> str:
   runs compiled on a Hopper GPU (compute capability 9.x: wgmma and TMA), takes q's dtype
   and head_dim, and no tile is named (tiles name one backend's own); else 'triton'.
 
-  Measured on an H200 (benchmarks/results/attention_NVIDIA_H200.json: causal, bf16,
-  head_dim 128, one document a row, 8K to 64K tokens, MHA and GQA): the Mosaic GPU
-  kernels ran at 0.95-0.99x cuDNN's forward and 0.88-0.90x its backward, the Triton
-  ones at 0.44-0.50x and 0.25-0.29x. In gpt_64k's train step (head_dim 64, GQA 32/8, one
-  64K sequence; train_gpt_64k_65536_*_full_gpu.json) they ran at 0.87x cuDNN's speed
-  forward and 0.89x backward. Other head dims, fp16, packed documents and short
-  sequences are checked for correctness on the GPU (tests/test_gpu.py) but not timed.
-  Its backward follows it (two kernels: deterministic; the Triton backward at head_dim
+  On Hopper the Mosaic GPU kernels run near cuDNN's speed and about twice the Triton
+  ones' forward, as timed in bf16 at head_dim 128 and 64
+  (benchmarks/results/attention_NVIDIA_H200.json; docs/benchmarks.md); other head dims,
+  fp16 and short sequences are checked for correctness on the GPU (tests/test_gpu.py),
+  not timed. Its backward follows it (two kernels: deterministic; the Triton backward at head_dim
   256), as `backend_bwd` says. Tiles are one backend's: a call that names any (tuned
   for the Triton kernels, say) keeps the Triton kernels; name backend='mosaic_gpu' to
   tile those.

@@ -3,9 +3,10 @@ CPU device.
 
 Commands are parsed from the files, so one added later is covered too. Each code block
 runs in order in its own temporary directory (relative paths such as runs/ and data/ land
-there; each holds a copy of README.md, the data example's input). `python train.py` commands are sized with `--check` first; those not marked
-(GPU) then train for 2 steps. Commands marked (GPU) or (server) in the README, the
-install and the test suite itself are skipped by name.
+there; each holds a copy of README.md, the data example's input). `python train.py`
+commands are sized with `--check` first; those not marked (GPU) then train for 2 steps.
+Commands marked (GPU) or (server), the install, the test suite itself and the docs build
+are skipped by name.
 """
 
 import glob

@@ -217,23 +217,14 @@ def make_eval_step(cfg: Config, plan: ShardingPlan):
                  out_shardings=plan.replicated())
 
 
-# XLA passes the train step compiles without, by remat policy. Under 'save_attention' the
-# GPU pass dynamic-slice-fusion-rewriter-v2 (jax 0.11.2) fuses a copy of the attention
-# forward kernel with the dynamic-update-slices that write its output and log-sum-exp into
-# the layer scan's saved residuals, and keeps the original for the layer's own output, so
-# the step runs it twice a layer: what jax lowers calls it once (tests/test_model.py), and
-# benchmarks/hlo_pass_trace.py names this pass as the one that adds the second call. On
-# an H200 (2026-11-26, gpt_64k, one 65,536-token sequence, Mosaic GPU kernels) the step
-# took 4.47 s with it and 3.78 s without, the same loss, peak memory within 0.1 GiB (runs
-# of one device call: benchmarks/results/logs/h200_2026-11-26_third/
-# train_64k_pallas_save_attention_pass_*). 'none' saves the kernel's output in the scan too,
-# and the same pass cloned the kernel there (hlo_pass_trace_gpt_64k_none_all_passes_gpu.json,
-# run before 'none' was listed here; hlo_pass_trace_gpt_64k_none_gpu.json after: no
-# clone). On the H200 again (the fourth session, 8,192 tokens x 2 sequences, Mosaic) the
-# step took 0.391 s with the pass and 0.371 s without, the same loss and peak memory
-# (logs/h200_2026-11-26_fourth/train_8kx2_pallas_none_pass_*.json). A CPU has no such
-# pass: naming it there changes nothing; nor does a name an XLA version lacks (it is not
-# checked).
+# XLA passes the train step compiles without, by remat policy. Under 'save_attention' and
+# 'none' the layer scan saves the attention kernel's output, and the GPU pass
+# dynamic-slice-fusion-rewriter-v2 fuses a copy of the kernel with the writes of that
+# output (and its log-sum-exp) into the saved residuals while keeping the original for the
+# layer's own output: the step would run the kernel twice a layer where jax lowers one
+# call (tests/test_model.py; benchmarks/hlo_pass_trace.py names the pass). Runs with and
+# without it: benchmarks/results/passes_off_gpu.md. A CPU has no such pass: naming it
+# there changes nothing; nor does a name an XLA version lacks (it is not checked).
 PASSES_OFF = {'save_attention': ('dynamic-slice-fusion-rewriter-v2',),
               'none': ('dynamic-slice-fusion-rewriter-v2',)}
 
