@@ -624,3 +624,43 @@ def test_cache_keys_the_whole_program_and_reads_back_what_it_kept(tmp_path, monk
   monkeypatch.undo()
   (tmp_path / f'{cache.key(cfg)}.json').write_text('{"dot_flops": ')
   assert cache.get(cfg) is None
+
+
+def test_search_compiles_by_bound_until_no_layout_left_can_reach_the_top_rows(
+    tmp_path, monkeypatch):
+  """Bounds and compiled steps made up (milliseconds over the dispatch): the search
+  compiles by bound, stops once the next bound is above the second-best compile, reports
+  each compile with how many may follow, vouches only for the rows --max-compiles
+  proves, and a second search reads the first's cache and compiles nothing."""
+  names = ['dp8', 'zero3_fsdp8', 'tp2_dp4', 'fsdp4_tp2', 'cp2_dp4', 'pp2_dp4']
+  bound_ms = dict(zip(names, [1, 2, 3, 4, 5, 6]))
+  step_ms = dict(zip(names, [5, 2.5, 3.5, 4.5, 5.5, 6.5]))
+  flops = lambda ms: ms * 1e-3 * H100.peak_flops * planner.MATMUL_EFFICIENCY
+  by_layout = {LAYOUTS[n].name(): n for n in names}
+  monkeypatch.setattr(plan_bound, 'floor', lambda cfg, lay, size: planner.Floor(
+      flops(bound_ms[by_layout[lay.name()]]), 0.0, 0.0, {}))
+  compiled = []
+  def fake_compile(cfg, lay, layers=None, devices=None):
+    compiled.append(by_layout[lay.name()])
+    return synthetic(dot_flops=flops(step_ms[by_layout[lay.name()]]))
+  monkeypatch.setattr(plan, 'compile_layout', fake_compile)
+  cfg, lays = planner_config(), [LAYOUTS[n] for n in names]
+  seen = []
+  progress = lambda k, n, lay, left: seen.append((k, n, by_layout[lay.name()], left))
+  cache = plan_cache.MeasureCache(str(tmp_path))
+  found = plan.search(cfg, 8, top=2, layouts=lays, progress=progress, cache=cache)
+  assert compiled == ['dp8', 'zero3_fsdp8', 'tp2_dp4']
+  # After two compiles the cut is the second best, 5 ms: bounds 4 and 5 may still need one.
+  assert seen == [(1, 6, 'dp8', 5), (2, 6, 'zero3_fsdp8', 4), (3, 5, 'tp2_dp4', 2)]
+  ranked = [by_layout[r['layout'].name()] for r in found.rows]
+  assert ranked[:2] == ['zero3_fsdp8', 'tp2_dp4'] and found.exact == 2   # as a full search
+  assert [by_layout[l.name()] for l, _ in found.pruned] == ['fsdp4_tp2', 'cp2_dp4', 'pp2_dp4']
+  assert (found.compiled, found.cached) == (3, 0)
+  compiled.clear()
+  again = plan.search(cfg, 8, top=2, layouts=lays, cache=cache)
+  assert compiled == [] and (again.compiled, again.cached) == (0, 3)
+  assert [r['layout'] for r in again.rows] == [r['layout'] for r in found.rows]
+  # Two compiles only: dp8 (5 ms) may be beaten by tp2_dp4 (bound 3): one row vouched for.
+  capped = plan.search(cfg, 8, top=2, layouts=lays, max_compiles=2)
+  assert [by_layout[r['layout'].name()] for r in capped.rows] == ['zero3_fsdp8', 'dp8']
+  assert capped.exact == 1
