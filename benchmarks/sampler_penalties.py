@@ -33,7 +33,7 @@ import numpy as np
 
 from benchmarks.common import write_result
 from serve import sampler
-from serve.penalties import PenaltyRow, PenaltyState
+from serve.penalties import CLEARS, PenaltyRow, PenaltyState, pair_bucket
 from serve.sampling_params import SamplingParams
 
 QWEN = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
@@ -74,7 +74,13 @@ def timed_step(logits, params, vocab, rng, **penalty_args):
   result = prepared.result(out)
   host = (dispatched - start) + (time.perf_counter() - ready)
   cpu = (dispatched_cpu - start_cpu) + (time.thread_time() - ready_cpu)
-  return host, cpu, ready - dispatched, result
+  return host, cpu, ready - dispatched, sent_bytes(prepared), result
+
+
+def sent_bytes(prepared) -> int:
+  """Bytes of the program's host arrays (copied to the device at dispatch); a kept
+  state's tables are on the device already."""
+  return sum(x.nbytes for x in jax.tree.leaves(prepared.args) if isinstance(x, np.ndarray))
 
 
 def measure_shape(rows: int, tokens: int, vocab: int, steps: int) -> dict:
@@ -92,7 +98,7 @@ def measure_shape(rows: int, tokens: int, vocab: int, steps: int) -> dict:
   admission = timed_step(logits, params, vocab, np.random.default_rng(0),
                          requests=reqs.rows(), penalties=state)[0]   # every history once
   rngs = {'history': np.random.default_rng(1), 'requests': np.random.default_rng(1)}
-  times = {path: ([], [], []) for path in rngs}
+  times = {path: ([], [], [], []) for path in rngs}
   for step in range(steps):
     got = {}
     for path in (('history', 'requests') if step % 2 else ('requests', 'history')):
@@ -109,6 +115,10 @@ def measure_shape(rows: int, tokens: int, vocab: int, steps: int) -> dict:
   for path, columns in times.items():
     for name, values in zip(('host_ms', 'host_cpu_ms', 'device_ms'), columns):
       row[f'{name}_{path}'] = statistics.median(values) * 1e3
+    row[f'host_ms_min_{path}'] = min(columns[0]) * 1e3
+    # the kept state's update adds its (slot, token) pairs: one token a row this step
+    row[f'sent_bytes_{path}'] = columns[3][-1] + (
+        0 if path == 'history' else (pair_bucket(rows) * 2 + CLEARS) * 4)
   row['host_speedup'] = row['host_ms_history'] / row['host_ms_requests']
   return row
 
@@ -137,9 +147,9 @@ def serving_sequence(counter: CompileCounter, vocab: int, steps: int, max_rows: 
   """Programs built by each path over a sequence of steps after its warm-up: one call per
   row bucket with short histories (the engine's warm-up), then requests of 16 to
   max_tokens tokens arriving, decoding (some rows after drafts) and finishing."""
-  rng = np.random.default_rng(seed)
   out = {}
-  for path in ('history', 'requests'):
+  for path in ('history', 'requests'):   # the same sequence for both
+    rng = np.random.default_rng(seed)
     smp = sampler.Sampler(0)
     if path == 'requests':
       smp.penalties.reserve(max_rows, vocab, max_ahead=max_ahead)
@@ -166,6 +176,8 @@ def serving_sequence(counter: CompileCounter, vocab: int, steps: int, max_rows: 
         first[rid] = len(rows)
         rows += [PenaltyRow(rid, prompt, output, draft[:j]) for j in range(len(draft) + 1)]
       n = len(rows)
+      if not n:
+        continue   # the engine samples no step without rows
       args = ({'history': [(r.prompt_ids, list(r.output_ids) + list(r.ahead)) for r in rows]}
               if path == 'history' else {'requests': rows})
       res = smp(warm_logits[sampler.row_bucket(n)], [QWEN] * n, [0] * n, vocab, **args)
@@ -189,7 +201,7 @@ def main(argv=None) -> dict:
   shapes = ((4, 64),) if args.smoke else SHAPES
   vocab = 512 if args.smoke else args.vocab
   steps = 3 if args.smoke else args.steps
-  counter = CompileCounter()
+  counter, load_before = CompileCounter(), os.getloadavg()[0]
   result = {
       'machine': platform.platform(), 'processor': platform.processor(),
       'params': 'temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05 (unseeded)',
@@ -198,15 +210,19 @@ def main(argv=None) -> dict:
           counter, vocab, steps=6 if args.smoke else 40, max_rows=4 if args.smoke else 8,
           max_tokens=200 if args.smoke else 8192, max_ahead=4),
       'target_host_ms': 2.0,
-      # 2 cores shared with other jobs: medians of interleaved steps.
-      'load_average_1m': os.getloadavg()[0],
+      'load_average_1m': [load_before, os.getloadavg()[0]],
+      'note': ('2 cores shared with other jobs: medians of interleaved steps. Wall times '
+               'stretch by about host_ms / host_cpu_ms where other jobs hold the cores; '
+               'host_cpu_ms (this thread\'s CPU time) and host_ms_min are the measures of '
+               'the host\'s own work.'),
   }
   for row in result['shapes']:
     print(f"{row['rows']:4d} x {row['tokens']:5d}: host {row['host_ms_history']:8.2f} ms "
           f"counted afresh, {row['host_ms_requests']:6.2f} ms kept (CPU "
           f"{row['host_cpu_ms_history']:.2f} / {row['host_cpu_ms_requests']:.2f} ms; admission "
           f"{row['admission_host_ms_requests']:.0f} ms); device {row['device_ms_history']:.1f} "
-          f"/ {row['device_ms_requests']:.1f} ms")
+          f"/ {row['device_ms_requests']:.1f} ms; sent {row['sent_bytes_history'] / 2**20:.2f} / "
+          f"{row['sent_bytes_requests'] / 2**20:.3f} MiB")
   for path, counts in result['serving_sequence'].items():
     print(f'serving after warm-up, {path}: {counts["programs_built"]} programs built, '
           f'{counts["compiled"]} compiled')

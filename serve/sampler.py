@@ -190,10 +190,12 @@ def _adjust_arrays(params, history, rows, vocab_size, banned=None, allowed=None,
   repeat = any(p.repetition_penalty != 1 for p in params)
   count = any(p.counts_output for p in params)
   stored = requests is not None and (repeat or count)
-  if stored and (penalties is None or len(requests) != len(params)):
-    raise ValueError(f'sample: requests must have one PenaltyRow per row ({len(params)}, '
-                     f'got {len(requests)}) and come with the PenaltyState that keeps them '
-                     '(Sampler passes its own)')
+  if stored and len(requests) != len(params):
+    raise ValueError(f'sample: requests has {len(requests)} PenaltyRows for {len(params)} '
+                     'rows; give one per row (a draft\'s rows each name its request)')
+  if stored and penalties is None:
+    raise ValueError('sample: requests need the PenaltyState that keeps their counts: pass '
+                     'penalties=, or call a Sampler (it passes its own)')
   if (repeat or count) and not stored and (history is None or len(history) != len(params)):
     raise ValueError('sample: penalties need each row\'s (prompt ids, output ids) history, '
                      'or its PenaltyRow (requests)')

@@ -506,13 +506,14 @@ def test_kept_penalties_equal_the_history_counted_afresh():
   rng = np.random.default_rng(3)
   state, live, made = PenaltyState(), {}, 0
   for step in range(70):
-    for _ in range(int(rng.integers(0, 4))):
+    for _ in range(int(rng.integers(0, 6))):
       params = SamplingParams(temperature=0.0, **KEPT_KINDS[made % len(KEPT_KINDS)])
       live[f'r{made}'] = (params, rng.integers(0, VOCAB, int(rng.integers(1, 40))).tolist(), [])
       made += 1
-    if step % 23 == 22:   # a finished id comes back as a new request, unreleased
-      rid = next(iter(live))
-      live[rid] = (live[rid][0], rng.integers(0, VOCAB, 9).tolist(), [1, 2])
+    if step % 23 == 22:   # a finished id comes back as a new request, unreleased, with
+      rid = next(iter(live))   # more output than the old one had
+      live[rid] = (live[rid][0], rng.integers(0, VOCAB, 9).tolist(),
+                   rng.integers(0, 16, len(live[rid][2]) + 5).tolist())
     rows, params = [], []
     for rid, (p, prompt, output) in live.items():
       if rng.random() < 0.25:
@@ -529,12 +530,12 @@ def test_kept_penalties_equal_the_history_counted_afresh():
       want = np_adjusted(logits[i], params[i], rows[i].prompt_ids,
                          list(rows[i].output_ids) + list(rows[i].ahead))
       np.testing.assert_allclose(kept[i], want, rtol=1e-6, atol=1e-5)
-    for rid in {r.request_id for r in rows}:
+    for rid in dict.fromkeys(r.request_id for r in rows):   # in row order: reproducible
       output = live[rid][2]
       output += rng.integers(0, 16, int(rng.integers(1, 4))).tolist()   # accepted tokens
       if rng.random() < 0.05:
         del output[-2:]   # a stop string's trim
-      if rng.random() < 0.12:
+      if rng.random() < 0.08:
         del live[rid]
         state.release(rid)
   assert made > 60 and state.seen.capacity > 8 and state.counts.capacity > 8
@@ -611,3 +612,13 @@ def test_releasing_requests_that_took_no_slot_keeps_nothing():
   for i in range(100):
     state.release(f'plain-{i}')
   assert not state._released   # pylint: disable=protected-access
+
+
+def test_requests_without_their_state_or_rows_are_refused():
+  params = [SamplingParams(repetition_penalty=1.2)] * 2
+  rows = [PenaltyRow('a', [1], []), PenaltyRow('b', [2], [])]
+  logits = np.zeros((2, PADDED), np.float32)
+  with pytest.raises(ValueError, match='PenaltyState'):
+    sample(logits, params, [0, 0], VOCAB, requests=rows)
+  with pytest.raises(ValueError, match='1 PenaltyRows for 2 rows'):
+    sample(logits, params, [0, 0], VOCAB, requests=rows[:1], penalties=PenaltyState())
