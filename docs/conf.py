@@ -23,7 +23,7 @@ html_theme = 'alabaster'
 html_theme_options = {'description': 'Train and serve Llama-style LLMs on any JAX mesh',
                       'fixed_sidebar': True}
 html_sidebars = {'**': ['about.html', 'navigation.html', 'searchbox.html']}
-suppress_warnings = []
+smartquotes = False          # JSON and code in table cells keep their quotes
 
 
 def setup(app):
