@@ -23,7 +23,7 @@ from serve.sampling_params import SamplingParams
 PADDING = SamplingParams(temperature=0.0, seed=0)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestRows:
   """One request's rows in the step's logits."""
   request_id: str
