@@ -60,14 +60,20 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: order kept
 
 
+# What a test may not leave changed: the variables that steer jax, XLA, Python imports and
+# meshlm in this worker's later tests and the processes they start. (Libraries set others
+# of their own on import, e.g. tensorboardX's CRC32C_SW_MODE: not a test's doing.)
+_GUARDED = ('PYTHONPATH', 'XLA_FLAGS', 'JAX_', 'MESHLM_', 'CUDA_VISIBLE_DEVICES')
+
+
 @pytest.fixture(autouse=True)
 def environment_unchanged(request):
-  """A test that changes os.environ outside monkeypatch fails: its change would leak into
-  every later test of the worker (and their subprocesses)."""
-  before = dict(os.environ)
+  """A test that changes these variables outside monkeypatch fails: its change would
+  leak into every later test of the worker (and their subprocesses)."""
+  before = {k: v for k, v in os.environ.items() if k.startswith(_GUARDED)}
   yield
-  changed = sorted(k for k in before.keys() | os.environ.keys()
-                   if before.get(k) != os.environ.get(k) and k != 'PYTEST_CURRENT_TEST')
+  after = {k: v for k, v in os.environ.items() if k.startswith(_GUARDED)}
+  changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
   if changed:
     for k in changed:
       if k in before:

@@ -155,9 +155,14 @@ def random_batch(cfg, seed: int = 0) -> dict:
           'weights': (rng.random((b, t)) < 0.9).astype(np.float32)}
 
 
-def loss_and_grads(cfg, devices=None) -> tuple[float, list[np.ndarray]]:
-  """One step's loss and gradient leaves (host float64), the batch assembled from this
-  process's rows as the trainer does."""
+def loss_and_grads(cfg, devices=None, seed: int = 0) -> tuple[float, list[np.ndarray]]:
+  """One step's loss and gradient leaves (host float64) on batch `seed`."""
+  return losses_and_grads(cfg, devices, (seed,))[0]
+
+
+def losses_and_grads(cfg, devices=None, seeds=(0,)) -> list[tuple[float, list[np.ndarray]]]:
+  """One step's loss and gradient leaves (host float64) on each batch of `seeds`, the
+  batch assembled from this process's rows as the trainer does."""
   # pylint: disable=import-outside-toplevel
   import jax
   from jax.experimental import multihost_utils
@@ -170,15 +175,17 @@ def loss_and_grads(cfg, devices=None) -> tuple[float, list[np.ndarray]]:
       lambda h, sh: jax.make_array_from_callback(h.shape, sh, lambda i: np.asarray(h)[i]),
       host, plan.tree(plan.params, axes))
   lo, hi = plan.process_rows(cfg.data.batch_size, cfg.data.seq_len)[jax.process_index()]
-  local = {k: v[lo:hi] for k, v in random_batch(cfg).items()}
-  batch = trainer.assemble_batch(plan, cfg.data, local)
   fn = jax.jit(lambda p, b: state.loss_and_grads(p, b, cfg, plan),
                out_shardings=(plan.replicated(), plan.tree(plan.grads, axes)))
-  loss, grads = fn(params, batch)
-  if jax.process_count() > 1:
-    loss, grads = multihost_utils.process_allgather((loss, grads), tiled=True)
-  return (float(np.asarray(loss, np.float64)),
-          [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)])
+  out = []
+  for seed in seeds:
+    local = {k: v[lo:hi] for k, v in random_batch(cfg, seed).items()}
+    loss, grads = fn(params, trainer.assemble_batch(plan, cfg.data, local))
+    if jax.process_count() > 1:
+      loss, grads = multihost_utils.process_allgather((loss, grads), tiled=True)
+    out.append((float(np.asarray(loss, np.float64)),
+                [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]))
+  return out
 
 
 def rel_err(a, b) -> float:
