@@ -471,11 +471,14 @@ class Engine:
     # The sampler takes the runner's logits [bucket, V] whole and cuts or pads them to
     # its row bucket (n's power of two): programs per (bucket, row bucket). Each mode
     # plain and with structured output's allowed-token bits; the model's own sampling
-    # defaults (generation_config.json) are a mode too (a repetition_penalty among them
-    # warms its shortest history width only: penalties compile per width).
+    # defaults (generation_config.json) are a mode too. Their penalties read the
+    # sampler's per-request tables, sized here for max_num_seqs requests and the longest
+    # draft (serve/penalties.py): no history length is a shape.
     modes = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_p=0.9)]
     if self.served.sampling_defaults:
       modes.append(SamplingParams(**self.served.sampling_defaults))
+    self._reserve_penalties(modes)
+    warm = [sampler.PenaltyRow(f'warm-up {i}', [0], []) for i in range(self.cfg.max_num_seqs)]
     # Each mode with logprobs too: the sampled token's alone (chat's logprobs: true) and
     # with the top N (any N: one program), without structured output.
     scored = [dataclasses.replace(m, logprobs=k) for m in modes for k in (0, 1)]
@@ -483,10 +486,21 @@ class Engine:
     for rows, full in logits.items():
       # one row count per row bucket (the largest may be cut to the rows there are)
       for n in sorted({min(sampler.row_bucket(m), rows) for m in range(1, rows + 1)}):
+        requests = [warm[i % len(warm)] for i in range(n)]   # draft rows share a request
         for params, allowed in ([(p, a) for p in modes for a in (None, [every] * n)]
                                 + [(p, None) for p in scored]):
-          self.sampler(full, [params] * n, [0] * n, self.vocab_size,
-                       history=[([0], [])] * n, allowed=allowed)
+          self.sampler(full, [params] * n, [0] * n, self.vocab_size, allowed=allowed,
+                       requests=requests)
+    for row in warm:
+      self.sampler.release(row.request_id)
+
+  def _reserve_penalties(self, modes) -> None:
+    repetition = any(m.repetition_penalty != 1 for m in modes)
+    counts = any(m.counts_output for m in modes)
+    if repetition or counts:
+      self.sampler.penalties.reserve(
+          self.cfg.max_num_seqs, self.vocab_size,
+          self.spec.num_speculative_tokens if self.spec else 0, repetition, counts)
 
   # ---------------------------------------------------------------- public API
 
@@ -802,7 +816,7 @@ class Engine:
     return self._accept(layout, self._sample(step, layout, inputs))
 
   def _row_inputs(self, layout: StepRows) -> dict:
-    """Per live request, per row: (params, step, history, banned, allowed) as the sampler
+    """Per live request, per row: (params, step, PenaltyRow, banned, allowed) as the sampler
     takes them. A request whose guide or bans fail here fails alone and drops out."""
     inputs = {}
     for r in layout:
@@ -827,23 +841,23 @@ class Engine:
     for j in range(len(r)):
       ahead = r.draft[:j]
       banned, allowed = t.constraints(ahead, r.guided and r.guided[min(j, r.usable)])
-      history = (req.prompt_token_ids,
-                 req.output_token_ids + list(ahead) if ahead else req.output_token_ids)
-      rows.append((req.sampling_params, req.num_output_tokens + j, history, banned, allowed))
+      penalty = sampler.PenaltyRow(req.request_id, req.prompt_token_ids,
+                                   req.output_token_ids, ahead)
+      rows.append((req.sampling_params, req.num_output_tokens + j, penalty, banned, allowed))
     return rows
 
   def _sample(self, step, layout: StepRows, inputs: dict) -> sampler.SampleResult:
     """Every row of the step, each live request's at its own place, the others padding."""
-    padding = (PADDING, 0, ([0], []), [], None)
+    padding = (PADDING, 0, sampler.PenaltyRow('', (), ()), [], None)   # PADDING: no penalty
     rows = layout.per_row(lambda r, j: inputs[r.request_id][j], padding)
-    params, steps, history, banned, allowed = map(list, zip(*rows))
+    params, steps, requests, banned, allowed = map(list, zip(*rows))
     if (all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params)
         and not any(banned) and all(a is None for a in allowed)):
       # The step's own argmax: the token the sampler would pick, without its program.
       return sampler.SampleResult(np.asarray(step.greedy)[:len(rows)], None,
                                   [None] * len(rows))
-    return self.sampler(step.logits, params, steps, self.vocab_size, history, banned,
-                        allowed)
+    return self.sampler(step.logits, params, steps, self.vocab_size, banned=banned,
+                        allowed=allowed, requests=requests)
 
   def _accept(self, layout: StepRows, res: sampler.SampleResult):
     """Each request's draft up to its first row whose token differs, and that token."""
@@ -992,6 +1006,7 @@ class Engine:
               error=None, prompt_logprobs=None) -> None:
     req = t.request
     reason = reason or req.status.finish_reason or 'stop'
+    self.sampler.release(req.request_id)   # its penalty slots (safe from any thread)
     self._tracked.pop(req.request_id, None)
     self._aborts.pop(req.request_id, None)
     self._finished_by_reason[reason] += 1

@@ -23,6 +23,7 @@ from serve import engine as engine_lib
 from serve.engine import Engine, EngineClosed, EngineDeadError, QueueFull, bad_word_ids
 from serve.hf_llama import with_dtype
 from serve.sampling_params import SamplingParams, SamplingParamsError
+from sharding import compile_cache
 from tests.test_serve_sampler import np_adjusted
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -988,3 +989,25 @@ def test_steps_that_keep_failing_make_the_engine_dead(varied, prompts, monkeypat
     wait_idle(eng)
   assert 'steps all failed' in eng.health()
   eng.shutdown()
+
+
+def test_warmup_with_a_repetition_penalty_compiles_nothing_while_serving(varied, prompts):
+  """--generation-config's repetition_penalty (Qwen's 1.05) on every request: after
+  warm-up, requests of growing lengths build no program (the rebuilt histories built one
+  per width), and finished requests give their penalty slots back."""
+  from serve import sampler  # pylint: disable=import-outside-toplevel
+  sampler._sample_rows.clear_cache()   # pylint: disable=protected-access
+  defaults = {'temperature': 0.7, 'top_p': 0.8, 'top_k': 20, 'repetition_penalty': 1.05}
+  served = dataclasses.replace(varied, sampling_defaults=defaults)
+  cfg = ServeConfig(num_blocks=60, max_num_seqs=4, max_num_batched_tokens=32, warmup=True)
+  short = [p for p in prompts if len(p) <= 12][:4]
+  assert len(short) == 4
+  with Engine(served, cfg) as eng:
+    built = compile_cache.programs()
+    for n, max_tokens in ((1, 2), (3, 20), (4, 50)):   # history widths 16, 32 and 64
+      eng.generate(short[:n], SamplingParams(max_tokens=max_tokens, seed=1, ignore_eos=True,
+                                             **defaults))
+    assert compile_cache.programs() == built
+    last = eng.generate(short[:1], SamplingParams(max_tokens=1, **defaults))[0]
+    # the earlier requests' slots went back at this step; its own goes at the next
+    assert list(eng.sampler.penalties.seen.slots) == [last.request_id]
