@@ -4,6 +4,8 @@
   python -m benchmarks.serve_throughput            # writes results/serve_throughput_cpu.json
   python -m benchmarks.serve_throughput --smoke    # tiny sizes, prints JSON, writes nothing
   python -m benchmarks.serve_throughput --shapes=1b    # on a GPU: serve_throughput_1b_gpu.json
+  python -m benchmarks.serve_throughput --shapes=long \
+      --llama-server=BUILD/bin/llama-server --llama-converter=SRC/convert_hf_to_gguf.py
 
 A HF-shaped Llama with random weights is built with transformers, saved with
 save_pretrained and loaded into meshlm with serve.hf_llama.load_hf_model, so both run
@@ -15,8 +17,18 @@ the asked tokens only: a static batch also computes tokens past a row's own leng
 its longest row is done, which is the cost continuous batching removes.
 
 Both sides are warmed up on the first static batch, then timed `--repeats` times (3),
-interleaved, the side that goes first alternating; the reported rates are the medians and every pass is in the JSON's
-`passes`: on the shared 2-core machine a neighbour's load moves single runs by 10-20%.
+interleaved, the side that goes first rotating; the reported rates are the medians and
+every pass is in the JSON's `passes`: on the shared 2-core machine a neighbour's load
+moves single runs by 10-20%.
+
+`long` (prompts of 32-256 tokens, outputs of 32-128, 192 requests) also times each side
+on its first 64 requests, for the marginal rate: (output tokens of all requests - those
+of the first 64) / (seconds of all - seconds of the first 64), per pass, then the
+median. Start-up of a run, the first batch's fill and the last one's drain are in both
+runs and cancel; what is left is the steady state, which is what serving lives in.
+With --llama-server and --llama-converter, llama.cpp's server is a third side
+(benchmarks/llama_server.py): the same weights as GGUF, batch_size slots, a thread per
+core, the requests sent concurrently as token ids, greedy, eos ignored.
 """
 
 import argparse
@@ -54,19 +66,26 @@ class Shapes:
   tie_embeddings: bool = False
   dtype: str = 'float32'          # weights and activations, on both sides
   one_at_a_time: int = 0          # requests timed one at a time; 0: all of them
+  # > 0: also time the first `marginal_from` requests alone, for the marginal rate (the
+  # extra output tokens of the whole workload over the extra seconds they take)
+  marginal_from: int = 0
 
 
 SMOKE = Shapes(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=300,
                num_requests=6, input_len=(4, 20), output_len=(2, 10), batch_size=4,
                max_batched_tokens=32, max_model_len=64, tie_embeddings=True,
-               one_at_a_time=3)
+               one_at_a_time=3, marginal_from=4)
 # Llama-3.2-1B's shape (its config.json), random weights; a GPU's workload: 256 requests,
 # static batches of 64, 16 of them also one at a time (all would take minutes).
 LLAMA_1B = Shapes(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192,
                   vocab=128256, tie_embeddings=True, dtype='bfloat16', num_requests=256,
                   input_len=(32, 512), output_len=(32, 512), batch_size=64,
                   max_batched_tokens=2048, max_model_len=1024, one_at_a_time=16)
-PRESETS = {'small': Shapes(), '1b': LLAMA_1B, 'smoke': SMOKE}
+# Longer prompts (issue 36, point 8): a 4-layer 256-wide model, prompts of 32-256 tokens,
+# 192 requests and their first 64, for the marginal rate.
+LONG = Shapes(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, num_requests=192,
+              input_len=(32, 256), output_len=(32, 128), one_at_a_time=16, marginal_from=64)
+PRESETS = {'small': Shapes(), '1b': LLAMA_1B, 'smoke': SMOKE, 'long': LONG}
 
 
 def num_params(shapes: Shapes) -> int:
@@ -309,17 +328,74 @@ def start_again(path: str, shapes: Shapes, attention: str) -> dict:
             'cache_dir': jax.config.jax_compilation_cache_dir}
 
 
-def benchmark(shapes: Shapes, repeats: int = 3, attention: str = 'auto') -> dict:
-  """`repeats` timed passes of continuous batching and of transformers' static batches,
-  interleaved (a neighbour's load on the shared machine hits both alike); the rates
-  are the medians, every pass is kept. One request at a time runs once, over the first
+def timed_sides(shapes: Shapes, engine, hf, prompts, out_lens, peer_url=None) -> dict:
+  """name -> a callable timing that side once: (seconds, outputs). With marginal_from,
+  each side also on the first marginal_from requests alone (`<name>_first`)."""
+  from benchmarks import llama_server  # pylint: disable=import-outside-toplevel
+  runs = {'continuous': lambda p, o: time_meshlm(engine, p, o),
+          'static': lambda p, o: time_transformers(hf, shapes, p, o)}
+  if peer_url is not None:
+    runs['llama_cpp'] = lambda p, o: llama_server.time_requests(peer_url, p, o,
+                                                                shapes.batch_size)
+  sides = {name: (lambda run=run: run(prompts, out_lens)) for name, run in runs.items()}
+  m = shapes.marginal_from
+  if m:
+    sides.update({f'{name}_first': (lambda run=run: run(prompts[:m], out_lens[:m]))
+                  for name, run in runs.items()})
+  return sides
+
+
+def interleaved(sides: dict, repeats: int) -> tuple[list[dict], dict]:
+  """`repeats` passes over every side, the order rotating each pass (a neighbour's load
+  on the shared machine hits every side alike); each pass's seconds, and each side's
+  outputs of the last pass."""
+  names, passes, outputs = list(sides), [], {}
+  for i in range(repeats):
+    order = names[i % len(names):] + names[:i % len(names)]
+    seconds = {}
+    for name in order:
+      seconds[f'{name}_s'], outputs[name] = sides[name]()
+    passes.append(seconds)
+  return passes, outputs
+
+
+def rates(passes: list[dict], names, prompts_tokens: int, first_tokens: int) -> tuple:
+  """Median seconds per side, its output tokens/s, and (with `_first` sides) the marginal
+  rate: the tokens the whole workload adds over its first requests, over the seconds it
+  adds (per pass, then the median), which leaves out what both share: start-up of a run,
+  the first batch's fill and the last one's drain."""
+  median = lambda key: statistics.median(p[key] for p in passes)  # noqa: E731
+  seconds = {f'{n}_s': median(f'{n}_s') for n in names}
+  per_s = {n: prompts_tokens / seconds[f'{n}_s'] for n in names}
+  marginal = {}
+  if first_tokens:
+    marginal = {n: (prompts_tokens - first_tokens) / statistics.median(
+        p[f'{n}_s'] - p[f'{n}_first_s'] for p in passes) for n in names}
+  return seconds, per_s, marginal
+
+
+def benchmark(shapes: Shapes, repeats: int = 3, attention: str = 'auto',
+              llama: tuple[str | None, str | None] = (None, None)) -> dict:
+  """`repeats` timed passes of continuous batching, of transformers' static batches and
+  (given llama = (server, converter)) of llama.cpp's server, interleaved; the rates are
+  the medians, every pass is kept. One request at a time runs once, over the first
   `shapes.one_at_a_time` requests (0: all)."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
+  from benchmarks import llama_server  # pylint: disable=import-outside-toplevel
   prompts, out_lens = workload(shapes)
-  passes = []
-  with tempfile.TemporaryDirectory() as path:
+  peer_note = llama_server.missing(*llama)
+  with tempfile.TemporaryDirectory() as path, contextlib.ExitStack() as stack:
     build_hf_model(shapes, path)
+    peer_url = None
+    if peer_note is None:
+      gguf = os.path.join(path, 'model.gguf')
+      llama_server.convert(llama[1], path, gguf, shapes.dtype)
+      peer_url = stack.enter_context(llama_server.serve(
+          llama[0], gguf, slots=shapes.batch_size, threads=os.cpu_count() or 1,
+          slot_len=shapes.max_model_len))
+      llama_server.time_requests(peer_url, prompts[:shapes.batch_size],
+                                 [8] * shapes.batch_size, shapes.batch_size)   # warm-up
     hf, threads = load_transformers(path, prompts, shapes)
     start = time.perf_counter()
     with meshlm_engine(path, shapes, attention) as engine:
@@ -329,39 +405,38 @@ def benchmark(shapes: Shapes, repeats: int = 3, attention: str = 'auto') -> dict
       # real data runs slower than later ones (measured ~15%).
       n = shapes.batch_size
       engine.generate(prompts[:n], _params(out_lens[:n]))
-      for i in range(repeats):   # which side goes first alternates
-        sides = [lambda: time_meshlm(engine, prompts, out_lens),
-                 lambda: time_transformers(hf, shapes, prompts, out_lens)]
-        (cb_s, batched), (static_s, peer) = (sides[0](), sides[1]()) if i % 2 == 0 else (
-            sides[1](), sides[0]())[::-1]
-        passes.append({'continuous_s': cb_s, 'static_s': static_s})
+      sides = timed_sides(shapes, engine, hf, prompts, out_lens, peer_url)
+      passes, outputs = interleaved(sides, repeats)
+      batched, peer = outputs['continuous'], outputs['static']
       alone = shapes.one_at_a_time or len(prompts)
       one_s, single = time_one_at_a_time(engine, prompts[:alone], out_lens[:alone])
       compiles = engine.runner.num_compiles
       assert compiles == warm, f'{compiles - warm} programs compiled after the warm-up'
       profile = profile_steps(engine, prompts, out_lens)
+    stack.close()   # llama-server stops before the reference and the restart run
     reference = [[t] for t in float32_first_tokens(path, prompts, hf.device)]
     startup = {'first_s': first_start_s, **start_again(path, shapes, attention)}
   tokens = sum(out_lens)
-  median = lambda key: statistics.median(p[key] for p in passes)  # noqa: E731
-  seconds = {'continuous_s': median('continuous_s'), 'static_s': median('static_s'),
-             'one_at_a_time_s': one_s}
-  rates = {'continuous_batching': tokens / seconds['continuous_s'],
-           'one_at_a_time': sum(out_lens[:alone]) / one_s,
-           'transformers_static': tokens / seconds['static_s']}
-  batches = static_batches(shapes, len(prompts))
-  return {
+  names = [n for n in ('continuous', 'static', 'llama_cpp') if f'{n}_s' in passes[0]]
+  seconds, per_s, marginal = rates(passes, names, tokens,
+                                   sum(out_lens[:shapes.marginal_from]))
+  seconds['one_at_a_time_s'] = one_s
+  out_rates = {'continuous_batching': per_s['continuous'],
+               'one_at_a_time': sum(out_lens[:alone]) / one_s,
+               'transformers_static': per_s['static']}
+  ratios = {'continuous_vs_transformers': per_s['continuous'] / per_s['static'],
+            'continuous_vs_one_at_a_time': per_s['continuous'] / out_rates['one_at_a_time']}
+  if peer_url is not None:
+    out_rates['llama_cpp_server'] = per_s['llama_cpp']
+    ratios['continuous_vs_llama_cpp'] = per_s['continuous'] / per_s['llama_cpp']
+  result = {
       'shapes': dataclasses.asdict(shapes), 'parameters': num_params(shapes),
       'one_at_a_time_requests': alone, 'output_tokens': tokens,
-      'prompt_tokens': sum(map(len, prompts)), 'output_tokens_per_s': rates,
-      'ratios': {'continuous_vs_transformers': rates['continuous_batching'] /
-                 rates['transformers_static'],
-                 'continuous_vs_one_at_a_time': rates['continuous_batching'] /
-                 rates['one_at_a_time']},
-      'seconds': seconds,
+      'prompt_tokens': sum(map(len, prompts)), 'output_tokens_per_s': out_rates,
+      'ratios': ratios, 'seconds': seconds,
       'passes': [{**p, 'ratio': p['static_s'] / p['continuous_s']} for p in passes],
       'transformers_computed_tokens': sum(len(b) * max(out_lens[i] for i in b)
-                                          for b in batches),
+                                          for b in static_batches(shapes, len(prompts))),
       'meshlm_compiles': compiles,
       **agreement(batched, single, peer, reference),
       'load_average_1min': os.getloadavg()[0],   # the 2 cores are shared: context
@@ -372,12 +447,44 @@ def benchmark(shapes: Shapes, repeats: int = 3, attention: str = 'auto') -> dict
       # Engine start (weights loaded, warm-up): the first, and a second from the cache.
       'meshlm_startup': startup,
   }
+  if marginal:
+    result.update(marginal_output_tokens_per_s(marginal, shapes, tokens, out_lens))
+  result['llama_cpp'] = peer_note or llama_peer_info(
+      llama, shapes, batched, outputs['llama_cpp'])
+  return result
+
+
+def marginal_output_tokens_per_s(marginal: dict, shapes: Shapes, tokens: int,
+                                 out_lens) -> dict:
+  """The marginal rates, named as the other rates, with their definition."""
+  names = {'continuous': 'continuous_batching', 'static': 'transformers_static',
+           'llama_cpp': 'llama_cpp_server'}
+  m = shapes.marginal_from
+  out = {'marginal_output_tokens_per_s': {names[n]: r for n, r in marginal.items()},
+         'marginal_definition': (
+             f'(output tokens of all {shapes.num_requests} requests - those of the first '
+             f'{m}) / median over passes of (seconds for all {shapes.num_requests} - '
+             f'seconds for the first {m}): {tokens} - {sum(out_lens[:m])} tokens; each '
+             'run starts from an idle engine or server, so start-up, fill and drain '
+             'cancel out')}
+  ratios = {'continuous_vs_transformers': marginal['continuous'] / marginal['static']}
+  if 'llama_cpp' in marginal:
+    ratios['continuous_vs_llama_cpp'] = marginal['continuous'] / marginal['llama_cpp']
+  out['marginal_ratios'] = ratios
+  return out
+
+
+def llama_peer_info(llama, shapes: Shapes, batched, peer) -> dict:
+  return {'server': llama[0], 'slots': shapes.batch_size, 'threads': os.cpu_count(),
+          'weights': f'GGUF {shapes.dtype}, converted by {llama[1]}',
+          'requests_equal_to_meshlm': sum(a == b for a, b in zip(batched, peer))}
 
 
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n', 1)[0])
   parser.add_argument('--shapes', choices=sorted(PRESETS), default='small',
-                      help='small: float32, for this CPU (default); 1b: Llama-3.2-1B-shaped '
+                      help='small: float32, for this CPU (default); long: prompts of 32-256 '
+                      'tokens and a marginal rate, for this CPU; 1b: Llama-3.2-1B-shaped '
                       'in bfloat16, for a GPU; smoke: tiny')
   parser.add_argument('--smoke', action='store_true',
                       help='--shapes=smoke; print the JSON, write results/ nothing')
@@ -386,6 +493,11 @@ def main(argv=None) -> dict:
                       help='timed passes of each side, interleaved (default 3; smoke 1)')
   parser.add_argument('--attention', choices=ATTENTION_CHOICES, default='auto',
                       help="meshlm's paged attention (auto: pallas on GPU, xla on CPU)")
+  parser.add_argument('--llama-server', metavar='PATH',
+                      help="llama.cpp's llama-server binary: adds llama.cpp as a peer "
+                      '(skipped with a note in the JSON when absent)')
+  parser.add_argument('--llama-converter', metavar='PATH',
+                      help="llama.cpp's convert_hf_to_gguf.py, beside its gguf-py/")
   args = parser.parse_args(argv)
   preset = 'smoke' if args.smoke else args.shapes
   repeats = args.repeats or (1 if preset == 'smoke' else 3)
@@ -395,7 +507,8 @@ def main(argv=None) -> dict:
   # is a cold one and the second's reads what it wrote.
   with compile_cache.fresh():
     result = {'environment': environment(),
-              **benchmark(PRESETS[preset], repeats, args.attention)}
+              **benchmark(PRESETS[preset], repeats, args.attention,
+                          (args.llama_server, args.llama_converter))}
   if args.output:
     with open(args.output, 'w') as f:
       json.dump(result, f, indent=2)
@@ -405,7 +518,8 @@ def main(argv=None) -> dict:
   name = '_'.join(['serve_throughput'] + ([preset] if preset != 'small' else []) +
                   [result['environment']['platform']])
   path = write_result(name, result)
-  print(json.dumps(result['output_tokens_per_s'], indent=2), json.dumps(result['ratios']))
+  print(json.dumps(result['output_tokens_per_s'], indent=2), json.dumps(result['ratios']),
+        json.dumps(result.get('marginal_ratios', {})))
   print(f'written to {path}')
   return result
 

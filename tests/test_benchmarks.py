@@ -378,3 +378,98 @@ def test_sampler_penalties_benchmark_smoke():
   sequence = out['serving_sequence']
   assert sequence['requests']['programs_built'] == 0
   assert sequence['history']['programs_built'] > 0
+
+
+def test_serve_throughput_smoke_has_a_marginal_rate_and_names_the_missing_peer():
+  """--smoke times every side on all requests and on the first marginal_from alone; without
+  --llama-server the llama.cpp peer is skipped with a note, not an error."""
+  from benchmarks import serve_throughput  # pylint: disable=import-outside-toplevel
+  out = serve_throughput.main(['--smoke'])
+  assert set(out['passes'][0]) >= {'continuous_s', 'continuous_first_s', 'static_s',
+                                   'static_first_s'}
+  assert set(out['marginal_output_tokens_per_s']) == {'continuous_batching',
+                                                      'transformers_static'}
+  assert all(r > 0 for r in out['marginal_output_tokens_per_s'].values())
+  assert 'first 4' in out['marginal_definition']
+  assert out['llama_cpp'].startswith('not run: give --llama-server')
+
+
+def test_serve_throughput_marginal_rate_is_the_median_of_each_pass_difference():
+  """Extra tokens over the median of per-pass differences (a pass's two runs share its
+  load), not over a difference of medians."""
+  from benchmarks import serve_throughput  # pylint: disable=import-outside-toplevel
+  passes = [{'continuous_s': 10.0, 'continuous_first_s': 4.0},
+            {'continuous_s': 6.0, 'continuous_first_s': 3.0},
+            {'continuous_s': 7.0, 'continuous_first_s': 1.0}]
+  seconds, per_s, marginal = serve_throughput.rates(passes, ['continuous'], 900, 300)
+  assert seconds == {'continuous_s': 7.0}
+  assert per_s == {'continuous': 900 / 7.0}
+  assert marginal == {'continuous': 600 / 6.0}   # differences 6, 3, 6; medians' would be 4
+
+
+_STAND_IN_SERVER = '''
+import http.server, json, sys
+args = sys.argv[1:]
+log = args[args.index('-m') + 1] + '.log'
+with open(log, 'a') as f:
+  f.write(json.dumps({'argv': args}) + '\\n')
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+  def log_message(self, *a):
+    pass
+
+  def _answer(self, payload):
+    data = json.dumps(payload).encode()
+    self.send_response(200)
+    self.send_header('Content-Length', str(len(data)))
+    self.end_headers()
+    self.wfile.write(data)
+
+  def do_GET(self):
+    self._answer({'status': 'ok'})
+
+  def do_POST(self):
+    body = json.loads(self.rfile.read(int(self.headers['Content-Length'])))
+    with open(log, 'a') as f:
+      f.write(json.dumps({'body': body}) + '\\n')
+    self._answer({'tokens': [body['prompt'][0]] * body['n_predict']})
+
+
+http.server.ThreadingHTTPServer(('127.0.0.1', int(args[args.index('--port') + 1])),
+                                Handler).serve_forever()
+'''
+
+
+def test_llama_server_peer_runs_a_server_and_always_stops_it(tmp_path):
+  """A stand-in llama-server: started on 127.0.0.1 with the slots, threads and context
+  asked, sent greedy fixed-length uncached requests, and stopped on leaving (also when
+  the body raises)."""
+  import urllib.request  # pylint: disable=import-outside-toplevel
+  from benchmarks import llama_server  # pylint: disable=import-outside-toplevel
+  server = tmp_path / 'llama-server'
+  server.write_text(f'#!{sys.executable}\n{_STAND_IN_SERVER}')
+  server.chmod(0o755)
+  gguf = tmp_path / 'model.gguf'
+  with pytest.raises(KeyError), llama_server.serve(str(server), str(gguf), slots=3,
+                                                   threads=2, slot_len=64) as url:
+    _, outputs = llama_server.time_requests(url, [[5, 6], [7], [8, 9, 10]], [3, 1, 2], 3)
+    assert outputs == [[5, 5, 5], [7], [8, 8]]
+    raise KeyError('the body fails')
+  with pytest.raises(OSError):   # stopped: nothing answers on its port any more
+    urllib.request.urlopen(f'{url}/health', timeout=5)
+  log = [json.loads(line) for line in open(f'{gguf}.log')]
+  argv = log[0]['argv']
+  flags = {k: argv[argv.index(k) + 1] for k in ('--host', '-np', '-t', '-c')}
+  assert flags == {'--host': '127.0.0.1', '-np': '3', '-t': '2', '-c': str(3 * 64)}
+  bodies = sorted((e['body'] for e in log[1:]), key=lambda b: b['prompt'])
+  assert [b['n_predict'] for b in bodies] == [3, 1, 2]
+  assert all(b['temperature'] == 0 and b['ignore_eos'] and not b['cache_prompt']
+             for b in bodies)
+
+
+def test_llama_server_peer_says_what_is_missing(tmp_path):
+  from benchmarks import llama_server  # pylint: disable=import-outside-toplevel
+  assert llama_server.missing(None, None).startswith('not run: give --llama-server')
+  note = llama_server.missing(str(tmp_path / 'nope'), str(tmp_path / 'nope.py'))
+  assert note == f'not run: --llama-server={tmp_path / "nope"} does not exist'
