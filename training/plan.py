@@ -7,7 +7,9 @@ Compiling needs as many devices as the layout has: on a CPU, simulated ones
 `layers=(a, b)` compiles a- and b-layer versions of the model and extrapolates memory,
 FLOPs and collectives linearly to the config's layer count (every per-layer cost is
 linear in the layers of a scanned stack); `check_extrapolation` compares that with a
-full compile.
+full compile. `search` compiles only the layouts whose lower bound (plan_bound.py) could
+reach the rows asked for, reading and keeping each compile's numbers in a cache
+(plan_cache.py) when given one.
 """
 
 import copy

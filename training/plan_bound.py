@@ -11,8 +11,8 @@ XLA makes of the program, for these reasons:
   the devices: each runs the same partitioned program, so at least the average. On top,
   what the layout must redo: under remat='full' the forward matmuls whose outputs the
   backward reads, and a pipeline's bubble (each device runs its stage's layers on
-  M + S - 1 iterations for M microbatches). Routed experts are left out: a capacity below one token per expert slot
-  computes fewer than k experts a token.
+  M + S - 1 iterations for M microbatches). Routed experts are left out: below a
+  capacity factor of one, fewer than k experts a token are computed.
 - memory: the step's arguments hold the train state, parameters and optimizer state as
   `train.py --check` sizes them per device; the compiled peak holds its arguments
   (optimizer state in host memory is left out).
@@ -29,7 +29,9 @@ XLA makes of the program, for these reasons:
 What it cannot bound (kernel launches, the matmuls' traffic, collective bytes, the
 overlapped collectives) is taken as zero, so on a small model, whose step is launches
 and dispatch, the bound is far below the compiled step and prunes little; on a large
-one, whose step is matmuls, it is close.
+one, whose step is matmuls, it is close. tests/test_planner.py checks each floor
+against the compiled step for every layout of a tiny config (DP, FSDP at ZeRO 0, 1
+and 3, TP, CP, PP; remat none and full).
 """
 
 import math
@@ -44,7 +46,7 @@ def floor(cfg: config_lib.Config, layout: planner.Layout, size: dict) -> planner
   offloaded = cfg.parallel.offload_optimizer
   opt = 0 if offloaded else size['opt_state_bytes']
   return planner.Floor(dot_flops=dot_flops(cfg, layout), other_bytes=2 * opt,
-               memory_bytes=size['param_bytes'] + opt, exposed=exposed(cfg, layout))
+                       memory_bytes=size['param_bytes'] + opt, exposed=exposed(cfg, layout))
 
 
 def dot_flops(cfg: config_lib.Config, layout: planner.Layout) -> float:
