@@ -7,7 +7,9 @@
 
 Prompts are random token ids below 256 (valid for the byte tokenizer and any HF one), sent
 to /v1/completions with `ignore_eos`, so every request has exactly the input and output
-lengths asked. Arrivals are Poisson at --request-rate per second (`inf`: all at once, a
+lengths asked. Meanwhile a probe asks GET /v1/models every --probe-interval-ms and
+records how long the server takes to answer (a server whose HTTP loop waits on its
+engine answers late). Arrivals are Poisson at --request-rate per second (`inf`: all at once, a
 burst), at most --max-concurrency in flight. Each request streams; per request it records
 time to first token (TTFT), time per output token after the first (TPOT), the gaps between
 streamed chunks (ITL) and end-to-end latency. --launch starts `python -m serve` on a free
@@ -87,9 +89,22 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result
                 usage['completion_tokens'] if usage else len(stamps))
 
 
+async def probe(client: httpx.AsyncClient, url: str, interval_s: float, done: asyncio.Event,
+                latencies: list) -> None:
+  """GET /v1/models every interval_s until `done`; appends each answer's seconds."""
+  while not done.is_set():
+    start = time.perf_counter()
+    resp = await client.get(url + '/v1/models')
+    if resp.status_code == 200:
+      latencies.append(time.perf_counter() - start)
+    await asyncio.sleep(interval_s)
+
+
 async def run_load(url: str, prompts, output_len: int, rate: float, max_concurrency: int,
-                   model: str | None = None, api_key: str | None = None, seed: int = 0):
-  """Sends every prompt on its arrival schedule; (results, wall seconds)."""
+                   model: str | None = None, api_key: str | None = None, seed: int = 0,
+                   probe_interval_s: float = 0.0):
+  """Sends every prompt on its arrival schedule; (results, wall seconds, probe answer
+  seconds)."""
   headers = {'Authorization': f'Bearer {api_key}'} if api_key else {}
   limit = asyncio.Semaphore(max_concurrency)
   delays = arrival_delays(len(prompts), rate, seed)
@@ -105,12 +120,18 @@ async def run_load(url: str, prompts, output_len: int, rate: float, max_concurre
           body['model'] = model
         return await one_request(client, url, body)
 
-    start = time.perf_counter()
+    start, done, latencies = time.perf_counter(), asyncio.Event(), []
+    probing = (asyncio.create_task(probe(client, url, probe_interval_s, done, latencies))
+               if probe_interval_s else None)
     results = await asyncio.gather(*(send(p, d) for p, d in zip(prompts, delays)))
-    return results, time.perf_counter() - start
+    wall = time.perf_counter() - start
+    done.set()
+    if probing is not None:
+      await probing
+    return results, wall, latencies
 
 
-def summarize(results: list[Result], wall_s: float) -> dict:
+def summarize(results: list[Result], wall_s: float, probes=()) -> dict:
   ok = [r for r in results if r.ok]
   tokens = sum(r.output_tokens for r in ok)
 
@@ -129,6 +150,7 @@ def summarize(results: list[Result], wall_s: float) -> dict:
       'requests_per_s': len(ok) / wall_s if wall_s else None,
       'ttft_ms': pct([r.ttft for r in ok]), 'tpot_ms': pct([r.tpot for r in ok]),
       'itl_ms': pct([g for r in ok for g in r.itls]), 'e2e_ms': pct([r.e2e for r in ok]),
+      'models_probe_ms': pct(list(probes)), 'models_probes': len(probes),
   }
 
 
@@ -136,7 +158,7 @@ def print_table(summary: dict) -> None:
   print(f"completed {summary['completed']}, failed {summary['failed']}, "
         f"{summary['wall_s']:.2f} s, {summary['output_tokens_per_s']:.1f} output tokens/s, "
         f"{summary['requests_per_s']:.2f} requests/s")
-  for key in ('ttft_ms', 'tpot_ms', 'itl_ms', 'e2e_ms'):
+  for key in ('ttft_ms', 'tpot_ms', 'itl_ms', 'e2e_ms', 'models_probe_ms'):
     values = summary[key]
     if values:
       print(f"  {key:8s} " + '  '.join(f'{k} {v:9.2f}' for k, v in values.items()))
@@ -167,12 +189,14 @@ def train_tiny(root: str) -> str:
 class Launched:
   """`python -m serve` on a free 127.0.0.1 port; stopped by SIGTERM (then killed) on exit."""
 
-  def __init__(self, model_args: list[str], extra: list[str], api_key: str | None):
+  def __init__(self, model_args: list[str], extra: list[str], api_key: str | None,
+               checkout: str | None = None):
     self.url = f'http://127.0.0.1:{_free_port()}'
     cmd = [sys.executable, '-m', 'serve', *model_args, '--port', self.url.rsplit(':', 1)[1],
            '--log-level', 'warning', *extra]
-    env = {**os.environ, 'MESHLM_API_KEY': api_key} if api_key else None
-    self.proc = subprocess.Popen(cmd, env=env)
+    env = dict(os.environ, **({'MESHLM_API_KEY': api_key} if api_key else {}),
+               **({'PYTHONPATH': os.path.abspath(checkout)} if checkout else {}))
+    self.proc = subprocess.Popen(cmd, env=env, cwd=checkout)
 
   def __enter__(self):
     deadline = time.monotonic() + 600
@@ -221,6 +245,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  'new step shape on first sight, and those seconds-long stalls are not what '
                  'a warm server does (default: 2 x --num-prompts; bursts mix prefill chunks '
                  'and decodes in many combinations)')
+  p.add_argument('--probe-interval-ms', type=float, default=20.0,
+                 help='GET /v1/models this often during the timed load (0: never)')
+  p.add_argument('--server-checkout', default=None,
+                 help='with --launch: start the server from this checkout of meshlm (to '
+                 'measure another revision with the same benchmark)')
   p.add_argument('--seed', type=int, default=0)
   p.add_argument('--name', default=None, help='result file name (default serve_load_<platform>)')
   p.add_argument('--smoke', action='store_true', help='a few tiny requests; writes nothing')
@@ -255,8 +284,10 @@ def benchmark(url: str, args: argparse.Namespace) -> dict:
               model=args.model, api_key=args.api_key, seed=args.seed)
   warm_up(url, args, load)
   prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
-  results, wall = asyncio.run(run_load(url, prompts, rate=args.request_rate, **load))
-  return summarize(results, wall)
+  results, wall, probes = asyncio.run(run_load(
+      url, prompts, rate=args.request_rate, probe_interval_s=args.probe_interval_ms / 1000,
+      **load))
+  return summarize(results, wall, probes)
 
 
 def main(argv=None) -> int:
@@ -267,7 +298,8 @@ def main(argv=None) -> int:
     if args.launch:
       launch_args = model_args or ['--checkpoint', train_tiny(tmp)]
       model_args = model_args or ['default.py:tiny trained 30 steps']
-      with Launched(launch_args, args.server_args.split(), args.api_key) as server:
+      with Launched(launch_args, args.server_args.split(), args.api_key,
+                    args.server_checkout) as server:
         summary = benchmark(server.url, args)
     else:
       summary = benchmark(args.url, args)
@@ -278,7 +310,8 @@ def main(argv=None) -> int:
                                             'request_rate', 'max_concurrency', 'warmup')}
     payload = {'shapes': {**shapes, 'request_rate': str(args.request_rate)},
                'server': {'launched': args.launch, 'model_args': model_args,
-                          'server_args': args.server_args},
+                          'server_args': args.server_args,
+                          'checkout': args.server_checkout or 'this one'},
                'host_load_avg_1m': os.getloadavg()[0], **summary}
     print(write_result(args.name or f'serve_load_{jax.devices()[0].platform}', payload))
   return 0 if summary['completed'] else 1

@@ -648,16 +648,17 @@ def _error_event(err: ApiError) -> str:
   return _sse({**err.body(), 'status_code': err.status})
 
 
-async def _events(state, reqs, body, meta, choice_fn):
+async def _events(state, reqs, body, meta, choice_fn, decodes: bool):
   """The SSE stream: a chunk per delta that choice_fn(r, out) turns into a choice (None:
-  nothing to send); a request cut short ends the stream with an error event, otherwise
-  the usage chunk if asked for; then [DONE]."""
+  nothing to send; in a worker thread when it `decodes` token ids, as logprobs do); a
+  request cut short ends the stream with an error event, otherwise the usage chunk if
+  asked for; then [DONE]."""
   async for r, out in _outputs(state, reqs):
     err = _ended_early(state, [r])
     if err:
       yield _error_event(err)
       break
-    choice = choice_fn(r, out)
+    choice = await asyncio.to_thread(choice_fn, r, out) if decodes else choice_fn(r, out)
     if choice is not None:
       yield _sse({**meta, 'choices': [choice], **_chunk_usage(body, r)})
   else:
@@ -712,7 +713,7 @@ def _completion_events(state, reqs, body: CompletionBody, want_logprobs: bool):
     return {'index': r.index, 'text': text, 'logprobs': logprobs,
             'finish_reason': r.finish_reason}
 
-  return _events(state, reqs, body, _meta('text_completion', state), choice)
+  return _events(state, reqs, body, _meta('text_completion', state), choice, want_logprobs)
 
 
 def _completion_json(state, reqs, want_logprobs: bool) -> dict:
@@ -749,7 +750,7 @@ async def _chat_events(state, reqs, body: ChatBody, want_logprobs: bool):
     return {'index': r.index, 'delta': delta, 'logprobs': logprobs,
             'finish_reason': _chat_finish_reason(r)}
 
-  async for event in _events(state, reqs, body, meta, choice):
+  async for event in _events(state, reqs, body, meta, choice, want_logprobs):
     yield event
 
 
@@ -804,6 +805,42 @@ async def _compile_guided(state: ServerState, body: dict, params,
     raise ApiError(400, f'{field}: {e}', param=field) from None
 
 
+# --- off the event loop ---
+# The event loop only moves bytes: tokenizing, rendering chat templates, decoding
+# logprobs and anything that takes the engine's lock (held across a step's scheduling and
+# emission) runs in worker threads, so one request's preparation never delays another's
+# stream or a health check.
+
+def _completion_request(state: ServerState, raw: dict):
+  """(body, prompts' token ids, echoed texts, SamplingParams per prompt)."""
+  body = _validate(CompletionBody, raw)
+  _check_common(state, body)
+  prompts, texts = _completion_prompts(state, body)
+  return body, prompts, texts, [_sampling_params(state, raw, len(p), chat=False)
+                                for p in prompts]
+
+
+def _chat_request(state: ServerState, raw: dict):
+  """(body, tools, the sampling fields, the prompt's token ids, SamplingParams)."""
+  body = _validate(ChatBody, raw)
+  _check_common(state, body)
+  tools, fields = _chat_tools(state, raw)
+  prompt = _chat_prompt(state, body, tools)
+  return body, tools, fields, prompt, _sampling_params(state, fields, len(prompt), chat=True)
+
+
+async def _submit_off_loop(state: ServerState, prompts, params, n) -> list[_Req]:
+  """_submit in a worker thread; if the client goes away meanwhile, what it submitted
+  is aborted once it is in."""
+  submitting = asyncio.ensure_future(asyncio.to_thread(_submit, state, prompts, params, n))
+  try:
+    return await asyncio.shield(submitting)
+  except asyncio.CancelledError:
+    submitting.add_done_callback(
+        lambda f: f.cancelled() or f.exception() is not None or _abort(state, f.result()))
+    raise
+
+
 # --- routes ---
 
 async def _run(state, request, reqs, body, want_logprobs, events_fn, json_fn):
@@ -813,17 +850,14 @@ async def _run(state, request, reqs, body, want_logprobs, events_fn, json_fn):
   err = _ended_early(state, reqs)
   if err:
     raise err
-  return json_fn(state, reqs, want_logprobs)
+  return await asyncio.to_thread(json_fn, state, reqs, want_logprobs)   # decodes logprobs
 
 
 async def _completions(state: ServerState, request: fastapi.Request):
   raw = await _json_body(request)
-  body = _validate(CompletionBody, raw)
-  _check_common(state, body)
-  prompts, texts = _completion_prompts(state, body)
-  params = [_sampling_params(state, raw, len(p), chat=False) for p in prompts]
+  body, prompts, texts, params = await asyncio.to_thread(_completion_request, state, raw)
   await _compile_guided(state, raw, params[0])
-  reqs = _submit(state, prompts, params, body.n)
+  reqs = await _submit_off_loop(state, prompts, params, body.n)
   for r in reqs:
     r.vllm_prompt_logprobs = raw.get('prompt_logprobs') is not None
     if body.echo:
@@ -835,14 +869,10 @@ async def _completions(state: ServerState, request: fastapi.Request):
 
 async def _chat(state: ServerState, request: fastapi.Request):
   raw = await _json_body(request)
-  body = _validate(ChatBody, raw)
-  _check_common(state, body)
-  tools, fields = _chat_tools(state, raw)
-  prompt = _chat_prompt(state, body, tools)
-  params = _sampling_params(state, fields, len(prompt), chat=True)
+  body, tools, fields, prompt, params = await asyncio.to_thread(_chat_request, state, raw)
   await _compile_guided(state, fields, params,
                         'tools' if tools is not None and tools.regex else None)
-  reqs = _submit(state, [prompt], [params], body.n)
+  reqs = await _submit_off_loop(state, [prompt], [params], body.n)
   for r in reqs:
     r.vllm_prompt_logprobs = params.prompt_logprobs is not None
     r.tools = tools
@@ -852,8 +882,12 @@ async def _chat(state: ServerState, request: fastapi.Request):
 
 
 async def _tokenize(state: ServerState, request: fastapi.Request) -> dict:
+  return await asyncio.to_thread(_tokenized, state, await _json_body(request))
+
+
+def _tokenized(state: ServerState, raw: dict) -> dict:
   """The token ids the completions (prompt) or chat (messages) endpoint would run."""
-  body = _validate(TokenizeBody, await _json_body(request))
+  body = _validate(TokenizeBody, raw)
   _check_model(state, body.model)
   if (body.prompt is None) == (body.messages is None):
     raise ApiError(400, 'Give exactly one of "prompt" (text, as /v1/completions takes it) '
@@ -877,7 +911,11 @@ async def _tokenize(state: ServerState, request: fastapi.Request) -> dict:
 
 
 async def _detokenize(state: ServerState, request: fastapi.Request) -> dict:
-  body = _validate(DetokenizeBody, await _json_body(request))
+  return await asyncio.to_thread(_detokenized, state, await _json_body(request))
+
+
+def _detokenized(state: ServerState, raw: dict) -> dict:
+  body = _validate(DetokenizeBody, raw)
   _check_model(state, body.model)
   tokens = _in_vocabulary(state, body.tokens, 'tokens')
   return {'prompt': state.served.tokenizer.decode(tokens) if tokens else ''}
@@ -963,8 +1001,9 @@ def _add_routes(app: fastapi.FastAPI, state: ServerState) -> None:
     return {'version': importlib.metadata.version('meshlm')}
 
   @app.get('/metrics')
-  async def metrics():
-    return responses.Response(state.metrics.render(), media_type=metrics_lib.CONTENT_TYPE)
+  async def metrics():   # the engine's stats are read under its lock: not on the loop
+    text = await asyncio.to_thread(state.metrics.render)
+    return responses.Response(text, media_type=metrics_lib.CONTENT_TYPE)
 
 
 def create_app(engine, served, *, api_key: str | None = None, model_name: str | None = None,

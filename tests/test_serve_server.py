@@ -1248,6 +1248,50 @@ def test_health_is_503_and_open_requests_fail_once_the_engine_loop_dies(tiny_ser
     engine.shutdown()
 
 
+@pytest.mark.parametrize('hold', ['engine lock', 'tokenizer'])
+def test_the_event_loop_never_waits_on_the_engine_or_the_tokenizer(tiny_served, monkeypatch,
+                                                                   hold):
+  """While one request waits for the engine's lock (held across a step's scheduling and
+  emission) or for a slow tokenizer, the server still answers GET /v1/models at once and
+  the request completes afterwards. Before, both ran on the event loop: it stopped."""
+  from serve.config import ServeConfig  # pylint: disable=import-outside-toplevel
+  engine = engine_lib.Engine(tiny_served, ServeConfig(num_blocks=16, max_num_seqs=2,
+                                                      max_num_batched_tokens=32))
+  entered, release = threading.Event(), threading.Event()
+  real_encode = tiny_served.tokenizer.encode
+
+  def slow_encode(*args, **kwargs):
+    entered.set()
+    release.wait(30)
+    return real_encode(*args, **kwargs)
+  if hold == 'tokenizer':
+    monkeypatch.setattr(tiny_served.tokenizer, 'encode', slow_encode)
+  server = ServerThread(create_app(engine, tiny_served, model_name='tiny'))
+  done = []
+  post = threading.Thread(target=lambda: done.append(httpx.post(
+      server.url + '/v1/completions', json={'model': 'tiny', 'prompt': 'ab', 'max_tokens': 2},
+      timeout=60)))
+  try:
+    if hold == 'engine lock':
+      engine._lock.acquire()   # pylint: disable=protected-access
+      monkeypatch.setattr(engine, 'check_prompt', lambda *a, _real=engine.check_prompt:
+                          (entered.set(), _real(*a))[1])
+    post.start()
+    assert entered.wait(30)
+    time.sleep(0.2)   # the request is now waiting (on the loop, before the change)
+    start = time.perf_counter()
+    assert httpx.get(server.url + '/v1/models', timeout=10).status_code == 200
+    assert time.perf_counter() - start < 2.0
+  finally:
+    if hold == 'engine lock':
+      engine._lock.release()   # pylint: disable=protected-access
+    release.set()
+    post.join(60)
+    server.stop()
+    engine.shutdown()
+  assert done and done[0].status_code == 200, done
+
+
 DYING_SERVER = '''
 import sys
 from serve.__main__ import run
@@ -1311,3 +1355,5 @@ def test_serve_load_measures_the_pace_it_is_served_at(fake_server, fake):
   # Two waves of 3 (max concurrency): the whole run takes about 2 x 6 steps.
   assert 0.2 < summary['wall_s'] < 1.5 and summary['ttft_ms']['p50'] > 0
   assert fake.held == 0
+  # the probe asked GET /v1/models every 20 ms while the load ran
+  assert summary['models_probes'] >= 5 and summary['models_probe_ms']['p50'] > 0
