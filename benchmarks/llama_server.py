@@ -20,14 +20,22 @@ import urllib.error
 import urllib.request
 
 # The benchmark's tokenizer is a WordLevel one that the converter's checks do not know;
-# the peer gets token ids, never text, so a plain BPE vocabulary of the same ids will do.
+# the peer gets token ids, never text, so a BPE vocabulary of the same ids with one
+# merge (llama.cpp refuses a BPE vocabulary without merges) will do.
 _CONVERT = """
 import sys
 src, argv = sys.argv[1], sys.argv[2:]
 sys.path[:0] = [src, src + '/gguf-py']
 import conversion.base, conversion.llama
+
+
+def set_vocab(self):
+  self._set_vocab_gpt2()
+  self.gguf_writer.add_token_merges(['w 4'])
+
+
 conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'
-conversion.llama.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
+conversion.llama.LlamaModel.set_vocab = set_vocab
 sys.argv = ['convert_hf_to_gguf.py'] + argv
 import convert_hf_to_gguf
 convert_hf_to_gguf.main()

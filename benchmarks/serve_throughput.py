@@ -498,6 +498,9 @@ def main(argv=None) -> dict:
                       '(skipped with a note in the JSON when absent)')
   parser.add_argument('--llama-converter', metavar='PATH',
                       help="llama.cpp's convert_hf_to_gguf.py, beside its gguf-py/")
+  parser.add_argument('--note', default='',
+                      help="the run's conditions, kept in the JSON (e.g. who else shared "
+                      'the machine)')
   args = parser.parse_args(argv)
   preset = 'smoke' if args.smoke else args.shapes
   repeats = args.repeats or (1 if preset == 'smoke' else 3)
@@ -506,7 +509,7 @@ def main(argv=None) -> dict:
   # A fresh compilation cache (unless the process has one), so the first engine's start
   # is a cold one and the second's reads what it wrote.
   with compile_cache.fresh():
-    result = {'environment': environment(),
+    result = {'environment': environment(), **({'note': args.note} if args.note else {}),
               **benchmark(PRESETS[preset], repeats, args.attention,
                           (args.llama_server, args.llama_converter))}
   if args.output:
