@@ -405,7 +405,7 @@ class Engine:
     self.served = dataclasses.replace(served, params=None)
     self.sampler = sampler.Sampler(cfg.seed)   # cfg.seed draws for unseeded requests
     self._tracked: dict[str, _Tracked] = {}
-    self._aborts: dict[str, str] = {}   # request id -> why
+    self._aborts: dict[str, tuple] = {}   # request id -> (its _Tracked, why)
     self._observers = []
     self._totals = {'prompt_tokens': 0, 'generation_tokens': 0, 'drafts': 0,
                     'draft_tokens': 0, 'accepted_tokens': 0}
@@ -532,6 +532,8 @@ class Engine:
           None if params.allowed_token_ids is None else sampler.pack_bits(
               params.allowed_token_ids, self.vocab_size),
           bad_words)
+    if self._dead is not None:   # died while this was admitted: _die may not have seen it
+      self._fail_dead(request_id)
     self._wake.set()
     return stream
 
@@ -553,10 +555,12 @@ class Engine:
     """Ends the request (finish_reason 'abort') and frees its blocks after this step.
 
     Without the engine's lock (the server's event loop calls it on a disconnect): one
-    dict operation each, atomic under the GIL; an abort of a request that finishes
-    meanwhile is dropped by _apply_aborts."""
-    if request_id in self._tracked:
-      self._aborts.setdefault(request_id, 'aborted')
+    dict operation each, atomic under the GIL. The abort names the tracked request it
+    was for, so one that finishes meanwhile leaves an entry _apply_aborts drops, and a
+    later request reusing the id is not aborted by it."""
+    t = self._tracked.get(request_id)
+    if t is not None:
+      self._aborts.setdefault(request_id, (t, 'aborted'))
     self._wake.set()
 
   def generate(self, prompts, params=None, on_finish=None) -> list[CompletionResult]:
@@ -613,15 +617,22 @@ class Engine:
     return len(self._tracked)   # no lock: one read (the server's drain polls it)
 
   def shutdown(self, grace_s: float = 0.0) -> None:
-    """Stops admitting, lets requests finish for grace_s, aborts the rest, stops the loop."""
+    """Stops admitting, lets requests finish for grace_s, aborts the rest, stops the loop.
+    A dead engine has failed its requests already, and its loop may hold the lock
+    forever: then it only asks the loop to stop."""
+    if self._dead is not None:
+      self._stopping = True
+      self._wake.set()
+      self._thread.join(timeout=1)
+      return
     with self._lock:
       self._admitting = False
     deadline = time.monotonic() + grace_s
     while self.num_unfinished and time.monotonic() < deadline:
       time.sleep(0.01)
     with self._lock:
-      for rid in self._tracked:
-        self._aborts.setdefault(rid, 'the engine shut down before the request finished')
+      for rid, t in list(self._tracked.items()):
+        self._aborts.setdefault(rid, (t, 'the engine shut down before the request finished'))
     self._wake.set()
     while self.num_unfinished and self._thread.is_alive():
       time.sleep(0.01)
@@ -726,9 +737,15 @@ class Engine:
         return
       self._dead, self._admitting, self._stopping = reason, False, True
     print(f'Engine dead: {reason}. Failing every open request.', file=sys.stderr, flush=True)
-    message = f'{EngineDeadError.__name__}: the engine is dead ({reason}).'
-    for t in list(self._tracked.values()):
-      self._finish(t, 'error', error=message)
+    for rid in list(self._tracked):
+      self._fail_dead(rid)
+
+  def _fail_dead(self, request_id: str) -> None:
+    """Ends one request of a dead engine; exactly once, whoever else tries (the pop)."""
+    t = self._tracked.pop(request_id, None)
+    if t is not None:
+      self._finish(t, 'error', error=f'{EngineDeadError.__name__}: the engine is dead '
+                   f'({self._dead}).')
 
   def _step(self) -> bool:
     """One scheduler step; False when there was nothing to run.
@@ -1026,9 +1043,8 @@ class Engine:
     if self._aborts:   # a request that finished last step reports that, not the abort
       self._flush_outputs()
     while self._aborts:   # taken one by one: a failing abort is not retried forever
-      rid, why = self._aborts.popitem()
-      t = self._tracked.get(rid)
-      if t is not None:
+      rid, (t, why) = self._aborts.popitem()
+      if self._tracked.get(rid) is t:
         self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
         self._finish(t, 'abort', error=why)
 

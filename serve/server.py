@@ -12,6 +12,7 @@ while draining, and the metrics.
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import hmac
@@ -151,6 +152,10 @@ class ServerState:
     self.draining = False
     self.active: dict[str, _Req] = {}
     self.shutdown_aborted: set[str] = set()
+    # Submissions wait on the engine's lock (a step's scheduling and emission): threads of
+    # their own, so waiting ones never hold up the tokenizing and decoding of others.
+    self.submitters = concurrent.futures.ThreadPoolExecutor(
+        max_workers=4, thread_name_prefix='meshlm-submit')
 
   async def drain(self, grace_s: float) -> None:
     """Refuse new work; wait up to grace_s for running requests; abort the rest."""
@@ -158,12 +163,16 @@ class ServerState:
     deadline = time.monotonic() + grace_s
     while self.active and time.monotonic() < deadline:
       await asyncio.sleep(0.05)
-    for rid in list(self.active):
-      self.shutdown_aborted.add(rid)
-      self.engine.abort(rid)
-    # Let the aborted requests' handlers send their final chunk before the server stops.
+    # Let the aborted requests' handlers send their final chunk before the server stops;
+    # one still being prepared in a worker thread when draining began is aborted as it
+    # comes in.
     deadline = time.monotonic() + 5.0
-    while self.active and time.monotonic() < deadline:
+    while True:
+      for rid in [rid for rid in list(self.active) if rid not in self.shutdown_aborted]:
+        self.shutdown_aborted.add(rid)
+        self.engine.abort(rid)
+      if not self.active or time.monotonic() >= deadline:
+        break
       await asyncio.sleep(0.05)
 
 
@@ -832,7 +841,8 @@ def _chat_request(state: ServerState, raw: dict):
 async def _submit_off_loop(state: ServerState, prompts, params, n) -> list[_Req]:
   """_submit in a worker thread; if the client goes away meanwhile, what it submitted
   is aborted once it is in."""
-  submitting = asyncio.ensure_future(asyncio.to_thread(_submit, state, prompts, params, n))
+  submitting = asyncio.get_running_loop().run_in_executor(
+      state.submitters, _submit, state, prompts, params, n)
   try:
     return await asyncio.shield(submitting)
   except asyncio.CancelledError:

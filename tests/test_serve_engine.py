@@ -957,24 +957,51 @@ def test_a_dead_loop_fails_every_open_request_and_admits_none(varied, prompts, m
 
 def test_a_loop_without_progress_is_dead_after_the_bound(varied, prompts, monkeypatch):
   eng = Engine(varied, ServeConfig(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32),
-               stall_timeout_s=0.5)
+               stall_timeout_s=3.0)   # seconds: a loaded machine's idle loop still beats it
   entered, release = threading.Event(), threading.Event()
-  real = eng.runner.step
 
   def hangs(*args):
     entered.set()
     release.wait(30)
-    return real(*args)
+    raise RuntimeError('the stalled step gives up')
   monkeypatch.setattr(eng.runner, 'step', hangs)
   stream = eng.add_request(prompts[0], GREEDY)
   assert entered.wait(30) and eng.health() is None   # stuck, but not for long yet
-  time.sleep(0.6)
+  time.sleep(3.2)
   assert 'no engine step completed' in eng.health()
   result = stream.result()
   assert result.finish_reason == 'error' and 'EngineDeadError' in result.error
   release.set()
-  eng.shutdown()
+  eng.shutdown()   # returns at once (a dead loop may hold the lock): the loop then ends
+  eng._thread.join(30)
   assert not eng._thread.is_alive()
+
+
+def test_a_request_admitted_as_the_engine_dies_is_failed(varied, prompts, monkeypatch):
+  """_die fails what it sees; a request inserted just after is failed by add_request."""
+  eng = Engine(varied, ServeConfig(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32))
+  real_add = eng.scheduler.add_request
+
+  def add_then_die(request):
+    real_add(request)
+    eng._die('killed by the test')   # pylint: disable=protected-access
+  monkeypatch.setattr(eng.scheduler, 'add_request', add_then_die)
+  result = eng.add_request(prompts[0], GREEDY).result()
+  assert result.finish_reason == 'error' and 'killed by the test' in result.error
+  assert not eng.num_unfinished
+  eng.shutdown()
+
+
+def test_an_abort_that_races_the_finish_does_not_abort_the_next_request_of_that_id(
+    varied, prompts):
+  eng = Engine(varied, ServeConfig(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32))
+  params = dataclasses.replace(GREEDY, max_tokens=2)
+  first = eng.add_request(prompts[0], params, request_id='x')
+  t = eng._tracked['x']   # pylint: disable=protected-access
+  assert first.result().finish_reason == 'length'
+  eng._aborts['x'] = (t, 'aborted')   # pylint: disable=protected-access  (the race's leftover)
+  assert eng.add_request(prompts[0], params, request_id='x').result().finish_reason == 'length'
+  eng.shutdown()
 
 
 def test_steps_that_keep_failing_make_the_engine_dead(varied, prompts, monkeypatch):

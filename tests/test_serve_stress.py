@@ -241,7 +241,8 @@ def solo(eng, plan: Plan, cache: dict):
 
 def wait_at_rest(eng, timeout=30.0):
   deadline = time.monotonic() + timeout
-  while eng.num_unfinished or eng.stats().num_running or eng.stats().num_waiting:
+  while (eng.num_unfinished or eng._aborts   # pylint: disable=protected-access
+         or eng.stats().num_running or eng.stats().num_waiting):
     assert time.monotonic() < deadline, f'engine still busy: {eng.stats()}'
     time.sleep(0.01)
 

@@ -332,6 +332,10 @@ def test_ctrl_c_saves_the_last_step_and_resume_continues(tmp_path, cache_dir, mo
     with pytest.raises(KeyboardInterrupt):
       trainer.train(tiny(tmp_path / 'run', cache_dir, steps=6, **fixed))
   assert os.listdir(tmp_path / 'run' / 'checkpoints') == ['3']
+  # every step that ran is logged, the last one too (fetched one step late, it was
+  # still pending when the interrupt came)
+  logged = [json.loads(l)['step'] for l in open(tmp_path / 'run' / 'metrics.jsonl')]
+  assert logged == [1, 2, 3]
   rest = trainer.train(tiny(tmp_path / 'run', cache_dir, steps=6, **fixed))
   np.testing.assert_allclose([r['loss'] for r in rest], [r['loss'] for r in reference_6[3:]],
                              rtol=1e-6)
@@ -557,6 +561,31 @@ def test_two_processes_train_like_one(tmp_path, cache_dir, mesh):
   assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
   two = [json.loads(l) for l in open(tmp_path / 'two' / 'metrics.jsonl')]
   np.testing.assert_allclose([r['loss'] for r in two], [r['loss'] for r in one], rtol=1e-5)
+
+
+def test_processes_may_differ_in_per_host_settings_and_paths(tmp_path, cache_dir):
+  """Caches, the coordinator's address, the progress bar and paths that name the same
+  files may differ per host; the files, the tokenizer and the model may not."""
+  # pylint: disable-next=import-outside-toplevel
+  from training import processes, tokenizer as tokenizer_lib
+  (tmp_path / 'host0').mkdir()
+  (tmp_path / 'host0' / 'part.bin').write_bytes(b'x' * 10)
+  (tmp_path / 'host1').symlink_to(tmp_path / 'host0')
+  byte = tokenizer_lib.load_tokenizer('byte')
+
+  def host(i, **overrides):
+    cfg = tiny(tmp_path / 'run', f'/cache/host{i}', compilation_cache_dir=f'/cc{i}',
+               metrics__progress_bar=bool(i), **overrides)
+    cfg.distributed.coordinator, cfg.distributed.process_id = f'host{i}:1234', i
+    cfg.data.train_files = str(tmp_path / f'host{i}' / '*.bin')
+    return processes.fingerprint(cfg, [str(tmp_path / f'host{i}' / 'part.bin')], [], byte)
+  assert host(0) == host(1)
+  assert host(0) != host(1, data__batch_size=16)
+  (tmp_path / 'host2').mkdir()
+  (tmp_path / 'host2' / 'part.bin').write_bytes(b'x' * 11)   # another file of that name
+  other = processes.fingerprint(tiny(tmp_path / 'run', cache_dir),
+                                [str(tmp_path / 'host2' / 'part.bin')], [], byte)
+  assert other['data files'] != host(0)['data files']
 
 
 @pytest.mark.parametrize('per_process, devices, message', [

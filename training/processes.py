@@ -18,24 +18,39 @@ from training import config as config_lib
 _TIMEOUT_MS = 5 * 60 * 1000   # processes start within this of each other
 
 
-def fingerprint(cfg: config_lib.Config, data_files: list[str]) -> dict[str, str]:
-  """What must be equal on every process, as flat `name: value` strings."""
-  flat = _flatten(dataclasses.asdict(cfg))
-  flat.pop('distributed.process_id')
+# Settings that may differ per process: where each host keeps its caches, how it reaches
+# the coordinator, what only process 0 shows; and paths, compared by what they name (the
+# same files may be mounted at different paths on different hosts).
+_LOCAL = ('distributed.', 'compilation_cache_dir', 'data.cache_dir', 'metrics.progress_bar')
+_PATHS = ('data.train_files', 'eval.files', 'data.tokenizer', 'init_from_hf')
+
+
+def fingerprint(cfg: config_lib.Config, data_files: list[str],
+                eval_files: list[str] = (), tokenizer=None) -> dict[str, str]:
+  """What must be equal on every process, as flat `name: value` strings: the config but
+  for per-host settings, the devices per process, and the files the paths name."""
+  flat = {k: v for k, v in _flatten(dataclasses.asdict(cfg)).items()
+          if not k.startswith(_LOCAL) and k not in _PATHS}
   flat['devices per process'] = str(jax.local_device_count())
-  flat['data files'] = ', '.join(f'{os.path.basename(p)} ({_size(p)} bytes)'
-                                 for p in data_files)
+  flat['data files'] = _files(data_files)
+  flat['eval files'] = _files(eval_files)
+  if tokenizer is not None:
+    flat['tokenizer'] = f'{tokenizer.name} (vocab {tokenizer.vocab_size}, eos {tokenizer.eos_id})'
+  if cfg.init_from_hf:
+    flat['init_from_hf config.json'] = _read(os.path.join(cfg.init_from_hf, 'config.json'))
   return flat
 
 
-def check_agree(cfg: config_lib.Config, data_files: list[str]) -> None:
+def check_agree(cfg: config_lib.Config, data_files: list[str], eval_files: list[str] = (),
+                tokenizer=None) -> None:
   """Raises ValueError naming the first value a process disagrees with process 0 on."""
   if jax.process_count() == 1:
     return
   from jax._src import distributed  # pylint: disable=import-outside-toplevel
   client = distributed.global_state.client
   client.key_value_set(f'meshlm/setup/{jax.process_index()}',
-                       json.dumps(fingerprint(cfg, data_files)), allow_overwrite=True)
+                       json.dumps(fingerprint(cfg, data_files, eval_files, tokenizer)),
+                       allow_overwrite=True)
   posts = [_post(client, p) for p in range(jax.process_count())]
   for p, theirs in enumerate(posts[1:], 1):
     for name in sorted(posts[0].keys() | theirs.keys()):
@@ -63,6 +78,18 @@ def _flatten(tree: dict, prefix: str = '') -> dict[str, str]:
     else:
       out[f'{prefix}{key}'] = json.dumps(value)
   return out
+
+
+def _files(paths) -> str:
+  return ', '.join(f'{os.path.basename(p)} ({_size(p)} bytes)' for p in paths)
+
+
+def _read(path: str) -> str:
+  try:
+    with open(path) as f:
+      return f.read()
+  except OSError as e:
+    return f'unreadable ({e.strerror})'
 
 
 def _size(path: str) -> int:

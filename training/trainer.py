@@ -15,7 +15,7 @@ from sharding import compile_cache
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingPlan, check_divisible, make_plan
 from training import (checkpoint, config as config_lib, data, metrics, optimizer, pretrained,
-                      processes, resilience, sample, state)
+                      processes, resilience, sample, state, tokenizer as tokenizer_lib)
 
 console = Console(stderr=True)
 
@@ -45,7 +45,6 @@ class Trainer:
   eval_batches: list | None = None   # this process's held-out batches, with eval on
   step: int | None = None           # the last finished step, once known
   pending_save: int | None = None   # a save started but not yet known to be committed
-  rows: tuple[int, int] | None = None   # the rows of each global batch this process reads
   eval_fn: object = None            # the compiled eval step, once evaluated
 
 
@@ -54,7 +53,8 @@ def setup(cfg: config_lib.Config) -> Trainer:
   from_hf = []
   try:
     cfg, from_hf = pretrained.with_pretrained(cfg)
-    processes.check_agree(cfg, data.train_files(cfg.data))
+    processes.check_agree(cfg, data.train_files(cfg.data), config_lib.eval_files(cfg.eval),
+                          tokenizer_lib.load_tokenizer(cfg.data.tokenizer))
     config_lib.validate(cfg, jax.device_count(), jax.default_backend())
     info = data.data_info(cfg.data)
     if info.vocab_size > cfg.model.vocab_size:
@@ -93,7 +93,7 @@ def setup(cfg: config_lib.Config) -> Trainer:
   ckpt = checkpoint.Checkpointer(os.path.join(cfg.workdir, 'checkpoints'), cfg.checkpoint)
   return Trainer(cfg, plan, tx, optimizer.lr_schedule(cfg.optim, cfg.steps), ckpt,
                  data_iter, info.tokenizer, is_main, resilience.Events(cfg.workdir, is_main),
-                 eval_batches=eval_batches, rows=rows)
+                 eval_batches=eval_batches)
 
 
 def build_plan(cfg: config_lib.Config, devices=None) -> ShardingPlan:
@@ -130,8 +130,8 @@ def restore_or_init(t: Trainer):
                   f'this checkpoint was trained holding out {saved.get("held_out", 0)}: '
                   'the windows it read are in the held-out set, so its eval loss is not '
                   'on unseen data. Give eval.files to evaluate on data never trained on.[/]')
-  if meta.get('data_setup') != data_setup(t):
-    console.print('[yellow]warning: data files, data config, seed or process count changed '
+  if not _same_data_setup(meta.get('data_setup'), data_setup(t)):
+    console.print('[yellow]warning: data files, data config or seed changed '
                   'since this checkpoint; the data iterator restarts from its saved index '
                   'on the new data.[/]')
   t.data_iter.set_state(meta['data'])
@@ -142,14 +142,18 @@ def restore_or_init(t: Trainer):
 
 
 def data_setup(t: Trainer) -> dict:
-  """What the saved data position depends on."""
-  cfg, processes = t.cfg, jax.process_count()
+  """What the saved data position depends on. Not the process layout: each element of a
+  process's iterator is one global step whatever rows it reads, so the position resumes
+  exactly onto any number of processes and any mesh."""
+  cfg = t.cfg
   held_out = config_lib.held_out_windows(cfg)   # named only when some (older runs: none)
-  share, p = cfg.data.batch_size // processes, jax.process_index()
-  # rows named only when not the even split by process (older runs' only layout)
-  rows = {} if t.rows in (None, (share * p, share * (p + 1))) else {'rows': list(t.rows)}
-  return {'data': dataclasses.asdict(cfg.data), 'seed': cfg.seed, 'processes': processes,
-          **({'held_out': held_out} if held_out else {}), **rows}
+  return {'data': dataclasses.asdict(cfg.data), 'seed': cfg.seed,
+          **({'held_out': held_out} if held_out else {})}
+
+
+def _same_data_setup(saved: dict | None, now: dict) -> bool:
+  """Older checkpoints also named the process count and this process's rows."""
+  return {k: v for k, v in (saved or {}).items() if k not in ('processes', 'rows')} == now
 
 
 def global_batch(t: Trainer, local: dict) -> dict:
@@ -191,11 +195,32 @@ class _Records:
     self._tokens = cfg.data.batch_size * cfg.data.seq_len
     self._flops = model.flops_per_token(cfg.model, cfg.data.seq_len) * self._tokens
     self._peak = metrics.peak_flops_per_device(cfg.metrics)
+    self._pending = []   # (step, metrics on the device, when its batch was taken)
 
-  def add(self, step: int, out: dict, started: float, more=None) -> None:
-    """Step `step`'s record; `started`: when its batch was taken (its time runs from
-    then or from the previous step's end, whichever is later). `more()` adds fields."""
-    out = {k: float(v) for k, v in jax.device_get(out).items()}
+  def dispatched(self, step: int, out: dict, started: float) -> None:
+    self._pending.append((step, out, started))
+
+  def fetch(self, keep: int = 0, more=None) -> None:
+    """Records all dispatched steps but the last `keep`; `more()` adds fields to the
+    last one recorded. A step stays pending until its metrics are on the host, so an
+    interrupted fetch loses nothing (flush_after_error)."""
+    while len(self._pending) > keep:
+      step, out, started = self._pending[0]
+      out = {k: float(v) for k, v in jax.device_get(out).items()}
+      self._pending.pop(0)
+      self._add(step, out, started, more if len(self._pending) == keep else None)
+
+  def flush_after_error(self) -> None:
+    """On the way out by an exception: the records of steps that ran, where they can
+    still be read (a failed step's cannot; the original error is what is raised)."""
+    try:
+      self.fetch()
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+  def _add(self, step: int, out: dict, started: float, more) -> None:
+    """`started`: when the step's batch was taken (its time runs from then or from the
+    previous step's end, whichever is later)."""
     done = time.perf_counter()
     record = _record(step, out, done - max(started, self._last_done), self._tokens,
                      self._flops, self._peak)
@@ -215,7 +240,7 @@ def run_loop(t: Trainer, train_state, start: int,
   cfg = t.cfg
   logger = metrics.MetricsLogger(cfg.workdir, cfg.metrics, start_step=start,
                                  total_steps=cfg.steps, enabled=t.is_main)
-  records, step_fn, t.step, pending = _Records(t, logger), None, start, None
+  records, step_fn, t.step = _Records(t, logger), None, start
   data_state = t.data_iter.get_state()   # the data position matching `train_state`
   try:
     while t.step < cfg.steps:
@@ -226,23 +251,28 @@ def run_loop(t: Trainer, train_state, start: int,
         tic = time.perf_counter()   # compile time stays out of step_time_s
       train_state, out = step_fn(train_state, batch)
       t.step, data_state = t.step + 1, t.data_iter.get_state()
-      if pending is not None:
-        records.add(*pending)
-      pending = (t.step, out, tic)
+      records.dispatched(t.step, out, tic)
       evaluated = cfg.eval.every_steps and (t.step % cfg.eval.every_steps == 0
                                             or t.step == cfg.steps)
       saving = t.step % cfg.checkpoint.every_steps == 0 or t.step == cfg.steps
       stopping = stop.should_stop(t.step) and t.step < cfg.steps
-      if evaluated or saving or stopping:
-        params = train_state.params
-        records.add(*pending, more=(lambda: evaluate(t, params)) if evaluated else None)
-        pending = None
-        if saving:
-          save(t, t.step, train_state, data_state)
-        if stopping:
-          _save_and_stop(t, train_state, data_state)
+      if not (evaluated or saving or stopping):
+        records.fetch(keep=1)   # the previous step's: the device runs this one meanwhile
+        continue
+      params = train_state.params
+      records.fetch(more=(lambda: evaluate(t, params)) if evaluated else None)
+      if saving:
+        save(t, t.step, train_state, data_state)
+      if stopping:
+        _save_and_stop(t, train_state, data_state)
   except KeyboardInterrupt:
+    records.flush_after_error()
     _save_on_interrupt(t, t.step, start, train_state, data_state)
+    raise
+  except resilience.RunStopped:
+    raise   # too many skipped steps: the run stops at the step that said so
+  except Exception:
+    records.flush_after_error()
     raise
   finally:
     logger.close()
