@@ -13,6 +13,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -81,21 +82,34 @@ def free_port() -> int:
 
 def run_processes(combos, out, processes=2, devices=4):
   """Runs tests/layout_matrix.py's worker in `processes` processes of `devices` CPU
-  devices each; returns their outputs."""
+  devices each; returns their exit codes and outputs. Outputs go to files (a full pipe
+  would stall a process inside a collective) and one process failing stops them all."""
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
          'XLA_FLAGS': f'{os.environ.get("XLA_FLAGS", "")} '
                       f'--xla_force_host_platform_device_count={devices}'}
   args = [sys.executable, '-m', 'tests.layout_matrix', '--out', str(out),
           '--combos', json.dumps([c.to_json() for c in combos]),
           f'--coordinator=127.0.0.1:{free_port()}', f'--num-processes={processes}']
+  logs = [open(f'{out}.{i}.log', 'w+') for i in range(processes)]
   procs = [subprocess.Popen([*args, f'--process-id={i}'], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=logs[i], stderr=subprocess.STDOUT)
            for i in range(processes)]
   try:
-    outputs = [p.communicate(timeout=900)[0] for p in procs]
+    deadline = time.monotonic() + 900
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+      if any(p.poll() not in (None, 0) for p in procs):
+        break
+      time.sleep(0.2)
   finally:
     for p in procs:
-      p.kill()
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+  outputs = []
+  for log in logs:
+    log.seek(0)
+    outputs.append(log.read())
+    log.close()
   return [p.returncode for p in procs], outputs
 
 
@@ -105,12 +119,24 @@ def test_layouts_across_two_processes_equal_one_device(request, tmp_path):
   accepted, _ = _matrix()
   combos = lm.sample(accepted, _sample_size(request.config, TWO_PROCESSES), seed=1,
                      prefer=lambda c: c.sizes['data'] == 1)
-  codes, outputs = run_processes(combos, tmp_path / 'out.npz')
-  assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-  got = np.load(tmp_path / 'out.npz')
+  check_processes(combos, tmp_path / 'out.npz', 2, 4)
+
+
+def check_processes(combos, out, processes: int, devices: int) -> None:
+  codes, outputs = run_processes(combos, out, processes, devices)
+  assert codes == [0] * processes, ''.join(o[-3000:] for o in outputs)
+  got = np.load(out)
   for i, combo in enumerate(combos):
     grads = [got[f'{i}_grad{j}'] for j in range(len(reference_of(combo)[1]))]
-    check(f'2 processes: {combo.name}', (float(got[f'{i}_loss']), grads), reference_of(combo))
+    check(f'{processes} processes: {combo.name}', (float(got[f'{i}_loss']), grads),
+          reference_of(combo))
+
+
+def test_rows_that_are_neither_a_share_nor_all_across_four_processes(tmp_path):
+  """4 processes x 2 devices, mesh.data=2 x context=4: processes 0 and 1 hold rows
+  [0, 4), 2 and 3 rows [4, 8) (neither the even quarter nor the whole batch)."""
+  check_processes([lm.Combo((2, 1, 1, 1, 4, 1), context_strategy='ring')],
+                  tmp_path / 'out.npz', 4, 2)
 
 
 # The layouts configs/gpt_64k.py and configs/gpt_moe.py run, on 8 devices, in bfloat16.
