@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -72,12 +73,14 @@ def serve(server: str, gguf: str, *, slots: int, threads: int, slot_len: int,
   """llama-server on the GGUF, `slots` parallel sequences of up to slot_len tokens each,
   `threads` threads; yields its base URL and is always stopped."""
   port = _free_port()
+  # Its log goes to a file: a pipe nobody drains fills up and then blocks the server.
+  log = tempfile.TemporaryFile()
   cmd = [server, '-m', gguf, '--host', '127.0.0.1', '--port', str(port), '-np', str(slots),
          '-t', str(threads), '-tb', str(threads), '-c', str(slots * slot_len)]
-  proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
   try:
     url = f'http://127.0.0.1:{port}'
-    _wait_healthy(proc, url, start_timeout_s)
+    _wait_healthy(proc, url, log, start_timeout_s)
     yield url
   finally:
     proc.terminate()
@@ -86,14 +89,16 @@ def serve(server: str, gguf: str, *, slots: int, threads: int, slot_len: int,
     except subprocess.TimeoutExpired:
       proc.kill()
       proc.wait()
+    log.close()
 
 
-def _wait_healthy(proc, url: str, timeout_s: float) -> None:
+def _wait_healthy(proc, url: str, log, timeout_s: float) -> None:
   deadline = time.monotonic() + timeout_s
   while time.monotonic() < deadline:
     if proc.poll() is not None:
+      log.seek(0)
       raise RuntimeError(f'llama-server exited with {proc.returncode}: '
-                         f'{proc.stderr.read().decode(errors="replace")[-2000:]}')
+                         f'{log.read().decode(errors="replace")[-2000:]}')
     try:
       with urllib.request.urlopen(f'{url}/health', timeout=5) as r:
         if r.status == 200:

@@ -413,6 +413,8 @@ args = sys.argv[1:]
 log = args[args.index('-m') + 1] + '.log'
 with open(log, 'a') as f:
   f.write(json.dumps({'argv': args}) + '\\n')
+sys.stderr.write('a chatty log line\\n' * 20000)   # more than a pipe holds
+sys.stderr.flush()
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -443,8 +445,8 @@ http.server.ThreadingHTTPServer(('127.0.0.1', int(args[args.index('--port') + 1]
 
 def test_llama_server_peer_runs_a_server_and_always_stops_it(tmp_path):
   """A stand-in llama-server: started on 127.0.0.1 with the slots, threads and context
-  asked, sent greedy fixed-length uncached requests, and stopped on leaving (also when
-  the body raises)."""
+  asked, its log never blocking it, sent greedy fixed-length uncached requests, and
+  stopped on leaving (also when the body raises)."""
   import urllib.request  # pylint: disable=import-outside-toplevel
   from benchmarks import llama_server  # pylint: disable=import-outside-toplevel
   server = tmp_path / 'llama-server'
@@ -452,7 +454,8 @@ def test_llama_server_peer_runs_a_server_and_always_stops_it(tmp_path):
   server.chmod(0o755)
   gguf = tmp_path / 'model.gguf'
   with pytest.raises(KeyError), llama_server.serve(str(server), str(gguf), slots=3,
-                                                   threads=2, slot_len=64) as url:
+                                                   threads=2, slot_len=64,
+                                                   start_timeout_s=30) as url:
     _, outputs = llama_server.time_requests(url, [[5, 6], [7], [8, 9, 10]], [3, 1, 2], 3)
     assert outputs == [[5, 5, 5], [7], [8, 8]]
     raise KeyError('the body fails')
