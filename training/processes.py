@@ -41,11 +41,16 @@ def fingerprint(cfg: config_lib.Config, data_files: list[str],
   return flat
 
 
-def check_agree(cfg: config_lib.Config, data_files: list[str], eval_files: list[str] = (),
-                tokenizer=None) -> None:
+def check_agree(cfg: config_lib.Config) -> None:
   """Raises ValueError naming the first value a process disagrees with process 0 on."""
   if jax.process_count() == 1:
     return
+  # pylint: disable-next=import-outside-toplevel
+  from training import data, tokenizer as tokenizer_lib
+  data_files = data.train_files(cfg.data)
+  eval_files = (config_lib.eval_files(cfg.eval)
+                if cfg.eval.every_steps and cfg.eval.files else [])
+  tokenizer = tokenizer_lib.load_tokenizer(cfg.data.tokenizer)
   from jax._src import distributed  # pylint: disable=import-outside-toplevel
   client = distributed.global_state.client
   client.key_value_set(f'meshlm/setup/{jax.process_index()}',

@@ -15,7 +15,7 @@ from sharding import compile_cache
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingPlan, check_divisible, make_plan
 from training import (checkpoint, config as config_lib, data, metrics, optimizer, pretrained,
-                      processes, resilience, sample, state, tokenizer as tokenizer_lib)
+                      processes, resilience, sample, state)
 
 console = Console(stderr=True)
 
@@ -53,8 +53,7 @@ def setup(cfg: config_lib.Config) -> Trainer:
   from_hf = []
   try:
     cfg, from_hf = pretrained.with_pretrained(cfg)
-    processes.check_agree(cfg, data.train_files(cfg.data), config_lib.eval_files(cfg.eval),
-                          tokenizer_lib.load_tokenizer(cfg.data.tokenizer))
+    processes.check_agree(cfg)
     config_lib.validate(cfg, jax.device_count(), jax.default_backend())
     info = data.data_info(cfg.data)
     if info.vocab_size > cfg.model.vocab_size:
