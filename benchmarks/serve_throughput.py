@@ -369,8 +369,11 @@ def rates(passes: list[dict], names, prompts_tokens: int, first_tokens: int) -> 
   per_s = {n: prompts_tokens / seconds[f'{n}_s'] for n in names}
   marginal = {}
   if first_tokens:
-    marginal = {n: (prompts_tokens - first_tokens) / statistics.median(
-        p[f'{n}_s'] - p[f'{n}_first_s'] for p in passes) for n in names}
+    for n in names:
+      extra_s = statistics.median(p[f'{n}_s'] - p[f'{n}_first_s'] for p in passes)
+      # None: the whole workload took no longer than its first requests (noise swamps a
+      # tiny run's difference), so there is no rate to report
+      marginal[n] = (prompts_tokens - first_tokens) / extra_s if extra_s > 0 else None
   return seconds, per_s, marginal
 
 
@@ -467,9 +470,10 @@ def marginal_output_tokens_per_s(marginal: dict, shapes: Shapes, tokens: int,
              f'seconds for the first {m}): {tokens} - {sum(out_lens[:m])} tokens; each '
              'run starts from an idle engine or server, so start-up, fill and drain '
              'cancel out')}
-  ratios = {'continuous_vs_transformers': marginal['continuous'] / marginal['static']}
+  ratio = lambda a, b: a / b if a and b else None  # noqa: E731  (None: no rate)
+  ratios = {'continuous_vs_transformers': ratio(marginal['continuous'], marginal['static'])}
   if 'llama_cpp' in marginal:
-    ratios['continuous_vs_llama_cpp'] = marginal['continuous'] / marginal['llama_cpp']
+    ratios['continuous_vs_llama_cpp'] = ratio(marginal['continuous'], marginal['llama_cpp'])
   out['marginal_ratios'] = ratios
   return out
 

@@ -389,7 +389,8 @@ def test_serve_throughput_smoke_has_a_marginal_rate_and_names_the_missing_peer()
                                    'static_first_s'}
   assert set(out['marginal_output_tokens_per_s']) == {'continuous_batching',
                                                       'transformers_static'}
-  assert all(r > 0 for r in out['marginal_output_tokens_per_s'].values())
+  # a rate, or None where the smoke run's milliseconds leave no time difference to divide by
+  assert all(r is None or r > 0 for r in out['marginal_output_tokens_per_s'].values())
   assert 'first 4' in out['marginal_definition']
   assert out['llama_cpp'].startswith('not run: give --llama-server')
 
