@@ -1292,6 +1292,26 @@ def test_the_event_loop_never_waits_on_the_engine_or_the_tokenizer(tiny_served, 
   assert done and done[0].status_code == 200, done
 
 
+def test_the_drain_aborts_a_request_submitted_after_it_began(fake, monkeypatch):
+  """Requests are prepared and submitted in worker threads, so one can come in after the
+  drain's first abort pass; it is aborted too, not left to run past the grace period."""
+  import asyncio  # pylint: disable=import-outside-toplevel
+  state = create_app(fake, FakeServed()).state.meshlm
+  aborted = []
+  monkeypatch.setattr(fake, 'abort', aborted.append)
+
+  async def scenario():
+    state.active['early'] = object()
+    drain = asyncio.create_task(state.drain(0.0))
+    await asyncio.sleep(0.2)   # the drain has aborted 'early' and waits for it to end
+    state.active['late'] = object()   # submitted by a worker thread meanwhile
+    await asyncio.sleep(0.3)
+    state.active.clear()   # both handlers end
+    await drain
+  asyncio.run(scenario())
+  assert aborted == ['early', 'late']
+
+
 DYING_SERVER = '''
 import sys
 from serve.__main__ import run
