@@ -140,21 +140,6 @@ def sample(combos: list[Combo], n: int | None, seed: int,
   return first + [rest[i] for i in rng.choice(len(rest), n - len(first), replace=False)]
 
 
-def random_batch(cfg, seed: int = 0) -> dict:
-  """Packed documents with random boundaries and weights, the same on every process."""
-  rng = np.random.default_rng(seed)
-  b, t = cfg.data.batch_size, cfg.data.seq_len
-  tokens = rng.integers(0, cfg.model.vocab_size, (b, t + 1), dtype=np.int32)
-  starts = rng.random((b, t)) < 0.15
-  starts[:, 0] = True
-  idx = np.arange(t)[None].repeat(b, 0)
-  positions = idx - np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
-  return {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-          'segment_ids': np.cumsum(starts, axis=1).astype(np.int32),
-          'positions': positions.astype(np.int32),
-          'weights': (rng.random((b, t)) < 0.9).astype(np.float32)}
-
-
 def loss_and_grads(cfg, devices=None, seed: int = 0) -> tuple[float, list[np.ndarray]]:
   """One step's loss and gradient leaves (host float64) on batch `seed`."""
   return losses_and_grads(cfg, devices, (seed,))[0]
@@ -167,6 +152,7 @@ def losses_and_grads(cfg, devices=None, seeds=(0,)) -> list[tuple[float, list[np
   import jax
   from jax.experimental import multihost_utils
   import model
+  from tests.test_parallel import random_batch   # packed documents, random weights
   from training import state, trainer
   plan = trainer.build_plan(cfg, devices)
   axes = model.logical_axes(cfg.model)
@@ -188,13 +174,9 @@ def losses_and_grads(cfg, devices=None, seeds=(0,)) -> list[tuple[float, list[np
   return out
 
 
-def rel_err(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def errors(got, want) -> tuple[float, float]:
   """(loss relative error, worst gradient leaf relative error)."""
+  from tests.test_parallel import rel_err  # pylint: disable=import-outside-toplevel
   return rel_err(got[0], want[0]), max(rel_err(g, w) for g, w in zip(got[1], want[1]))
 
 

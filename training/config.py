@@ -219,8 +219,8 @@ def _validate_pipeline(cfg: Config, sizes) -> None:
   if cfg.model.num_experts or sizes['context'] > 1 or cfg.model.attention_impl != 'xla':
     raise ValueError(
         f'mesh.stage={stages} runs dense models with model.attention_impl=xla and '
-        'mesh.context=1 (MoE, context parallelism and the attention kernels inside the '
-        'pipeline are not built yet): change those, or set --config.mesh.stage=1.')
+        'mesh.context=1 (the pipeline does not run MoE layers, context parallelism or '
+        'the attention kernels): change those, or set --config.mesh.stage=1.')
   shards = sizes['data'] * sizes['fsdp'] * sizes['expert']
   rows = cfg.data.batch_size // max(cfg.optim.grad_accum, 1)
   if rows % (micro * shards):
