@@ -43,7 +43,7 @@ class Trainer:
   is_main: bool
   events: resilience.Events
   eval_batches: list | None = None   # this process's held-out batches, with eval on
-  step: int | None = None           # the last finished step, once known
+  step: int | None = None           # the last dispatched step (metrics maybe still on device)
   pending_save: int | None = None   # a save started but not yet known to be committed
   eval_fn: object = None            # the compiled eval step, once evaluated
 
