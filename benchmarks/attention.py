@@ -2,7 +2,10 @@
 
 `pallas` is the portable kernel set (Triton lowering); `pallas_mosaic` runs the Mosaic GPU
 Hopper kernels (flash_attention_mgpu), forward and backward; `pallas_mosaic_fused` the same
-forward with the one-kernel backward (dQ by TMA reduce-add).
+forward with the one-kernel backward (dQ by TMA reduce-add). `tokamax_mosaic` and
+`tokamax_triton` are tokamax's flash attention (the Pallas kernel library MaxText uses),
+timed when tokamax is installed: a second anchor beside cuDNN (the GPU image lacks it:
+benchmarks/gpu_wheels.sh --tokamax fetches its wheels).
 
   python -m benchmarks.attention            # GPU: 8K, 16K, 64K tokens; MHA and GQA 32/8
   python -m benchmarks.attention --impls=pallas_mosaic,xla   # some implementations only
@@ -46,9 +49,23 @@ def implementations(smoke: bool) -> dict:
                                                backend='mosaic_gpu')
     impls['pallas_mosaic_fused'] = functools.partial(
         flash_attention, causal=True, backend='mosaic_gpu', backend_bwd='mosaic_gpu_fused')
+    impls.update(tokamax_implementations())
   impls['xla'] = functools.partial(jax.nn.dot_product_attention, is_causal=True,
                                    implementation='xla')
   return impls
+
+
+def tokamax_implementations() -> dict:
+  """tokamax's Mosaic GPU and Triton flash attention, if it imports (it needs jax >= 0.11
+  and Python >= 3.12); none otherwise. Same [B, T, N, H] layout and GQA as ours."""
+  try:
+    import tokamax  # pylint: disable=import-outside-toplevel
+  except Exception as e:  # pylint: disable=broad-except
+    print(f'tokamax not timed: {type(e).__name__}: {e}')
+    return {}
+  return {f'tokamax_{impl}': functools.partial(tokamax.dot_product_attention, is_causal=True,
+                                               implementation=impl)
+          for impl in ('mosaic', 'triton')}
 
 
 def inputs(key, b, t, hq, hkv, d, dtype):
@@ -67,6 +84,23 @@ def measure(fn, q, k, v, do, iters) -> tuple[float, float]:
   return fwd_s, bwd_s
 
 
+def forward_error(fn, q, k, v, rows=256) -> float:
+  """Relative error of fn's output on the last `rows` queries (those that see every key)
+  against a float32 XLA reference at HIGHEST precision: a timed kernel must be right."""
+  rows = min(rows, q.shape[1])
+  out = jax.jit(fn)(q, k, v)[:, -rows:].astype(jnp.float32)
+  f32 = lambda x: x.astype(jnp.float32)
+  group = q.shape[2] // k.shape[2]
+  kk, vv = (jnp.repeat(f32(x), group, axis=2) for x in (k, v))
+  scores = jnp.einsum('bqhd,bkhd->bhqk', f32(q[:, -rows:]), kk,
+                      precision=jax.lax.Precision.HIGHEST) / q.shape[-1] ** 0.5
+  t = k.shape[1]
+  causal = jnp.arange(t - rows, t)[:, None] >= jnp.arange(t)[None, :]
+  probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+  ref = jnp.einsum('bhqk,bkhd->bqhd', probs, vv, precision=jax.lax.Precision.HIGHEST)
+  return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
 def run_case(impls, b, t, hq, hkv, d, dtype, iters) -> list[dict]:
   q, k, v, do = inputs(jax.random.key(t + hkv), b, t, hq, hkv, d, dtype)
   fwd_flops = 4 * b * t * t * hq * d / 2
@@ -75,6 +109,7 @@ def run_case(impls, b, t, hq, hkv, d, dtype, iters) -> list[dict]:
     row = {'impl': name, 'batch': b, 'seq_len': t, 'q_heads': hq, 'kv_heads': hkv,
            'head_dim': d, 'dtype': jnp.dtype(dtype).name}
     try:
+      row['fwd_rel_err'] = forward_error(fn, q, k, v)
       fwd_s, bwd_s = measure(fn, q, k, v, do, iters)
       row.update(fwd_ms=fwd_s * 1e3, bwd_ms=bwd_s * 1e3, fwd_tflops=fwd_flops / fwd_s / 1e12,
                  bwd_tflops=2.5 * fwd_flops / bwd_s / 1e12)
@@ -131,7 +166,7 @@ def add_ratios(rows):
 def print_table(rows, header=True, flush=False):
   if header:
     print(f"{'impl':20}{'T':>7}{'Hkv':>5}{'fwd TF/s':>10}{'bwd TF/s':>10}"
-          f"{'fwd/cuDNN':>11}{'bwd/cuDNN':>11}")
+          f"{'fwd/cuDNN':>11}{'bwd/cuDNN':>11}{'fwd err':>10}")
   for r in rows:
     if 'error' in r:
       print(f"{r['impl']:20}{r['seq_len']:>7}{r['kv_heads']:>5}  {r['error'][:60]}",
@@ -139,8 +174,9 @@ def print_table(rows, header=True, flush=False):
       continue
     ratios = ''.join(f"{r[k]:>11.2f}" if k in r else f"{'':>11}"
                      for k in ('fwd_vs_cudnn', 'bwd_vs_cudnn'))
+    err = f"{r['fwd_rel_err']:>10.1e}" if 'fwd_rel_err' in r else ''
     print(f"{r['impl']:20}{r['seq_len']:>7}{r['kv_heads']:>5}{r['fwd_tflops']:>10.1f}"
-          f"{r['bwd_tflops']:>10.1f}{ratios}", flush=flush)
+          f"{r['bwd_tflops']:>10.1f}{ratios}{err}", flush=flush)
 
 
 DOC_LENS = (8192, 2048, 512)
@@ -204,6 +240,8 @@ def main(argv=None):
   parser.add_argument('--impls', default='',
                       help='comma-separated implementations to time (default: all but xla; '
                       'a subset writes attention_<device>_<impls>.json)')
+  parser.add_argument('--seq_lens', default='8192,16384,65536',
+                      help='comma-separated sequence lengths (each run at 64K tokens)')
   parser.add_argument('--tiles', action='store_true',
                       help='time our kernel under each tile choice in TILES (8K tokens)')
   parser.add_argument('--packed', action='store_true',
@@ -216,7 +254,8 @@ def main(argv=None):
   if args.smoke:
     cases, d, dtype, iters = [(2, 64, 4, 4), (2, 64, 4, 2)], 32, jnp.float32, 1
   else:
-    cases = [(TOKENS // t, t, 32, hkv) for t in (8192, 16384, 65536) for hkv in (32, 8)]
+    seq_lens = [int(t) for t in args.seq_lens.split(',')]
+    cases = [(TOKENS // t, t, 32, hkv) for t in seq_lens for hkv in (32, 8)]
     d, dtype, iters = 128, jnp.bfloat16, args.iters
   impls = implementations(args.smoke)
   # Default: all but XLA on a GPU (it materializes the scores: out of memory at 64K).

@@ -24,10 +24,15 @@
 #                 XLA's per-pass dump; the passes that change its kernel calls  ~1 min
 #   tests         kernels compiled on the GPU against their references, and the
 #                 cuDNN path (tests/test_gpu.py, tests/test_flash_attention.py)  ~3 min
+#   tests_paged   the paged kernel's compiled tests only (test_gpu.py -k paged)  ~1 min
 #   attention     benchmarks.attention: Triton and Mosaic GPU kernels (two-kernel
 #                 and fused backward) vs cuDNN, 8K/16K/64K (ATTENTION_IMPLS)   ~3 min
 #   tiles         benchmarks.attention --tiles: our tile choices at 8K          ~4 min
 #   paged_decode  benchmarks.paged_decode: 8x4K .. 256x8K vs copy bandwidth     ~1 min
+#   paged_splits  benchmarks.paged_decode --splits: KV splits per sequence x
+#                 tiles at 1-32 sequences, each output checked                 ~3 min
+#   tokamax       benchmarks.attention with tokamax's Mosaic GPU and Triton
+#                 kernels beside cuDNN and ours (gpu_wheels.sh --tokamax)       ~4 min
 #   paged_tiles   benchmarks.paged_decode --tiles: the kernel's tile choices    ~1 min
 #   paged_step    benchmarks.paged_decode --step: a Llama-3.2-1B-shaped decode
 #                 step at a full cache (64 x 8K tokens, 17 GB), the kernel
@@ -96,6 +101,13 @@ PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" > /dev/null; then   # carried wheels (benchmarks/gpu_wheels.sh)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if [[ -d /tmp/site/tokamax ]] && ! "$PY" -c 'import xprof' 2>/dev/null; then
+  # tokamax imports xprof.cli.tools for its own profiling helper only (not carried: 32 MB
+  # with cloud-storage clients); an empty stand-in lets `import tokamax` succeed.
+  mkdir -p /tmp/stub/xprof/cli && touch /tmp/stub/xprof/__init__.py /tmp/stub/xprof/cli/__init__.py
+  echo 'get_kernel_stats_tool = None' > /tmp/stub/xprof/cli/tools.py
+  export PYTHONPATH="$PYTHONPATH:/tmp/stub"
 fi
 
 START=$(mktemp)   # results newer than this were written by this session
@@ -167,6 +179,10 @@ jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'; packages" ;;
       XLA_PYTHON_CLIENT_PREALLOCATE=false bash -c "a=0; $PY -m pytest -rfE -n 8 \
 --timeout=120 tests/test_gpu.py || a=\$?; $PY -m pytest -v -rfE -n 8 --timeout=120 \
 --durations=15 tests/test_flash_attention.py; b=\$?; exit \$((a ? a : b))" ;;
+    # The paged kernel's compiled tests alone (the stacked cache, many splits).
+    tests_paged) stage tests_paged "${TEST_LIMIT:-240}" env MESHLM_TEST_GPU=1 \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -v -rfE -n 4 --timeout=120 \
+      tests/test_gpu.py -k paged ;;
     # One device, no sharding; XLA's per-pass dumps go to a temporary directory, only the
     # JSON (the changes, the culprit) comes back. The step as training compiles it (with
     # training/state.py's PASSES_OFF: no culprit expected); PASS_TRACE_ARGS=--all_passes
@@ -181,6 +197,14 @@ jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'; packages" ;;
       ${ATTENTION_IMPLS:+--impls="$ATTENTION_IMPLS"} ;;
     tiles) stage tiles "${TILES_LIMIT:-480}" "$PY" -m benchmarks.attention --tiles ;;
     paged_decode) stage paged_decode "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode ;;
+    # Splits per sequence at 1-32 sequences (the small-batch bandwidth gap), each output
+    # checked against one split's.
+    paged_splits) stage paged_splits "${PAGED_SPLITS_LIMIT:-240}" "$PY" -m \
+      benchmarks.paged_decode --splits --iters=20 ;;
+    # cuDNN, our Mosaic GPU kernels and tokamax's two (carried: gpu_wheels.sh
+    # --tokamax) at 8K and 64K tokens, each checked against a float32 reference.
+    tokamax) stage tokamax "${TOKAMAX_LIMIT:-300}" "$PY" -m benchmarks.attention \
+      --impls=cudnn,pallas_mosaic,tokamax_mosaic,tokamax_triton --seq_lens=8192,65536 ;;
     paged_tiles) stage paged_tiles "${PAGED_LIMIT:-150}" "$PY" -m benchmarks.paged_decode \
       --tiles ;;
     # Two compiles of a 16-layer step and 17 GB of cache: more than the kernel stages.
@@ -205,7 +229,7 @@ benchmarks/results/planner_check_gpu_*.json | paste -sd,) --replan \
     serve) stage serve "${SERVE_LIMIT:-570}" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 "$PY" -m \
       benchmarks.serve_throughput --shapes=1b --repeats="${SERVE_REPEATS:-1}" ;;
     *) echo "unknown stage '$1': use machine, tests, pass_trace, attention, tiles, paged_decode, \
-paged_tiles, paged_step, packed, planner, planner_64k, planner_mid, train_64k, train_8k or serve"
+tests_paged, paged_splits, tokamax, paged_tiles, paged_step, packed, planner, planner_64k, planner_mid, train_64k, train_8k or serve"
        return 2 ;;
   esac
   # The JSON results this session wrote (at most 8 files come back from $OUT).

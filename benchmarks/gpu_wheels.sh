@@ -14,4 +14,13 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
   grain==0.2.18 array-record==0.8.6 portpicker==1.6.0 ml-collections==1.1.0 \
   tensorboardX==2.6.5
+# --tokamax: tokamax (benchmarks.attention's second anchor) and what it imports that the
+# image lacks. Not its xprof (32 MB, with cloud-storage clients): tokamax imports it only
+# for its own profiling helper, which gpu_session.sh stubs out.
+if [[ ${1:-} == --tokamax ]]; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl tokamax==0.0.17 einshape==1.0 qwix==0.1.8 immutabledict==4.3.1 \
+    pydantic==2.11.9 pydantic-core==2.33.2 annotated-types==0.8.0 typing-inspection==0.4.5
+fi
 ls -l .whl

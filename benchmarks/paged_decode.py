@@ -3,6 +3,7 @@
   python -m benchmarks.paged_decode           # GPU: batch x context 8x4K .. 256x8K
   python -m benchmarks.paged_decode --smoke   # CPU: tiny shapes, interpret mode
   python -m benchmarks.paged_decode --tiles   # GPU: the kernel's tile choices side by side
+  python -m benchmarks.paged_decode --splits  # GPU: KV splits per sequence at few sequences
   python -m benchmarks.paged_decode --step    # GPU: a model's decode step at a full cache
   python -m benchmarks.paged_decode --step --smoke   # CPU: a tiny model, interpret mode
 
@@ -20,6 +21,11 @@ cache, temp bytes; then the step's median time, the cache donated as the runner 
 On CPU (--smoke) the counts differ from a GPU's: interpret mode runs the kernel as a
 loop that carries its inputs, copying the cache.
 Writes benchmarks/results/paged_step_<device>.json.
+
+--splits: at 1 to 32 sequences, each number of KV splits per (sequence, kv head) in SPLITS
+under each tile choice in SPLIT_TILES, and the default's choice; every output is compared
+with one split's (a wrong merge shows as max_abs_diff). Writes
+benchmarks/results/paged_decode_splits_<device>.json.
 """
 
 import argparse
@@ -69,15 +75,45 @@ TILES = [(4, 4, 2), (4, 4, 3), (4, 8, 2), (8, 4, 2), (8, 8, 2), (8, 4, 3), (2, 4
 TILE_NAMES = ('pages_per_block', 'num_warps', 'num_stages')
 
 
-def run_case(batch, context, hq, hkv, d, page, dtype, iters, **kernel_kwargs) -> dict:
-  args = decode_inputs(batch, context, hq, hkv, d, page, dtype)
+def run_case(batch, context, hq, hkv, d, page, dtype, iters, args=None, kernel=None,
+             **kernel_kwargs) -> dict:
+  args = args or decode_inputs(batch, context, hq, hkv, d, page, dtype)
   kv_bytes = 2 * batch * context * hkv * d * jnp.dtype(dtype).itemsize
   row = {'batch': batch, 'context': context, 'q_heads': hq, 'kv_heads': hkv, 'head_dim': d,
          'page_size': page, 'dtype': jnp.dtype(dtype).name, 'kv_bytes': kv_bytes}
-  kernel = jax.jit(functools.partial(paged_attention, **kernel_kwargs))
+  kernel = kernel or jax.jit(functools.partial(paged_attention, **kernel_kwargs))
   seconds = median_time(kernel, *args, iters=iters, inner=20)
   row.update(time_us=seconds * 1e6, bandwidth_gbs=kv_bytes / seconds / 1e9)
   return row
+
+
+# --splits: (sequences, context) from one long request to where the default already
+# fills the GPU; splits per (sequence, kv head); (pages_per_block, num_warps, num_stages).
+SPLIT_CASES = [(1, 32768), (4, 8192), (8, 4096), (8, 8192), (16, 8192), (32, 4096)]
+SPLITS = (1, 2, 4, 8, 16, 32, 64)
+SPLIT_TILES = [(4, 4, 2), (8, 4, 3)]
+
+
+def run_splits(cases, splits, tiles, shape, iters) -> list[dict]:
+  """Each case under each (splits, tiles) and the default; max_abs_diff against the
+  output of one split with the same tiles."""
+  rows = []
+  for b, c in cases:
+    args = decode_inputs(b, c, *shape)
+    for tile in tiles:
+      kwargs = dict(zip(TILE_NAMES, tile))
+      ref = np.asarray(jax.jit(functools.partial(
+          paged_attention, num_kv_splits=1, **kwargs))(*args), np.float32)
+      for k in (None, *splits):
+        kernel = jax.jit(functools.partial(paged_attention, num_kv_splits=k, **kwargs))
+        diff = float(np.abs(np.asarray(kernel(*args), np.float32) - ref).max())
+        row = run_case(b, c, *shape, iters, args=args, kernel=kernel)
+        rows.append({**row, 'tiles': kwargs, 'num_kv_splits': k or 'default',
+                     'max_abs_diff': diff})
+        print(f"{' '.join(map(str, tile)):10}{b:>6}{c:>7}{str(k or 'default'):>9}"
+              f"{row['time_us']:>10.1f}{row['bandwidth_gbs']:>9.0f}{diff:>10.2e}",
+              flush=True)
+  return rows
 
 
 # --step: Llama-3.2-1B's shape; 64 sequences of 8K tokens in pages of 16 fill the cache
@@ -212,9 +248,13 @@ def main(argv=None):
   parser.add_argument('--step', action='store_true',
                       help="model.paged's decode step at a full cache: the kernel on the "
                            'stacked cache vs a layer sliced out first')
+  parser.add_argument('--splits', action='store_true',
+                      help='time each number of KV splits (SPLITS) at 1 to 32 sequences')
   args = parser.parse_args(argv)
   if args.step:
     return main_step(args)
+  if args.splits:
+    return main_splits(args)
   if args.smoke:
     cases, shape, iters = [(2, 64), (3, 32)], (4, 2, 16, 8, jnp.float32), 1
     tiles = [(2, 4, 2)]
@@ -244,6 +284,35 @@ def main(argv=None):
     print(write_result(f'{name}_{jax.devices()[0].device_kind.replace(" ", "_")}',
                        {'copy_bandwidth_gbs': copy_gbs, 'rows': rows}))
   return rows
+
+def main_splits(args) -> list[dict]:
+  if args.smoke:
+    cases, splits, tiles = [(1, 64), (2, 32)], (1, 2, 4), [(2, 4, 2)]
+    shape, iters = (4, 2, 16, 8, jnp.float32), 1
+  else:
+    cases, splits, tiles = SPLIT_CASES, SPLITS, SPLIT_TILES
+    shape, iters = (32, 8, 128, 16, jnp.bfloat16), args.iters
+  copy_gbs = copy_bandwidth(2**30 if not args.smoke else 2**20, iters) / 1e9
+  print(f'device-to-device copy: {copy_gbs:.0f} GB/s')
+  print(f"{'tiles':10}{'batch':>6}{'context':>7}{'splits':>9}{'us':>10}{'GB/s':>9}"
+        f"{'max diff':>10}")
+  rows = run_splits(cases, splits, tiles, shape, iters)
+  for r in rows:
+    r['fraction_of_copy'] = r['bandwidth_gbs'] / copy_gbs
+  best = {}
+  for r in rows:
+    key = (r['batch'], r['context'])
+    if key not in best or r['time_us'] < best[key]['time_us']:
+      best[key] = r
+  print('fastest per case (tiles, splits, fraction of copy):')
+  for (b, c), r in best.items():
+    print(f"  {b:>3} x {c:>6}: {r['tiles']} splits={r['num_kv_splits']} "
+          f"{r['fraction_of_copy']:.2f}")
+  if not args.smoke:
+    print(write_result(f'paged_decode_splits_{jax.devices()[0].device_kind.replace(" ", "_")}',
+                       {'copy_bandwidth_gbs': copy_gbs, 'rows': rows}))
+  return rows
+
 
 if __name__ == '__main__':
   main()

@@ -56,9 +56,12 @@ except (ImportError, AttributeError):  # pragma: no cover - older or newer jax
 # Finite, so a fully masked row gives exp(mask - mask) = 1 instead of NaN; those
 # probabilities are then zeroed explicitly.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-_TARGET_PROGRAMS = 264   # two waves over an H100's 132 SMs
+# Programs to aim for: about eight per SM of an H100/H200's 132, so that each SM has enough
+# page loads in flight to approach the copy bandwidth (benchmarks.paged_decode --splits
+# times the choice against fewer and more splits).
+_TARGET_PROGRAMS = 1024
 _MIN_SPLIT_TOKENS = 256  # a shorter split costs more in the merge than it wins
-_MAX_SPLITS = 16
+_MAX_SPLITS = 64
 _SPLIT_BYTES = 256 << 20  # cap on the float32 per-split outputs of a prefill-heavy batch
 _BLOCK_K_TOKENS = 64     # keys per page block when pages_per_block is None
 _BLOCK_ROWS = 64         # q rows (tokens x heads of a group) per block

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from model import transformer
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from tests.test_flash_attention import (_check_against_reference,
                                         check_other_documents_are_never_read)
 from tests.test_flash_attention_mgpu import check_mosaic_against_reference
-from tests.test_paged_attention import MIXED, check, make_case
+from tests.test_paged_attention import MIXED, check, check_layer, layer_stack, make_case
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != 'gpu',
@@ -106,6 +107,24 @@ def test_paged_attention_compiled(hq, hkv, dtype):
                    seed=hq + hkv)
   check(case, dtype)
   check(case, dtype, num_kv_splits=4)
+  check(case, dtype, num_kv_splits=64)   # more splits than some sequences have blocks
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_paged_attention_stacked_cache_compiled(dtype):
+  """The kernel given a 3-layer stack and a traced layer index reads that layer only:
+  every layer against the reference on its own pages, the others never read (NaN)."""
+  case = make_case(MIXED + [(1, 700)], hq=32, hkv=8, d=128, page_size=16, max_seqs=7,
+                   dtype=dtype, seed=5)
+  q, _, _, *meta = case.args
+  ks, vs = layer_stack(case, 3, seed=6)
+  fn = jax.jit(lambda k, v, layer: paged_attention(q, k, v, *meta, layer=layer))
+  for layer in range(3):
+    want = paged_attention_reference(q, ks[layer], vs[layer], *meta)
+    check_layer(fn(ks, vs, jnp.asarray([layer], jnp.int32)), want, case.live_rows, dtype)
+    nan = jnp.full_like(ks, jnp.nan)
+    check_layer(fn(nan.at[layer].set(ks[layer]), nan.at[layer].set(vs[layer]),
+                   jnp.asarray([layer], jnp.int32)), want, case.live_rows, dtype)
 
 
 @pytest.mark.parametrize('packed', [False, True])

@@ -259,10 +259,10 @@ def layer_stack(case, num_layers, seed):
   return tuple(jnp.asarray(fill(np.asarray(x, np.float32)), dtype) for x in case.args[1:3])
 
 
-def check_layer(out, want, live_rows):
+def check_layer(out, want, live_rows, dtype=jnp.float32):
   live = np.asarray(out[:live_rows], np.float32)
   assert np.isfinite(live).all(), 'a live output is NaN: read a poisoned page or layer'
-  assert rel_err(out, want) < TOL[jnp.float32], rel_err(out, want)
+  assert rel_err(out, want) < TOL[dtype], rel_err(out, want)
   np.testing.assert_array_equal(np.asarray(out[live_rows:], np.float32), 0)
 
 
