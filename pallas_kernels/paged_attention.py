@@ -56,12 +56,12 @@ except (ImportError, AttributeError):  # pragma: no cover - older or newer jax
 # Finite, so a fully masked row gives exp(mask - mask) = 1 instead of NaN; those
 # probabilities are then zeroed explicitly.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-# Programs to aim for: about eight per SM of an H100/H200's 132, so that each SM has enough
-# page loads in flight to approach the copy bandwidth (benchmarks.paged_decode --splits
-# times the choice against fewer and more splits).
-_TARGET_PROGRAMS = 1024
+# Programs to aim for, about two per SM of an H100/H200's 132: with fewer the SMs idle, with
+# more the splits' prologues, partial outputs and merge cost more than they hide
+# (benchmarks.paged_decode --splits times each choice from 1 to 32 sequences).
+_TARGET_PROGRAMS = 256
 _MIN_SPLIT_TOKENS = 256  # a shorter split costs more in the merge than it wins
-_MAX_SPLITS = 64
+_MAX_SPLITS = 64         # one long request: 8 kv heads x 32 splits fill the GPU
 _SPLIT_BYTES = 256 << 20  # cap on the float32 per-split outputs of a prefill-heavy batch
 _BLOCK_K_TOKENS = 64     # keys per page block when pages_per_block is None
 _BLOCK_ROWS = 64         # q rows (tokens x heads of a group) per block
@@ -556,7 +556,8 @@ def _choose_num_kv_splits(max_seqs, num_kv_heads, max_kv_len, block_k, out_bytes
   """Splits from static shapes: more when few (sequence, kv head) programs face long
   contexts; few when the batch has many tokens (each split holds a float32 copy of out)."""
   programs = max_seqs * num_kv_heads
-  wanted = pl.cdiv(_TARGET_PROGRAMS, programs)
+  # A power of two: the counts the --splits benchmark times.
+  wanted = 1 << (pl.cdiv(_TARGET_PROGRAMS, programs).bit_length() - 1)
   worth = max(1, max_kv_len // max(_MIN_SPLIT_TOKENS, block_k))
   affordable = max(1, _SPLIT_BYTES // max(out_bytes, 1))
   return max(1, min(wanted, worth, affordable, _MAX_SPLITS))
