@@ -239,11 +239,19 @@ def main(argv=None) -> dict:
   runs = [r for spec in args.configs.split(',')
           for r in check(spec, hw, args.top, args.steps, args.this_compile, accums=accums,
                          batch_size=args.batch_size)]
-  result = {'hardware': dataclasses.asdict(hw), 'runs': runs,
-            'fit': fit(runs, hw, args.fit_factors)}
+  result = {'hardware': dataclasses.asdict(hw), 'runs': runs}
   name = '_'.join(c.replace('.py', '').replace(':', '-') for c in args.configs.split(','))
   name += f'_b{args.batch_size}' if args.batch_size else ''   # beside the config's own
-  print(write_result(f'planner_check_{jax.devices()[0].platform}_{name}', result))
+  name = f'planner_check_{jax.devices()[0].platform}_{name}'
+  write_result(name, result)   # the measurements first: a fit that fails keeps them
+  try:
+    result['fit'] = fit(runs, hw, args.fit_factors)
+  except ValueError as e:
+    # Runs of one kind (all memory-bound, say) leave some factors unfittable; --fit over
+    # these and other results' runs still can.
+    result['fit_error'] = str(e)
+    print(f'no fit over these runs alone: {e}')
+  print(write_result(name, result))
   return result
 
 
