@@ -10,6 +10,9 @@
 # before the first stage. (Without them, on 2026-11-26, the tests stage stopped at
 # collection: "No module named 'grain'".)
 #
+# On an H200 on 2026-11-28 (the fifth session), with .whl carried: machine, paged_decode,
+# paged_splits, tests_paged, paged_step and tokamax (stopped at its 130 s limit, one
+# implementation short) in one call of 322 s; planner_mid 85 s with the machine's start.
 # Measured on an H200 on 2026-11-26 (the first GPU session): machine ~10 s; test_gpu.py
 # alone 40 s with 8 workers; tests (both files, 4 workers) did not finish in 200 s;
 # attention (four implementations, no XLA) 150 s; paged_decode 40 s; paged_tiles 70 s;
@@ -38,7 +41,7 @@
 #                 step at a full cache (64 x 8K tokens, 17 GB), the kernel
 #                 reading each layer in place in the stacked cache vs a layer
 #                 sliced out first: slices of a layer and copies of the cache
-#                 counted in the compiled step, and its time (not yet run)     ~2 min
+#                 counted in the compiled step, and its time                    ~2 min
 #   packed        benchmarks.attention --packed: 8K rows of 8K/2K/512-token
 #                 documents, Triton and Mosaic GPU (document block skipping)    ~3 min
 #   planner       benchmarks.planner_check on default.py: the planner's top

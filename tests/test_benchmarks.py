@@ -53,6 +53,54 @@ def test_paged_decode_tile_sweep_smoke():
   assert rows[0]['bandwidth_gbs'] > 0
 
 
+def test_paged_decode_splits_sweep_smoke():
+  rows = paged_decode.main(['--smoke', '--splits'])
+  # Each case under the default and each split count, all against one split's output.
+  assert [(r['batch'], r['num_kv_splits']) for r in rows] == [
+      (b, k) for b in (1, 2) for k in ('default', 1, 2, 4)]
+  assert all(r['max_abs_diff'] < 1e-5 and r['bandwidth_gbs'] > 0 for r in rows), rows
+
+
+def test_planner_check_keeps_the_runs_when_they_alone_cannot_fit(tmp_path, monkeypatch):
+  from benchmarks import planner_check   # pylint: disable=import-outside-toplevel
+  from sharding import planner   # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv('MESHLM_RESULTS_DIR', str(tmp_path))
+  runs = [{'layout': 'single zero0 remat=full accum1', 'measured_step_s': 0.02,
+           'dot_flops': 1e12, 'dot_bytes': 1e9, 'other_bytes': 1e9, 'launches': 100}]
+  monkeypatch.setattr(planner_check, 'check', lambda *a, **k: runs)
+
+  def unfittable(*args, **kwargs):
+    raise ValueError('none of the factors can be fitted to these runs')
+
+  monkeypatch.setattr(planner, 'fit_efficiency', unfittable)
+  result = planner_check.main(['--configs=default.py', '--device=h200'])
+  assert 'fit' not in result and 'cannot be fitted' not in result['fit_error']
+  assert 'none of the factors' in result['fit_error']
+  [written] = os.listdir(tmp_path)
+  assert json.load(open(tmp_path / written))['runs'] == runs
+
+
+def test_hlo_fingerprint_ignores_names_and_sees_the_program():
+  import jax   # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
+  from benchmarks import hlo_fingerprint   # pylint: disable=import-outside-toplevel
+
+  def first_name(x):
+    return jnp.sin(x) * 2
+
+  def other_name(y):
+    return jnp.sin(y) * 2
+
+  def other_program(x):
+    return jnp.cos(x) * 2
+
+  text = lambda f: hlo_fingerprint.canonical(
+      jax.jit(f).lower(jnp.ones(8)).compile().as_text())
+  assert text(first_name) == text(other_name)
+  assert text(first_name) != text(other_program)
+  assert 'metadata' not in text(first_name) and 'first_name' not in text(first_name)
+
+
 MY_CONFIG = """
 from training.cli import load_config_file
 
