@@ -20,7 +20,6 @@ from jax.ad_checkpoint import checkpoint_name
 from model import moe
 from model.config import ModelConfig
 from pallas_kernels.flash_attention import flash_attention
-from sharding import context, pipeline
 from sharding.rules import ShardingPlan, constrain
 
 Params = dict[str, Any]
@@ -241,19 +240,24 @@ def attention(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan):
 
 def attention_core(q, k, v, cfg: ModelConfig, segment_ids, plan):
   """Attention itself, between the projections: q [b,t,h,e], k/v [b,t,k,e] -> [b,t,h,e],
-  by cfg.attention_impl, over the context axis where the sequence is split."""
-  if context.context_size(plan) > 1:   # the sequence split over devices
-    flash = None
-    if cfg.attention_impl == 'pallas':
-      flash = functools.partial(flash_attention, **_flash_kernels(cfg.pallas_backend))
-    out = context.attention(q, k, v, segment_ids, plan, constrain, flash)
-  elif cfg.attention_impl == 'xla':
-    out = attention_xla(q, k, v, segment_ids)
-  elif cfg.attention_impl == 'cudnn':
-    out = attention_cudnn(q, k, v, segment_ids)
-  else:
-    out = attention_pallas(q, k, v, segment_ids, plan, cfg.pallas_backend)
-  return out
+  by cfg.attention_impl. The layout decides how it spans devices (ShardingPlan.attention:
+  over the context axis where the sequence is split)."""
+  local = functools.partial(local_attention, cfg=cfg, plan=plan)
+  if plan is None:
+    return local(q, k, v, segment_ids)
+  flash = None
+  if cfg.attention_impl == 'pallas':   # the kernel for blocks of a split sequence
+    flash = functools.partial(flash_attention, **_flash_kernels(cfg.pallas_backend))
+  return plan.attention(q, k, v, segment_ids, local, flash)
+
+
+def local_attention(q, k, v, segment_ids, *, cfg: ModelConfig, plan):
+  """Attention where every device holds whole sequences, by cfg.attention_impl."""
+  if cfg.attention_impl == 'xla':
+    return attention_xla(q, k, v, segment_ids)
+  if cfg.attention_impl == 'cudnn':
+    return attention_cudnn(q, k, v, segment_ids)
+  return attention_pallas(q, k, v, segment_ids, plan, cfg.pallas_backend)
 
 
 def output_projection(out, layer):
@@ -388,9 +392,11 @@ def forward_with_aux(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   inv_freq = rope_inv_freq(cfg)
-  # Once for every layer; the pipeline makes its own per microbatch (below).
-  pipelined = not cfg.num_experts and pipeline.stages(plan) > 1
-  rope = None if pipelined else rope_tables(positions, inv_freq)
+  # The layout's runner of the layer stack (ShardingPlan.layer_stack: the pipeline over
+  # 'stage'), or None: the scan below. MoE layers run their own scan.
+  runner = None if plan is None or cfg.num_experts else plan.layer_stack()
+  # Once for every layer; a runner makes its own per microbatch (layer_for).
+  rope = None if runner else rope_tables(positions, inv_freq)
   table = params['embed'] if embed is None else embed
   with jax.named_scope('embed'):   # named scopes: what benchmarks/profile.py files time under
     if table.ndim == 2:
@@ -401,24 +407,27 @@ def forward_with_aux(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
       x = x.reshape(b, t, -1)
     x = constrain(x.astype(cfg.dtype), RESIDUAL, plan)
 
-  def body(x, layer):
-    return block(x, layer, cfg, rope, segment_ids, plan), None
+  def layer_for(positions, segment_ids):
+    """One layer, (x, weights) -> x, on tokens at `positions` (a runner's microbatch)."""
+    tables = rope if rope is not None else rope_tables(positions, inv_freq)
+    return lambda x, layer: block(x, layer, cfg, tables, segment_ids, plan)
 
+  remat = functools.partial(_remat, policy=cfg.remat)
   if cfg.num_experts:
     x, aux = _moe_layers(x, params, cfg, rope, segment_ids, plan)
-  elif pipelined:
-    def layer(carry, layer):
-      x, pos, seg = carry
-      # Positions travel with their microbatch: the tables are made per stage.
-      return (block(x, layer, cfg, rope_tables(pos, inv_freq), seg, plan), pos, seg), None
-
-    x = pipeline.run(_remat(layer, cfg.remat), x, positions, segment_ids, params['layers'],
-                     plan)
-    aux = moe.zero_aux()
   else:
-    x, _ = jax.lax.scan(_remat(body, cfg.remat), x, params['layers'])
+    run = runner or scan_layers
+    x = run(layer_for, x, positions, segment_ids, params['layers'], remat)
     aux = moe.zero_aux()
   return rms_norm(x, params['final_norm'], cfg.norm_eps), aux
+
+
+def scan_layers(layer_for, x, positions, segment_ids, layers, remat):
+  """The layer stack [L, ...] applied to x [b, t, d] by a scan (remat: the policy's
+  wrapper of the scan body)."""
+  layer = layer_for(positions, segment_ids)
+  x, _ = jax.lax.scan(remat(lambda x, weights: (layer(x, weights), None)), x, layers)
+  return x
 
 
 def _moe_layers(x, params, cfg: ModelConfig, rope: Rope, segment_ids, plan):

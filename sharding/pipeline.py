@@ -49,6 +49,18 @@ def _pin(x, plan, dim: int):
   return lax.with_sharding_constraint(x, NamedSharding(plan.mesh, PartitionSpec(*spec)))
 
 
+def run_layers(layer_for, x, positions, segment_ids, layers, remat, plan):
+  """The model's layer stack through the pipeline (ShardingPlan.layer_stack):
+  layer_for(positions, segment_ids) -> ((x, weights) -> x) makes one layer for a
+  microbatch's tokens, whose positions and segment ids travel with it through the
+  stages; remat wraps the layer as the model's scan body is."""
+  def layer(carry, weights):
+    x, pos, seg = carry
+    return (layer_for(pos, seg)(x, weights), pos, seg), None
+
+  return run(remat(layer), x, positions, segment_ids, layers, plan)
+
+
 def run(layer_fn, x, positions, segment_ids, layers, plan):
   """The layer stack applied to x [b, t, d] by the pipeline; layer_fn((x, positions,
   segment_ids), layer) -> ((x, positions, segment_ids), None) is one layer (the scan

@@ -14,11 +14,14 @@ optimizer state and activations, chosen by ZeRO stage:
 """
 
 import dataclasses
+import functools
 from typing import Mapping
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding import context, pipeline
 
 MeshAxes = str | tuple[str, ...] | None
 LogicalAxes = tuple[str | None, ...]
@@ -111,6 +114,26 @@ class ShardingPlan:
   # Pipeline parallelism (sharding.pipeline), when the mesh's stage axis is > 1.
   pipeline_microbatches: int = 1
   pipeline_repeats: int = 1
+
+  # The model's two seams where a layout changes how it computes, not only where values
+  # live (model/transformer.py asks; it knows no strategy): attention over a sequence
+  # split across devices, and the layer stack across pipeline stages.
+  def attention(self, q, k, v, segment_ids, local, flash=None):
+    """q [b,t,h,e], k/v [b,t,k,e] -> [b,t,h,e]. `local(q, k, v, segment_ids)` where each
+    device holds whole sequences; over the 'context' axis (sharding.context, this plan's
+    strategy) where the sequence is split, with `flash` (the flash-attention kernel, or
+    None for XLA) for the blocks."""
+    if context.context_size(self) > 1:
+      return context.attention(q, k, v, segment_ids, self, constrain, flash)
+    return local(q, k, v, segment_ids)
+
+  def layer_stack(self):
+    """The runner of the model's layer stack for this layout, (layer_for, x, positions,
+    segment_ids, layers, remat) -> x: the pipeline over 'stage' (sharding.pipeline) when
+    the mesh has stages, else None (the model scans its layers)."""
+    if pipeline.stages(self) > 1:
+      return functools.partial(pipeline.run_layers, plan=self)
+    return None
 
   def sharding(self, rules: Rules, axes: LogicalAxes) -> NamedSharding:
     return NamedSharding(self.mesh, rules.spec(axes))
