@@ -59,14 +59,14 @@ class SamplingParams:
   frequency_penalty: float = 0.0
   repetition_penalty: float = 1.0
   logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
-  # Structured output: the output must match this regular expression (serve/guided.py;
+  # Structured output: the output must match this regular expression (serve/structured/guided.py;
   # from_openai turns JSON schemas and choices into one), or this context-free grammar
   # (Lark or GBNF text, read by llguidance). One of them; needs eos, and no min_tokens.
   guided_regex: str | None = None
   guided_grammar: str | None = None
   # vLLM's: only these tokens may be drawn (eos too only if listed); None: any.
   allowed_token_ids: list[int] | None = None
-  # vLLM's: no word of these may be completed in the output (serve/engine.py bad_word_ids).
+  # vLLM's: no word of these may be completed in the output (serve/engine/core.py bad_word_ids).
   bad_words: list[str] = dataclasses.field(default_factory=list)
   # False: special tokens (a template's tags, eos) are written into the text, as their
   # tokenizer.json content.
@@ -304,7 +304,7 @@ def guided_field(body: dict) -> str | None:
 def _guided(body: dict) -> dict:
   """SamplingParams' guided_regex or guided_grammar for the structured output asked for,
   if any (one way only)."""
-  from serve import guided  # pylint: disable=import-outside-toplevel
+  from serve.structured import guided  # pylint: disable=import-outside-toplevel
   given = _guided_fields(body)
   if len(given) > 1:
     raise SamplingParamsError(given[1], f'give one of {", ".join(GUIDED_FIELDS)}, not '

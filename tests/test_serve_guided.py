@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from serve import guided
-from serve.sampler import unpack_bits
+from serve.structured import guided
+from serve.worker.sampler import unpack_bits
 from serve.sampling_params import SamplingParamsError, from_openai, guided_field
 from tests.test_serve_detokenizer import make_tokenizer
 from training.tokenizer import ByteTokenizer

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from serve import sampler
-from serve.penalties import PenaltyRow, PenaltyState
-from serve.sampler import Sampler, sample
+from serve.worker import sampler
+from serve.worker.penalties import PenaltyRow, PenaltyState
+from serve.worker.sampler import Sampler, sample
 from sharding import compile_cache
 from serve.sampling_params import SamplingParams, SamplingParamsError, from_openai
 
@@ -392,7 +392,7 @@ def test_from_openai_chat():
 
 
 def test_packed_bits_unpack_to_the_same_tokens():
-  from serve.sampler import pack_bits, unpack_bits  # pylint: disable=import-outside-toplevel
+  from serve.worker.sampler import pack_bits, unpack_bits  # pylint: disable=import-outside-toplevel
   for vocab, ids in ((257, [0, 31, 32, 256]), (100, []), (64, list(range(64))),
                      (1000, np.random.default_rng(0).choice(1000, 50).tolist())):
     assert np.flatnonzero(unpack_bits(pack_bits(ids, vocab), vocab)).tolist() == sorted(set(ids))

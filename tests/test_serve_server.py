@@ -24,10 +24,10 @@ import openai
 import pytest
 import uvicorn
 
-from serve import engine as engine_lib
+from serve.engine import core as engine_lib
 from serve import sampling_params as sp_lib
-from serve.server import create_app
-from serve.chat_template import render_chat
+from serve.api.server import create_app
+from serve.api.chat_template import render_chat
 from training.tokenizer import ByteTokenizer, HFTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -995,7 +995,7 @@ def _metric_values(server) -> dict:
 
 
 def test_stats_line_reports_rates_since_the_last_one_and_is_quiet_when_idle():
-  from serve.metrics import StatsLogger  # pylint: disable=import-outside-toplevel
+  from serve.api.metrics import StatsLogger  # pylint: disable=import-outside-toplevel
   snapshots = iter([
       engine_lib.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}),
       engine_lib.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}),            # idle: no line
@@ -1016,7 +1016,7 @@ def test_stats_line_reports_rates_since_the_last_one_and_is_quiet_when_idle():
 
 
 def test_preemptions_are_a_counter(fake, monkeypatch):
-  from serve.metrics import ServerMetrics  # pylint: disable=import-outside-toplevel
+  from serve.api.metrics import ServerMetrics  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(fake, 'stats',
                       lambda: engine_lib.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}, 7))
   text = ServerMetrics(fake).render().decode()
@@ -1024,7 +1024,7 @@ def test_preemptions_are_a_counter(fake, monkeypatch):
 
 
 def test_speculative_decoding_counters_and_stats_line(fake, monkeypatch):
-  from serve.metrics import ServerMetrics, StatsLogger  # pylint: disable=import-outside-toplevel
+  from serve.api.metrics import ServerMetrics, StatsLogger  # pylint: disable=import-outside-toplevel
   spec = dict(spec_decode_num_drafts=10, spec_decode_num_draft_tokens=40,
               spec_decode_num_accepted_tokens=30,
               spec_decode_num_accepted_tokens_per_pos=(10, 9, 7, 4))
@@ -1076,7 +1076,7 @@ def test_metrics_count_what_was_served(real_server, real_engine):
 def hf_server(tmp_path_factory):
   """A small random Llama saved by transformers, with a word-level tokenizer.json."""
   from serve.config import ServeConfig  # pylint: disable=import-outside-toplevel
-  from serve.hf_llama import load_hf_model  # pylint: disable=import-outside-toplevel
+  from serve.load.hf_model import load_hf_model  # pylint: disable=import-outside-toplevel
   from tests import test_serve_hf  # pylint: disable=import-outside-toplevel
   path = tmp_path_factory.mktemp('hf_llama')
   test_serve_hf.save_llama(path)
@@ -1123,7 +1123,7 @@ def test_hf_tokenizer_keeps_word_spacing_when_streamed(hf_server):
 SUBPROCESS_SERVER = '''
 import sys
 from serve.__main__ import run
-from serve.server import create_app
+from serve.api.server import create_app
 from tests.test_serve_server import FakeEngine, FakeServed
 engine = FakeEngine(step_s=0.05)
 run(create_app(engine, FakeServed()), engine, host='127.0.0.1', port=int(sys.argv[1]),
@@ -1316,9 +1316,9 @@ DYING_SERVER = '''
 import sys
 from serve.__main__ import run
 from serve.config import ServeConfig
-from serve.engine import Engine
-from serve.loader import load_checkpoint
-from serve.server import create_app
+from serve.engine.core import Engine
+from serve.load.checkpoint import load_checkpoint
+from serve.api.server import create_app
 class Fatal(BaseException):
   pass
 served = load_checkpoint(sys.argv[1])

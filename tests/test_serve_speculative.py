@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 import model
-from serve import engine as engine_module
+from serve.engine import core as engine_module
 from serve.config import ServeConfig
-from serve.engine import Engine
-from serve.kv_cache_manager import KVCacheManager
-from serve.request import Request, RequestStatus
+from serve.engine.core import Engine
+from serve.engine.kv_cache_manager import KVCacheManager
+from serve.engine.request import Request, RequestStatus
 from serve.sampling_params import SamplingParams
-from serve.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from serve.speculative import SpeculativeConfig, parse_speculative_config, propose_ngram
+from serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from serve.spec.ngram import SpeculativeConfig, parse_speculative_config, propose_ngram
 from sharding import compile_cache
 from tests.test_paged_forward import LOGITS_TOL, Chunk, Out, err, tiny_cfg, tiny_runner
 from tests.test_serve_engine import make_prompts
@@ -233,7 +233,7 @@ def test_rejected_draft_tokens_never_reach_the_prefix_cache():
 def test_a_guide_follows_a_draft_as_far_as_it_allows_and_comes_back(tiny_served, kind):
   """draft_words: the allowed set before the draft and after each token the guide
   takes, stopping at the first it refuses or an end id; the guide is where it was."""
-  from serve import guided  # pylint: disable=import-outside-toplevel
+  from serve.structured import guided  # pylint: disable=import-outside-toplevel
   tok, eos = tiny_served.tokenizer, tiny_served.eos_token_ids
   guides = guided.GuidedDecoding(tok, eos)
   make = {'regex': lambda: guides.guide('(ab)+c'),
@@ -450,7 +450,7 @@ def test_structured_output_with_drafts_equals_plain_decoding(engines, prompts, m
 def test_a_guide_that_cannot_look_ahead_takes_no_draft_token(engines, prompts, monkeypatch):
   """draft_words failing (llguidance refusing to copy its parser, say) costs that step's
   draft only: the outputs are still plain decoding's."""
-  from serve import guided  # pylint: disable=import-outside-toplevel
+  from serve.structured import guided  # pylint: disable=import-outside-toplevel
   from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
 
   def refuse(self, draft, end_ids=()):
@@ -523,7 +523,7 @@ def test_a_draft_rows_bans_see_the_draft_before_it():
 def test_warmup_covers_draft_steps(varied, prompts, monkeypatch):
   """With drafts a step samples up to max_num_seqs x (1 + num_speculative_tokens) rows:
   after warm-up, greedy and sampled draft steps compile no step or sampler program."""
-  from serve import sampler  # pylint: disable=import-outside-toplevel
+  from serve.worker import sampler  # pylint: disable=import-outside-toplevel
   sampler._sample_rows.clear_cache()   # pylint: disable=protected-access
   cfg = ServeConfig(num_blocks=60, max_num_seqs=4, max_num_batched_tokens=32, warmup=True,
                     speculative_config=NGRAM)

@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 
 import model
-from serve import engine as engine_module
+from serve.engine import core as engine_module
 from serve.config import ServeConfig
-from serve.engine import Engine
+from serve.engine.core import Engine
 from serve.sampling_params import SamplingParams, from_openai
 from tests.test_serve_engine import GUIDED, make_prompts
 

@@ -1,4 +1,4 @@
-"""Tool calling (serve/tools.py): the request's tools and tool_choice, the output parsers,
+"""Tool calling (serve/api/tools.py): the request's tools and tool_choice, the output parsers,
 and the server end to end on the shared tiny model.
 
 The parsers are checked against the calls a text was built from, over random chunkings
@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from serve import tools
+from serve.api import tools
 from serve.sampling_params import SamplingParamsError
-from serve.server import create_app
+from serve.api.server import create_app
 from tests.test_serve_server import (  # pylint: disable=unused-import
     FakeEngine, FakeServed, ServerThread, _assert_at_rest, _client, real_engine)
 
@@ -112,7 +112,7 @@ def test_neutral_deprecated_fields_pass_and_defs_move_to_the_root():
   assert '$defs' not in schema['items']['anyOf'][1]['properties']['parameters']
   assert city['parameters']['$defs']   # the request's own schema untouched
   import re  # pylint: disable=import-outside-toplevel
-  from serve import guided  # pylint: disable=import-outside-toplevel
+  from serve.structured import guided  # pylint: disable=import-outside-toplevel
   regex = guided.json_schema_regex(schema, 'tools')
   assert re.fullmatch(regex, '[{"name":"city","parameters":{"c":"Rome"}}]')
   assert not re.fullmatch(regex, '[{"name":"city","parameters":{"c":"Oslo"}}]')

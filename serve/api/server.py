@@ -25,10 +25,10 @@ import fastapi
 import pydantic
 from fastapi import responses
 
-from serve import metrics as metrics_lib
+from serve.api import metrics as metrics_lib
 from serve import sampling_params as sp_lib
-from serve import tools as tools_lib
-from serve.engine import EngineClosed, EngineDeadError, QueueFull
+from serve.api import tools as tools_lib
+from serve.engine.core import EngineClosed, EngineDeadError, QueueFull
 
 
 class ApiError(Exception):
@@ -297,7 +297,7 @@ def _chat_text(state: ServerState, body: ChatBody | TokenizeBody, tools=None) ->
   """The chat template over body's messages, given tools and chat_template_kwargs."""
   if not body.messages:
     raise ApiError(400, 'messages: the list of messages is empty.', param='messages')
-  from serve.chat_template import render_chat  # pylint: disable=import-outside-toplevel
+  from serve.api.chat_template import render_chat  # pylint: disable=import-outside-toplevel
   extra = body.chat_template_kwargs or {}
   reserved = sorted({'messages', 'tools', 'documents', 'add_generation_prompt'} & set(extra))
   if reserved:

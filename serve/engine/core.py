@@ -11,7 +11,7 @@ the step in flight is done, so a step never sees a request vanish under it.
   loop:  [aborts] -> [drafts] -> schedule() -> runner.step() -> sample()
                  -> update_from_output() -> detokenize, stop strings -> streams
 
-With --speculative-config (serve.speculative) each decoding request gets an n-gram draft
+With --speculative-config (serve.spec.ngram) each decoding request gets an n-gram draft
 before schedule(); every draft row is sampled as if the draft before it were output, and
 the engine accepts the draft up to the first row whose token differs, plus that token.
 """
@@ -29,18 +29,18 @@ import uuid
 import jax
 import numpy as np
 
-from serve import kv_cache, sampler
+from serve.worker import kv_cache, sampler
 from serve.config import ServeConfig
-from serve.detokenizer import IncrementalDetokenizer
-from serve.hf_llama import with_dtype
-from serve.kv_cache_manager import KVCacheManager
-from serve.model_runner import (ModelRunner, RunnerConfig, sample_bucket, seq_bucket,
+from serve.engine.detokenizer import IncrementalDetokenizer
+from serve.load.hf_model import with_dtype
+from serve.engine.kv_cache_manager import KVCacheManager
+from serve.worker.model_runner import (ModelRunner, RunnerConfig, sample_bucket, seq_bucket,
                                 token_buckets)
-from serve.request import Request, RequestStatus
+from serve.engine.request import Request, RequestStatus
 from serve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
-from serve.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
-from serve.speculative import TokenHistory, propose_ngram
-from serve.step_rows import PADDING, RequestRows, StepRows
+from serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from serve.spec.ngram import TokenHistory, propose_ngram
+from serve.engine.step_rows import PADDING, RequestRows, StepRows
 from sharding import compile_cache
 from sharding.mesh import MeshConfig, make_mesh
 
@@ -473,7 +473,7 @@ class Engine:
     # plain and with structured output's allowed-token bits; the model's own sampling
     # defaults (generation_config.json) are a mode too. Their penalties read the
     # sampler's per-request tables, sized here for max_num_seqs requests and the longest
-    # draft (serve/penalties.py): no history length is a shape.
+    # draft (serve/worker/penalties.py): no history length is a shape.
     modes = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_p=0.9)]
     if self.served.sampling_defaults:
       modes.append(SamplingParams(**self.served.sampling_defaults))
@@ -547,7 +547,7 @@ class Engine:
   def _guided_decoding(self):
     with self._guided_lock:
       if self._guided is None:
-        from serve import guided  # pylint: disable=import-outside-toplevel
+        from serve.structured import guided  # pylint: disable=import-outside-toplevel
         self._guided = guided.GuidedDecoding(self.served.tokenizer, self.served.eos_token_ids)
       return self._guided
 

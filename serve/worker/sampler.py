@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serve.penalties import PenaltyRow, PenaltyState, stored_rows
+from serve.worker.penalties import PenaltyRow, PenaltyState, stored_rows
 from serve.sampling_params import GREEDY_BELOW, MAX_LOGPROBS, SamplingParams
 
 FEW_TOP_K = 256     # top-k up to this many works on lax.top_k's candidates, not a bisection
@@ -44,7 +44,7 @@ class SampleResult:
 
 class Sampler:
   """The engine's sampler: `sample`, the RNG that seeds requests without a seed, and the
-  penalties' per-request state (serve/penalties.py)."""
+  penalties' per-request state (serve/worker/penalties.py)."""
 
   def __init__(self, seed: int | None = None):
     self._rng = np.random.default_rng(seed)

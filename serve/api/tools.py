@@ -183,7 +183,7 @@ def parse(body: dict, auto_parser: str | None) -> ToolChoice | None:
   if space is not None and not isinstance(space, str):
     raise SamplingParamsError('guided_whitespace_pattern', f'must be a regular expression, '
                               f'got {space!r}')
-  from serve import guided  # pylint: disable=import-outside-toplevel
+  from serve.structured import guided  # pylint: disable=import-outside-toplevel
   return dataclasses.replace(out, regex=guided.json_schema_regex(schema, 'tools', space))
 
 
