@@ -32,9 +32,9 @@ import jax
 import numpy as np
 
 from benchmarks.common import write_result
+from serve.sampling_params import SamplingParams
 from serve.worker import sampler
 from serve.worker.penalties import CLEARS, PenaltyRow, PenaltyState, pair_bucket
-from serve.sampling_params import SamplingParams
 
 QWEN = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
 SHAPES = ((64, 2048), (64, 8192), (256, 8192))   # (rows, tokens of prompt and output)

@@ -18,8 +18,8 @@ import time
 
 from benchmarks.common import write_result
 from serve.engine.request import Request
-from serve.sampling_params import SamplingParams
 from serve.engine.scheduler import Scheduler, SchedulerConfig
+from serve.sampling_params import SamplingParams
 
 
 def build(num_requests: int, prompt_len: int, steps: int, block_size: int) -> Scheduler:

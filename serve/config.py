@@ -3,7 +3,7 @@
 import argparse
 import dataclasses
 
-from serve.spec.ngram import SpeculativeConfig, parse_speculative_config
+from serve.spec.config import SpeculativeConfig, parse_speculative_config
 from sharding import compile_cache
 
 ATTENTION_CHOICES = ('auto', 'xla', 'pallas')
@@ -55,7 +55,7 @@ class ServeConfig:
     self.speculative()
 
   def speculative(self) -> SpeculativeConfig | None:
-    """The parsed --speculative-config (serve.spec.ngram.SpeculativeConfig) or None."""
+    """The parsed --speculative-config (serve.spec.config.SpeculativeConfig) or None."""
     return parse_speculative_config(self.speculative_config)
 
 

@@ -23,9 +23,9 @@ import sys
 from rich import progress
 
 from serve import config as config_lib
-from serve.engine.core import bad_word_ids
-from serve.sampling_params import (SamplingParams, SamplingParamsError, from_openai,
-                                   guided_field, truncate_prompt)
+from serve.api.openai_sampling import from_openai, guided_field, truncate_prompt
+from serve.engine.constraints import bad_word_ids
+from serve.sampling_params import SamplingParams, SamplingParamsError
 from sharding import compile_cache
 
 PROMPT_KEYS = ('prompt', 'prompt_token_ids', 'messages')

@@ -12,8 +12,8 @@ import random
 import pytest
 
 from serve.engine.request import Request, RequestStatus
-from serve.sampling_params import SamplingParams
 from serve.engine.scheduler import Scheduler, SchedulerConfig
+from serve.sampling_params import SamplingParams
 
 VOCAB = 40
 
