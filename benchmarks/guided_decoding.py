@@ -5,14 +5,14 @@
                                                    # writes nothing
 
 The engine advances each guided request's guide, and so computes its next allowed tokens,
-on its own thread while the device runs the next step (serve/engine.py). Per token that
+on its own thread while the device runs the next step (serve/engine/loop.py). Per token that
 must stay small beside a decode step (milliseconds); preparing a guide (outlines-core's
 compile of an expression over the vocabulary, llguidance's reading of a grammar) is paid
 once per new expression, before the request's first token.
 
 Vocabulary: a byte-level BPE, the kind of GPT-2 and Llama-3, trained here on the Python
 sources of the installed packages (no download), at Llama-2's size (32,000) and
-Llama-3's (128,256). Guides, as the server builds them (serve/guided.py):
+Llama-3's (128,256). Guides, as the server builds them (serve/structured/guided.py):
 - regex: `guided_regex` of a few words, outlines-core;
 - tool_schema: a tool's parameters as `guided_json` (strings, an enum, an integer, an
   array), outlines-core;
@@ -111,8 +111,8 @@ def walk(decoding, regex, grammar, eos: int, steps: int, rng) -> list[float]:
 def measure(tok, names: list[str], walks: int, steps: int, seed: int) -> dict:
   """Per guide: seconds to prepare it (a new GuidedDecoding, so nothing is cached) and
   its per-token step times."""
-  from serve import guided  # pylint: disable=import-outside-toplevel
-  from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
+  from serve.api.openai_sampling import from_openai  # pylint: disable=import-outside-toplevel
+  from serve.structured import guided  # pylint: disable=import-outside-toplevel
   eos = tok.eos_id
   out = {}
   for name in names:

@@ -1,5 +1,5 @@
 """Host time of a sampler step with a repetition penalty: histories counted afresh each step
-(`history`) against counts kept on the device (`requests`, serve/penalties.py).
+(`history`) against counts kept on the device (`requests`, serve/worker/penalties.py).
 
   python -m benchmarks.sampler_penalties            # 64 x 2K, 64 x 8K, 256 x 8K tokens
   python -m benchmarks.sampler_penalties --smoke    # tiny; writes nothing
@@ -32,9 +32,9 @@ import jax
 import numpy as np
 
 from benchmarks.common import write_result
-from serve import sampler
-from serve.penalties import CLEARS, PenaltyRow, PenaltyState, pair_bucket
 from serve.sampling_params import SamplingParams
+from serve.worker import sampler
+from serve.worker.penalties import CLEARS, PenaltyRow, PenaltyState, pair_bucket
 
 QWEN = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
 SHAPES = ((64, 2048), (64, 8192), (256, 8192))   # (rows, tokens of prompt and output)

@@ -17,9 +17,9 @@ import statistics
 import time
 
 from benchmarks.common import write_result
-from serve.request import Request
+from serve.engine.request import Request
+from serve.engine.scheduler import Scheduler, SchedulerConfig
 from serve.sampling_params import SamplingParams
-from serve.scheduler import Scheduler, SchedulerConfig
 
 
 def build(num_requests: int, prompt_len: int, steps: int, block_size: int) -> Scheduler:

@@ -8,7 +8,7 @@
       --llama-server=BUILD/bin/llama-server --llama-converter=SRC/convert_hf_to_gguf.py
 
 A HF-shaped Llama with random weights is built with transformers, saved with
-save_pretrained and loaded into meshlm with serve.hf_llama.load_hf_model, so both run
+save_pretrained and loaded into meshlm with serve.load.hf_model.load_hf_model, so both run
 identical weights, in the preset's dtype: the default preset is a small float32 model for
 this CPU; `1b` is Llama-3.2-1B's shape (1.24B parameters, tied embeddings) in bfloat16,
 with transformers on the GPU when torch sees one (on the CPU otherwise). Prompts are random token ids with random input and output lengths
@@ -141,8 +141,8 @@ def meshlm_engine(path: str, shapes: Shapes, attention: str = 'auto'):
   """The engine on the HF directory's weights, compiled and warmed up."""
   # pylint: disable=import-outside-toplevel
   from serve.config import ServeConfig
-  from serve.engine import Engine
-  from serve.hf_llama import load_hf_model
+  from serve.engine.core import Engine
+  from serve.load.hf_model import load_hf_model
   served = load_hf_model(path)   # in the dtype the directory was saved in
   assert served.model_cfg.dtype == shapes.dtype
   # No prefix caching: the one-at-a-time pass reruns the prompts and must not find them.
@@ -175,7 +175,7 @@ def profile_steps(engine, prompts, out_lens) -> dict:
   token bucket and kind (decode only, or with prefill chunks)."""
   # pylint: disable=import-outside-toplevel
   import jax
-  from serve.model_runner import token_buckets
+  from serve.worker.model_runner import token_buckets
   buckets, real, steps = token_buckets(engine.runner.cfg), engine.runner.step, {}
 
   def timed(out):

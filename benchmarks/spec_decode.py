@@ -75,7 +75,7 @@ def run_pass(engine, prompts, params, together: bool):
 def benchmark(served, args) -> dict:
   # pylint: disable=import-outside-toplevel
   from serve.config import ServeConfig
-  from serve.engine import Engine
+  from serve.engine.core import Engine
   from serve.sampling_params import SamplingParams
   texts = stdlib_snippets(args.num_prompts, args.prompt_chars, args.seed)
   prompts = [served.tokenizer.encode(t).tolist() for t in texts]
@@ -141,7 +141,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
   args = parse_args(argv)
   # pylint: disable=import-outside-toplevel
-  from serve.loader import load_checkpoint
+  from serve.load.checkpoint import load_checkpoint
   with tempfile.TemporaryDirectory() as tmp:
     if args.smoke:
       if args.checkpoint is None:

@@ -17,10 +17,11 @@ import threading
 import uvicorn
 
 from serve import config as config_lib
-from serve import metrics
-from serve import tools
-from serve.engine import STALL_TIMEOUT_S, Engine
-from serve.server import create_app
+from serve.api import metrics
+from serve.api import tools
+from serve.api.server import create_app
+from serve.engine.core import Engine
+from serve.engine.loop import STALL_TIMEOUT_S
 from sharding import compile_cache
 
 API_KEY_ENV = 'MESHLM_API_KEY'

@@ -3,7 +3,7 @@
 import argparse
 import dataclasses
 
-from serve.speculative import SpeculativeConfig, parse_speculative_config
+from serve.spec.config import SpeculativeConfig, parse_speculative_config
 from sharding import compile_cache
 
 ATTENTION_CHOICES = ('auto', 'xla', 'pallas')
@@ -55,7 +55,7 @@ class ServeConfig:
     self.speculative()
 
   def speculative(self) -> SpeculativeConfig | None:
-    """The parsed --speculative-config (serve.speculative.SpeculativeConfig) or None."""
+    """The parsed --speculative-config (serve.spec.config.SpeculativeConfig) or None."""
     return parse_speculative_config(self.speculative_config)
 
 
@@ -98,10 +98,10 @@ def load_served_model(args: argparse.Namespace, mesh=None):
   # pylint: disable=import-outside-toplevel
   template = _read_chat_template(args.chat_template) if args.chat_template else None
   if args.checkpoint:
-    from serve.loader import load_checkpoint
+    from serve.load.checkpoint import load_checkpoint
     served = load_checkpoint(args.checkpoint, mesh=mesh, dtype=args.dtype)
   else:
-    from serve.hf_llama import load_hf_model
+    from serve.load.hf_model import load_hf_model
     served = load_hf_model(args.hf_model, dtype=args.dtype,
                            generation_config=args.generation_config)
   return served if template is None else dataclasses.replace(served, chat_template=template)
@@ -109,7 +109,7 @@ def load_served_model(args: argparse.Namespace, mesh=None):
 
 def _read_chat_template(path: str) -> str:
   """--chat-template's file, checked to parse (before any weight is read)."""
-  from serve.chat_template import compile_template  # pylint: disable=import-outside-toplevel
+  from serve.api.chat_template import compile_template  # pylint: disable=import-outside-toplevel
   try:
     with open(path, encoding='utf-8') as f:
       source = f.read()

@@ -23,9 +23,9 @@ import sys
 from rich import progress
 
 from serve import config as config_lib
-from serve.engine import bad_word_ids
-from serve.sampling_params import (SamplingParams, SamplingParamsError, from_openai,
-                                   guided_field, truncate_prompt)
+from serve.api.openai_sampling import from_openai, guided_field, truncate_prompt
+from serve.engine.constraints import bad_word_ids
+from serve.sampling_params import SamplingParams, SamplingParamsError
 from sharding import compile_cache
 
 PROMPT_KEYS = ('prompt', 'prompt_token_ids', 'messages')
@@ -119,7 +119,7 @@ def _prompt_ids(body: dict, served) -> list[int]:
       raise ValueError('must be a list of integer token ids.')
     return ids
   if 'messages' in body:
-    from serve.chat_template import render_chat  # pylint: disable=import-outside-toplevel
+    from serve.api.chat_template import render_chat  # pylint: disable=import-outside-toplevel
     if not isinstance(body['messages'], list):
       raise ValueError('must be a list of {"role": ..., "content": ...} objects.')
     # No special tokens added: the chat template writes them (vLLM's chat default).
@@ -174,7 +174,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from serve.engine import Engine  # pylint: disable=import-outside-toplevel
+  from serve.engine.core import Engine  # pylint: disable=import-outside-toplevel
   try:
     compile_cache.enable(args.compilation_cache_dir)   # before the engine compiles
     cfg = config_lib.config_from_args(args)

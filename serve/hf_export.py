@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 
 from model.hf import hf_config, hf_tensors, host_device
-from serve.hf_llama import SERVE_DTYPES, check_dtype
-from serve.loader import load_checkpoint
+from serve.load.checkpoint import load_checkpoint
+from serve.load.hf_model import SERVE_DTYPES, check_dtype
 from training.tokenizer import bytes_to_unicode
 
 BYTE_EOS_TOKEN = '<|endoftext|>'   # training.tokenizer.EOS_CANDIDATES' first: found again

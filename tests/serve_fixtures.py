@@ -27,5 +27,5 @@ def tiny_workdir(tmp_path_factory) -> str:
 @pytest.fixture(scope='session')
 def tiny_served(tiny_workdir):
   """The shared tiny model loaded for serving (params on the default device)."""
-  from serve.loader import load_checkpoint  # pylint: disable=import-outside-toplevel
+  from serve.load.checkpoint import load_checkpoint  # pylint: disable=import-outside-toplevel
   return load_checkpoint(tiny_workdir)

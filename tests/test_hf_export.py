@@ -14,8 +14,8 @@ import model
 from model.config import ModelConfig
 from model.hf import hf_config
 from serve import hf_export
-from serve.hf_llama import load_hf_model
-from serve.loader import load_checkpoint
+from serve.load.checkpoint import load_checkpoint
+from serve.load.hf_model import load_hf_model
 from training.tokenizer import ByteTokenizer
 
 TEXTS = ['def main(x):\n  return x + 1', 'héllo wörld 世界 🎉', '']

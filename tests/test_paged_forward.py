@@ -21,7 +21,7 @@ import model
 from model import paged
 from model.config import ModelConfig
 from pallas_kernels import paged_attention as pa
-from serve.model_runner import ModelRunner, RunnerConfig
+from serve.worker.model_runner import ModelRunner, RunnerConfig
 from tests.test_paged_attention import MIXED, make_case, rel_err
 
 # Relative to the largest |logit|; fp32 measures ~1e-6.
@@ -30,7 +30,7 @@ LOGITS_TOL = 1e-5
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-  """Stand-in for serve.scheduler.ScheduledChunk (the runner reads these fields)."""
+  """Stand-in for serve.engine.scheduler.ScheduledChunk (the runner reads these fields)."""
   token_ids: list
   start_position: int
   block_ids: list

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from serve.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
-from serve.kv_cache_manager import KVCacheManager
-from serve.request import Request
+from serve.engine.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
+from serve.engine.kv_cache_manager import KVCacheManager
+from serve.engine.request import Request
 from serve.sampling_params import SamplingParams
 
 
@@ -83,7 +83,7 @@ def test_hashes_chain_over_the_prefix_and_agree_across_processes():
   assert len(first) == 2 and first[0] != other_prefix[0]
   assert first[1] != other_prefix[1]   # same tokens, different parent: different block
   assert first[1] == hash_block_tokens(first[0], [4, 5, 6])
-  code = ('from serve.block_pool import hash_request_blocks as h; '
+  code = ('from serve.engine.block_pool import hash_request_blocks as h; '
           'print(h([1, 2, 3, 4, 5, 6], 3)[1].hex())')
   env = dict(os.environ, PYTHONHASHSEED='12345')
   out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True,

@@ -5,7 +5,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from serve.detokenizer import IncrementalDetokenizer
+from serve.engine.detokenizer import IncrementalDetokenizer
 from training.tokenizer import ByteTokenizer, HFTokenizer
 
 CORPUS = ['the cat sat on the mat', 'héllo wörld, the café is open', '世界 hello 世界 🎉 party',

@@ -19,9 +19,11 @@ import pytest
 
 import model
 from serve.config import ServeConfig
-from serve import engine as engine_lib
-from serve.engine import Engine, EngineClosed, EngineDeadError, QueueFull, bad_word_ids
-from serve.hf_llama import with_dtype
+from serve.engine import loop as engine_loop
+from serve.engine.constraints import bad_word_ids
+from serve.engine.core import Engine
+from serve.engine.errors import EngineClosed, EngineDeadError, QueueFull
+from serve.load.hf_model import with_dtype
 from serve.sampling_params import SamplingParams, SamplingParamsError
 from sharding import compile_cache
 from tests.test_serve_sampler import np_adjusted
@@ -204,8 +206,8 @@ def test_guided_output_is_the_training_forwards_greedy_within_the_allowed_tokens
   """Greedy structured output equals the training forward's argmax over the tokens an
   independent guide allows after each prefix (then eos), and the text matches; sampled
   outputs (any seed) match too."""
-  from serve import guided  # pylint: disable=import-outside-toplevel
-  from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
+  from serve.api.openai_sampling import from_openai  # pylint: disable=import-outside-toplevel
+  from serve.structured import guided  # pylint: disable=import-outside-toplevel
   eos, vocab = varied.eos_token_ids[0], varied.tokenizer.vocab_size
   reference_guides = guided.GuidedDecoding(varied.tokenizer, varied.eos_token_ids)
   n = 40   # the longest JSON here is 31 bytes: room for spaces
@@ -275,7 +277,7 @@ def test_grammar_output_is_the_training_forwards_greedy_within_what_the_grammar_
   equals the training forward's argmax over the bytes our own recognizer allows after
   each prefix (eos once the list closes); sampled outputs are sentences of it, or
   prefixes of one cut by max_tokens."""
-  from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
+  from serve.api.openai_sampling import from_openai  # pylint: disable=import-outside-toplevel
   assert varied.tokenizer.name == 'byte'
   eos, n = varied.eos_token_ids[0], 24
   short = [p for p in prompts if len(p) <= 64 - n][:4]
@@ -369,7 +371,7 @@ def test_bans_give_way_where_they_would_leave_no_token(engine, prompts):
 
 
 def test_bad_word_sequences_and_when_they_bar():
-  from serve.engine import banned_by_words  # pylint: disable=import-outside-toplevel
+  from serve.engine.constraints import banned_by_words  # pylint: disable=import-outside-toplevel
 
   class Spaced:   # a tokenizer whose words after a space are other tokens
     def encode(self, text):
@@ -391,7 +393,7 @@ def test_bad_word_sequences_and_when_they_bar():
 
 
 def test_guided_requests_refused_with_the_field(engine):
-  from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
+  from serve.api.openai_sampling import from_openai  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match='cannot be compiled'):
     engine.add_request([1, 2], SamplingParams(guided_regex='(unclosed'))
   with pytest.raises(ValueError, match='not a Lark or GBNF grammar'):
@@ -637,7 +639,7 @@ def test_warmup_compiles_the_structured_output_sampler_too(varied, prompts):
   """After warm-up, structured output (greedy, sampled, top_p, the model's sampling
   defaults), plain requests with those defaults and logprobs requests (greedy and sampled,
   with and without top logprobs) compile no sampler program."""
-  from serve import sampler  # pylint: disable=import-outside-toplevel
+  from serve.worker import sampler  # pylint: disable=import-outside-toplevel
   sampler._sample_rows.clear_cache()   # what earlier tests compiled must not hide a gap
   defaults = {'temperature': 0.6, 'top_p': 0.9, 'top_k': 20}
   served = dataclasses.replace(varied, sampling_defaults=defaults)
@@ -804,7 +806,7 @@ def test_dtype_flag_reaches_the_loader_and_a_bad_one_is_refused(tiny_workdir, tm
 def test_chat_template_flag_replaces_the_models_and_a_bad_one_is_refused(tiny_workdir,
                                                                          tmp_path, capsys):
   from serve import config as config_lib, generate  # pylint: disable=import-outside-toplevel
-  from serve.chat_template import render_chat  # pylint: disable=import-outside-toplevel
+  from serve.api.chat_template import render_chat  # pylint: disable=import-outside-toplevel
   (tmp_path / 'in.jsonl').write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
   template = tmp_path / 'chat.jinja'
   template.write_text("{% for m in messages %}<{{ m['role'] }}|{{ m['content'] }}>"
@@ -1010,7 +1012,7 @@ def test_steps_that_keep_failing_make_the_engine_dead(varied, prompts, monkeypat
   def fails(*args):
     raise RuntimeError('the device is gone')
   monkeypatch.setattr(eng.runner, 'step', fails)
-  for i in range(engine_lib.MAX_FAILED_STEPS):
+  for i in range(engine_loop.MAX_FAILED_STEPS):
     assert eng.health() is None   # a failed step fails its requests; the next may work
     assert eng.add_request(prompts[i], GREEDY).result().finish_reason == 'error'
     wait_idle(eng)
@@ -1022,7 +1024,7 @@ def test_warmup_with_a_repetition_penalty_compiles_nothing_while_serving(varied,
   """--generation-config's repetition_penalty (Qwen's 1.05) on every request: after
   warm-up, requests of growing lengths build no program (the rebuilt histories built one
   per width), and finished requests give their penalty slots back."""
-  from serve import sampler  # pylint: disable=import-outside-toplevel
+  from serve.worker import sampler  # pylint: disable=import-outside-toplevel
   sampler._sample_rows.clear_cache()   # pylint: disable=protected-access
   defaults = {'temperature': 0.7, 'top_p': 0.8, 'top_k': 20, 'repetition_penalty': 1.05}
   served = dataclasses.replace(varied, sampling_defaults=defaults)

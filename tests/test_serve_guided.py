@@ -7,9 +7,10 @@ import re
 import numpy as np
 import pytest
 
-from serve import guided
-from serve.sampler import unpack_bits
-from serve.sampling_params import SamplingParamsError, from_openai, guided_field
+from serve.api.openai_sampling import from_openai, guided_field
+from serve.sampling_params import SamplingParamsError
+from serve.structured import guided
+from serve.worker.logits_adjust import unpack_bits
 from tests.test_serve_detokenizer import make_tokenizer
 from training.tokenizer import ByteTokenizer
 

@@ -19,8 +19,8 @@ import transformers
 from tokenizers import models, pre_tokenizers
 
 import model
-from serve.chat_template import render_chat
-from serve.hf_llama import ServedModel, load_hf_model
+from serve.api.chat_template import render_chat
+from serve.load.hf_model import ServedModel, load_hf_model
 
 SPECIALS = ['<unk>', '<s>', '</s>', '<|eot_id|>', '<|begin_of_text|>',
             '<|start_header_id|>', '<|end_header_id|>']

@@ -16,7 +16,7 @@ import tensorstore as ts
 from jax.sharding import AxisType, NamedSharding
 
 import model
-from serve.loader import load_checkpoint
+from serve.load.checkpoint import load_checkpoint
 from sharding.mesh import MeshConfig, make_mesh
 from sharding.rules import REPLICATED, make_plan
 from training import checkpoint, optimizer, state, trainer

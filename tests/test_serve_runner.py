@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import model
-from serve import kv_cache
-from serve.model_runner import ModelRunner, RunnerConfig, seq_bucket, token_buckets
+from serve.worker import kv_cache
+from serve.worker.model_runner import ModelRunner, RunnerConfig, seq_bucket, token_buckets
 from sharding.mesh import MeshConfig, make_mesh
 from tests.test_paged_forward import LOGITS_TOL, Chunk, Out, err, tiny_cfg, tiny_runner
 

@@ -3,11 +3,12 @@
 import numpy as np
 import pytest
 
-from serve import sampler
-from serve.penalties import PenaltyRow, PenaltyState
-from serve.sampler import Sampler, sample
+from serve.api.openai_sampling import from_openai
+from serve.sampling_params import SamplingParams, SamplingParamsError
+from serve.worker import logits_adjust, sampler
+from serve.worker.penalties import PenaltyRow, PenaltyState
+from serve.worker.sampler import Sampler, sample
 from sharding import compile_cache
-from serve.sampling_params import SamplingParams, SamplingParamsError, from_openai
 
 VOCAB, PADDED = 257, 320
 
@@ -329,9 +330,9 @@ def test_adjusted_logits_match_numpy_and_greedy_takes_their_argmax():
   logits, histories = penalized_case(0)
   want = np.stack([np_adjusted(row[:VOCAB], p, *h)
                    for row, p, h in zip(logits, PENALIZED, histories)])
-  adjust = sampler._adjust_arrays(PENALIZED, histories, 8, VOCAB)  # pylint: disable=protected-access
+  adjust = logits_adjust.adjust_arrays(PENALIZED, histories, 8, VOCAB)
   padded = np.pad(logits[:, :VOCAB], ((0, 3), (0, 0)))
-  got = np.asarray(sampler.adjusted_logits(padded, **adjust))[:len(PENALIZED)]
+  got = np.asarray(logits_adjust.adjusted_logits(padded, **adjust))[:len(PENALIZED)]
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
   assert np.array_equal(got[3], logits[3, :VOCAB])
   res = sample(logits, PENALIZED, [0] * len(PENALIZED), VOCAB, history=histories)
@@ -392,7 +393,7 @@ def test_from_openai_chat():
 
 
 def test_packed_bits_unpack_to_the_same_tokens():
-  from serve.sampler import pack_bits, unpack_bits  # pylint: disable=import-outside-toplevel
+  from serve.worker.logits_adjust import pack_bits, unpack_bits  # pylint: disable=import-outside-toplevel
   for vocab, ids in ((257, [0, 31, 32, 256]), (100, []), (64, list(range(64))),
                      (1000, np.random.default_rng(0).choice(1000, 50).tolist())):
     assert np.flatnonzero(unpack_bits(pack_bits(ids, vocab), vocab)).tolist() == sorted(set(ids))
@@ -490,11 +491,11 @@ def both_paths(state, params, rows, logits):
   """adjusted_logits from the rows' histories counted afresh, and from the kept state."""
   bucket = sampler.row_bucket(len(rows))
   history = [(r.prompt_ids, list(r.output_ids) + list(r.ahead)) for r in rows]
-  afresh = sampler._adjust_arrays(params, history, bucket, VOCAB)  # pylint: disable=protected-access
-  kept = sampler._adjust_arrays(params, None, bucket, VOCAB, requests=rows,  # pylint: disable=protected-access
-                                penalties=state)
-  return (np.asarray(sampler.adjusted_logits(logits, **afresh)),
-          np.asarray(sampler.adjusted_logits(logits, **kept)))
+  afresh = logits_adjust.adjust_arrays(params, history, bucket, VOCAB)
+  kept = logits_adjust.adjust_arrays(params, None, bucket, VOCAB, requests=rows,
+                                     penalties=state)
+  return (np.asarray(logits_adjust.adjusted_logits(logits, **afresh)),
+          np.asarray(logits_adjust.adjusted_logits(logits, **kept)))
 
 
 def test_kept_penalties_equal_the_history_counted_afresh():

@@ -11,9 +11,9 @@ import random
 
 import pytest
 
-from serve.request import Request, RequestStatus
+from serve.engine.request import Request, RequestStatus
+from serve.engine.scheduler import Scheduler, SchedulerConfig
 from serve.sampling_params import SamplingParams
-from serve.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 40
 
@@ -305,7 +305,7 @@ def test_requests_that_can_never_fit_are_refused():
 
 
 def test_config_and_manager_must_agree():
-  from serve.kv_cache_manager import KVCacheManager  # pylint: disable=import-outside-toplevel
+  from serve.engine.kv_cache_manager import KVCacheManager  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match='max_num_seqs=0'):
     Scheduler(SchedulerConfig(max_num_seqs=0))
   with pytest.raises(ValueError, match='build both from the same numbers'):

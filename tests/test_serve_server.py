@@ -24,10 +24,12 @@ import openai
 import pytest
 import uvicorn
 
-from serve import engine as engine_lib
 from serve import sampling_params as sp_lib
-from serve.server import create_app
-from serve.chat_template import render_chat
+from serve.api import openai_sampling
+from serve.api.chat_template import render_chat
+from serve.api.server import create_app
+from serve.engine import core as engine_lib, errors, outputs
+from serve.engine.stream import RequestStream
 from training.tokenizer import ByteTokenizer, HFTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,8 +84,8 @@ class FakeEngine:
     params.validate(self.vocab_size)
     with self._lock:
       if len(self._live) >= self.max_waiting:
-        raise engine_lib.QueueFull(f'{len(self._live)} requests are already waiting')
-      stream = engine_lib.RequestStream(request_id, list(prompt_ids), self)
+        raise errors.QueueFull(f'{len(self._live)} requests are already waiting')
+      stream = RequestStream(request_id, list(prompt_ids), self)
       self.seeds.append(params.seed)
       self.params.append(params)
       self.prompts.append(list(prompt_ids))
@@ -98,7 +100,7 @@ class FakeEngine:
       self._put(item, [], True, 'abort')
 
   def stats(self):
-    return engine_lib.EngineStats(self.held, 0, self.held / 10, 0, 0, 0, 0, {})
+    return outputs.EngineStats(self.held, 0, self.held / 10, 0, 0, 0, 0, {})
 
   def health(self):
     return None   # the fake's loop never dies
@@ -112,13 +114,13 @@ class FakeEngine:
 
   def _put(self, item, tokens, finished, reason):
     stream, prompt, params, _ = item
-    logprobs = ([engine_lib.TokenLogprob(t, -0.5, [(t, -0.5)] * (params.logprobs or 0))
+    logprobs = ([outputs.TokenLogprob(t, -0.5, [(t, -0.5)] * (params.logprobs or 0))
                  for t in tokens] if params.logprobs is not None else None)
     scores = None   # asked for: on the first output, prompt token i's logprob -i / 100
     if params.prompt_logprobs is not None and item[3] == 1:
-      scores = [None] + [engine_lib.TokenLogprob(t, -i / 100, [(t, -i / 100)], 1)
+      scores = [None] + [outputs.TokenLogprob(t, -i / 100, [(t, -i / 100)], 1)
                          for i, t in enumerate(prompt[1:], 1)]
-    stream.put(engine_lib.RequestOutput(
+    stream.put(outputs.RequestOutput(
         stream.request_id, tokens, ByteTokenizer().decode(tokens), logprobs, finished,
         reason, len(prompt), item[3], prompt_logprobs=scores))
 
@@ -321,7 +323,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(fake_server, fake):
   client.chat.completions.create(model='fake', messages=[{'role': 'user', 'content': 'hi'}],
                                  max_tokens=1, extra_body={'truncate_prompt_tokens': 4})
   assert fake.prompts[-1] == list(b'nt: ')   # "...assistant: "
-  assert sp_lib.truncate_prompt([1, 2, 3], {'truncate_prompt_tokens': -1}, 2) == [2, 3]
+  assert openai_sampling.truncate_prompt([1, 2, 3], {'truncate_prompt_tokens': -1}, 2) == [2, 3]
   # Truncated before the context check: a prompt longer than the context (64) runs.
   client.completions.create(model='fake', prompt='x' * 100 + 'end', max_tokens=1,
                             extra_body={'truncate_prompt_tokens': 3})
@@ -610,7 +612,7 @@ class _BrokenEngine(FakeEngine):
     stream = super().add_request(prompt_ids, params, request_id)
     if self.mode == 'stream':
       return _BrokenStream(stream)
-    stream.put(engine_lib.RequestOutput(request_id, [], '', None, False, None,
+    stream.put(outputs.RequestOutput(request_id, [], '', None, False, None,
                                         len(prompt_ids), 0))
     stream.put(object())
     return stream
@@ -995,13 +997,13 @@ def _metric_values(server) -> dict:
 
 
 def test_stats_line_reports_rates_since_the_last_one_and_is_quiet_when_idle():
-  from serve.metrics import StatsLogger  # pylint: disable=import-outside-toplevel
+  from serve.api.metrics import StatsLogger  # pylint: disable=import-outside-toplevel
   snapshots = iter([
-      engine_lib.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}),
-      engine_lib.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}),            # idle: no line
-      engine_lib.EngineStats(3, 1, 0.25, 200, 50, 200, 40, {}),     # 2 s later
-      engine_lib.EngineStats(0, 0, 0.0, 200, 50, 200, 60, {}, 2),   # 4 s later
-      engine_lib.EngineStats(0, 0, 0.0, 200, 50, 200, 60, {}, 2)])  # idle again
+      outputs.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}),
+      outputs.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}),            # idle: no line
+      outputs.EngineStats(3, 1, 0.25, 200, 50, 200, 40, {}),     # 2 s later
+      outputs.EngineStats(0, 0, 0.0, 200, 50, 200, 60, {}, 2),   # 4 s later
+      outputs.EngineStats(0, 0, 0.0, 200, 50, 200, 60, {}, 2)])  # idle again
   times = iter([0.0, 1.0, 3.0, 7.0, 9.0])
   fake = type('E', (), {'stats': lambda self: next(snapshots)})()
   logger = StatsLogger(fake, clock=lambda: next(times))
@@ -1016,25 +1018,25 @@ def test_stats_line_reports_rates_since_the_last_one_and_is_quiet_when_idle():
 
 
 def test_preemptions_are_a_counter(fake, monkeypatch):
-  from serve.metrics import ServerMetrics  # pylint: disable=import-outside-toplevel
+  from serve.api.metrics import ServerMetrics  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(fake, 'stats',
-                      lambda: engine_lib.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}, 7))
+                      lambda: outputs.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}, 7))
   text = ServerMetrics(fake).render().decode()
   assert 'meshlm:num_preemptions_total 7.0' in text.splitlines()
 
 
 def test_speculative_decoding_counters_and_stats_line(fake, monkeypatch):
-  from serve.metrics import ServerMetrics, StatsLogger  # pylint: disable=import-outside-toplevel
+  from serve.api.metrics import ServerMetrics, StatsLogger  # pylint: disable=import-outside-toplevel
   spec = dict(spec_decode_num_drafts=10, spec_decode_num_draft_tokens=40,
               spec_decode_num_accepted_tokens=30,
               spec_decode_num_accepted_tokens_per_pos=(10, 9, 7, 4))
-  stats = iter([engine_lib.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}),
-                engine_lib.EngineStats(1, 0, 0.1, 0, 0, 0, 40, {}, **spec)])
+  stats = iter([outputs.EngineStats(0, 0, 0.0, 0, 0, 0, 0, {}),
+                outputs.EngineStats(1, 0, 0.1, 0, 0, 0, 40, {}, **spec)])
   fake_stats = type('E', (), {'stats': lambda self: next(stats)})()
   logger = StatsLogger(fake_stats, clock=iter([0.0, 2.0]).__next__)
   assert logger.line().endswith('; drafts accepted 75.0% of 40 tokens, 4.00 tokens a draft '
                                 'step.')
-  monkeypatch.setattr(fake, 'stats', lambda: engine_lib.EngineStats(
+  monkeypatch.setattr(fake, 'stats', lambda: outputs.EngineStats(
       0, 0, 0.0, 0, 0, 0, 0, {}, **spec))
   text = ServerMetrics(fake).render().decode().splitlines()
   for name in ('spec_decode_num_drafts', 'spec_decode_num_draft_tokens',
@@ -1076,7 +1078,7 @@ def test_metrics_count_what_was_served(real_server, real_engine):
 def hf_server(tmp_path_factory):
   """A small random Llama saved by transformers, with a word-level tokenizer.json."""
   from serve.config import ServeConfig  # pylint: disable=import-outside-toplevel
-  from serve.hf_llama import load_hf_model  # pylint: disable=import-outside-toplevel
+  from serve.load.hf_model import load_hf_model  # pylint: disable=import-outside-toplevel
   from tests import test_serve_hf  # pylint: disable=import-outside-toplevel
   path = tmp_path_factory.mktemp('hf_llama')
   test_serve_hf.save_llama(path)
@@ -1123,7 +1125,7 @@ def test_hf_tokenizer_keeps_word_spacing_when_streamed(hf_server):
 SUBPROCESS_SERVER = '''
 import sys
 from serve.__main__ import run
-from serve.server import create_app
+from serve.api.server import create_app
 from tests.test_serve_server import FakeEngine, FakeServed
 engine = FakeEngine(step_s=0.05)
 run(create_app(engine, FakeServed()), engine, host='127.0.0.1', port=int(sys.argv[1]),
@@ -1315,10 +1317,10 @@ def test_the_drain_aborts_a_request_submitted_after_it_began(fake, monkeypatch):
 DYING_SERVER = '''
 import sys
 from serve.__main__ import run
+from serve.api.server import create_app
 from serve.config import ServeConfig
-from serve.engine import Engine
-from serve.loader import load_checkpoint
-from serve.server import create_app
+from serve.engine.core import Engine
+from serve.load.checkpoint import load_checkpoint
 class Fatal(BaseException):
   pass
 served = load_checkpoint(sys.argv[1])

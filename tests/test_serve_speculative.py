@@ -15,14 +15,16 @@ import numpy as np
 import pytest
 
 import model
-from serve import engine as engine_module
 from serve.config import ServeConfig
-from serve.engine import Engine
-from serve.kv_cache_manager import KVCacheManager
-from serve.request import Request, RequestStatus
+from serve.engine import loop as engine_loop
+from serve.engine.core import Engine
+from serve.engine.kv_cache_manager import KVCacheManager
+from serve.engine.request import Request, RequestStatus
+from serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from serve.engine.tracked import TrackedRequest
 from serve.sampling_params import SamplingParams
-from serve.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from serve.speculative import SpeculativeConfig, parse_speculative_config, propose_ngram
+from serve.spec.config import SpeculativeConfig, parse_speculative_config
+from serve.spec.ngram import propose_ngram
 from sharding import compile_cache
 from tests.test_paged_forward import LOGITS_TOL, Chunk, Out, err, tiny_cfg, tiny_runner
 from tests.test_serve_engine import make_prompts
@@ -233,7 +235,7 @@ def test_rejected_draft_tokens_never_reach_the_prefix_cache():
 def test_a_guide_follows_a_draft_as_far_as_it_allows_and_comes_back(tiny_served, kind):
   """draft_words: the allowed set before the draft and after each token the guide
   takes, stopping at the first it refuses or an end id; the guide is where it was."""
-  from serve import guided  # pylint: disable=import-outside-toplevel
+  from serve.structured import guided  # pylint: disable=import-outside-toplevel
   tok, eos = tiny_served.tokenizer, tiny_served.eos_token_ids
   guides = guided.GuidedDecoding(tok, eos)
   make = {'regex': lambda: guides.guide('(ab)+c'),
@@ -346,7 +348,7 @@ def run_both(engines, prompts, params, monkeypatch, wrong=0.25):
   plain, spec = engines
   want = plain.generate(prompts, params)
   oracle = Oracle(prompts, [r.token_ids for r in want], wrong)
-  monkeypatch.setattr(engine_module, 'propose_ngram', oracle)
+  monkeypatch.setattr(engine_loop, 'propose_ngram', oracle)
   before = spec_stats(spec)
   got = spec.generate(prompts, params)
   return want, got, spec_stats(spec) - before
@@ -432,7 +434,7 @@ def test_structured_output_with_drafts_equals_plain_decoding(engines, prompts, m
   """A guide follows each draft as far as it allows: row j may draw what the guide
   allows after the draft's first j tokens. Greedy and seeded outputs are plain
   decoding's, for a choice, a regular expression, a JSON schema and a grammar."""
-  from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
+  from serve.api.openai_sampling import from_openai  # pylint: disable=import-outside-toplevel
   from tests.test_serve_engine import GUIDED, LISTS_GRAMMAR  # pylint: disable=import-outside-toplevel
   _, spec = engines
   asks = []
@@ -450,8 +452,8 @@ def test_structured_output_with_drafts_equals_plain_decoding(engines, prompts, m
 def test_a_guide_that_cannot_look_ahead_takes_no_draft_token(engines, prompts, monkeypatch):
   """draft_words failing (llguidance refusing to copy its parser, say) costs that step's
   draft only: the outputs are still plain decoding's."""
-  from serve import guided  # pylint: disable=import-outside-toplevel
-  from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
+  from serve.api.openai_sampling import from_openai  # pylint: disable=import-outside-toplevel
+  from serve.structured import guided  # pylint: disable=import-outside-toplevel
 
   def refuse(self, draft, end_ids=()):
     raise ValueError('cannot look ahead')
@@ -468,7 +470,7 @@ def test_a_guide_failing_mid_stream_fails_its_request_only(engines, prompts):
   """A token the guide cannot follow ends that request ('error') when its output goes
   out, which is while its next step runs: the other requests of that step go on, each
   with the tokens it gets alone (its own logits rows, not its neighbour's)."""
-  from serve.sampling_params import from_openai  # pylint: disable=import-outside-toplevel
+  from serve.api.openai_sampling import from_openai  # pylint: disable=import-outside-toplevel
   plain, _ = engines
   ask = from_openai({'guided_regex': '[a-z]{30}', 'max_tokens': 20, 'temperature': 0},
                     plain.vocab_size)
@@ -513,8 +515,7 @@ def test_min_tokens_ends_a_draft_row_past_it_as_plain_decoding_does(engines, pro
 
 def test_a_draft_rows_bans_see_the_draft_before_it():
   req = Request('r', [1, 2], SamplingParams(min_tokens=3), 9, 0.0, output_token_ids=[5])
-  t = engine_module._Tracked(   # pylint: disable=protected-access
-      req, None, None, None, bad_words=[[116, 104], [7]])
+  t = TrackedRequest(req, None, None, None, bad_words=[[116, 104], [7]])
   assert sorted(t.constraints()[0]) == [7, 9]               # eos before min_tokens
   assert sorted(t.constraints((116,))[0]) == [7, 9, 104]    # 'th' would complete
   assert sorted(t.constraints((116, 3))[0]) == [7]          # 3 outputs: eos allowed
@@ -523,7 +524,7 @@ def test_a_draft_rows_bans_see_the_draft_before_it():
 def test_warmup_covers_draft_steps(varied, prompts, monkeypatch):
   """With drafts a step samples up to max_num_seqs x (1 + num_speculative_tokens) rows:
   after warm-up, greedy and sampled draft steps compile no step or sampler program."""
-  from serve import sampler  # pylint: disable=import-outside-toplevel
+  from serve.worker import sampler  # pylint: disable=import-outside-toplevel
   sampler._sample_rows.clear_cache()   # pylint: disable=protected-access
   cfg = ServeConfig(num_blocks=60, max_num_seqs=4, max_num_batched_tokens=32, warmup=True,
                     speculative_config=NGRAM)
@@ -531,7 +532,7 @@ def test_warmup_covers_draft_steps(varied, prompts, monkeypatch):
     steps, programs = eng.runner.num_compiles, sampler._sample_rows._cache_size()  # pylint: disable=protected-access
     built = compile_cache.programs()   # any program: the sampler's row cuts too
     outputs = [[(t + 1) % 256 for t in range(i, i + 40)] for i in range(4)]
-    monkeypatch.setattr(engine_module, 'propose_ngram', Oracle(prompts[:4], outputs, 0.0))
+    monkeypatch.setattr(engine_loop, 'propose_ngram', Oracle(prompts[:4], outputs, 0.0))
     for kind in (dict(temperature=0.0), dict(temperature=1.0, seed=1)):
       eng.generate(prompts[:4], SamplingParams(max_tokens=20, ignore_eos=True, **kind))
     assert eng.stats().spec_decode_num_draft_tokens >= 8 * 4 * 2

@@ -28,10 +28,12 @@ import numpy as np
 import pytest
 
 import model
-from serve import engine as engine_module
+from serve.api.openai_sampling import from_openai
 from serve.config import ServeConfig
-from serve.engine import Engine
-from serve.sampling_params import SamplingParams, from_openai
+from serve.engine import loop as engine_loop
+from serve.engine.core import Engine
+from serve.engine.outputs import collect
+from serve.sampling_params import SamplingParams
 from tests.test_serve_engine import GUIDED, make_prompts
 
 STRESS_SEEDS = 3
@@ -193,7 +195,7 @@ def read(eng, stream, plan: Plan, sink: list, started: threading.Event):
       eng.abort(stream.request_id)
     if len(outs) == plan.disconnect_at:
       stream.abort()
-  sink.append(engine_module.collect(stream.request_id, plan.prompt, outs))
+  sink.append(collect(stream.request_id, plan.prompt, outs))
 
 
 def run_mix(eng, plans: list[Plan], step_fails_at: int):
@@ -280,7 +282,7 @@ def run_seed(eng, seed: int, cache: dict, monkeypatch) -> dict:
   plans = random_mix(seed, eng.vocab_size)
   wait_at_rest(eng)
   want = [solo(eng, p, cache) for p in plans]
-  monkeypatch.setattr(engine_module, 'propose_ngram',
+  monkeypatch.setattr(engine_loop, 'propose_ngram',
                       Oracle([p.prompt + w.token_ids for p, w in zip(plans, want)], seed))
   before = eng.stats()
   got, fired, step_failed = run_mix(eng, plans, int(np.random.default_rng(seed).integers(2, 8)))

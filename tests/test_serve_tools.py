@@ -1,5 +1,5 @@
-"""Tool calling (serve/tools.py): the request's tools and tool_choice, the output parsers,
-and the server end to end on the shared tiny model.
+"""Tool calling (serve/api/tools.py, serve/api/tool_parsers.py): the request's tools and
+tool_choice, the output parsers, and the server end to end on the shared tiny model.
 
 The parsers are checked against the calls a text was built from, over random chunkings
 (what a stream delivers) and cut short at every length (max_tokens). End to end, a named
@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from serve import tools
+from serve.api import tool_parsers, tools
+from serve.api.server import create_app
 from serve.sampling_params import SamplingParamsError
-from serve.server import create_app
 from tests.test_serve_server import (  # pylint: disable=unused-import
     FakeEngine, FakeServed, ServerThread, _assert_at_rest, _client, real_engine)
 
@@ -112,7 +112,7 @@ def test_neutral_deprecated_fields_pass_and_defs_move_to_the_root():
   assert '$defs' not in schema['items']['anyOf'][1]['properties']['parameters']
   assert city['parameters']['$defs']   # the request's own schema untouched
   import re  # pylint: disable=import-outside-toplevel
-  from serve import guided  # pylint: disable=import-outside-toplevel
+  from serve.structured import guided  # pylint: disable=import-outside-toplevel
   regex = guided.json_schema_regex(schema, 'tools')
   assert re.fullmatch(regex, '[{"name":"city","parameters":{"c":"Rome"}}]')
   assert not re.fullmatch(regex, '[{"name":"city","parameters":{"c":"Oslo"}}]')
@@ -136,7 +136,7 @@ def _run(parser, text: str, rng: random.Random | None) -> tuple[str, list]:
   """(content, [(name, arguments)]) from the parser's deltas, fed in random pieces."""
   cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12)))) \
       if rng and len(text) > 1 else []
-  delta = tools.Delta()
+  delta = tool_parsers.Delta()
   for a, b in zip([0] + cuts, cuts + [len(text)]):
     delta += parser.feed(text[a:b])
   delta += parser.finish()
@@ -190,12 +190,12 @@ HERMES_CASES = [   # text, content, calls
 def test_hermes_parser_in_any_chunking(text, content, calls):
   rng = random.Random(text)
   for trial in range(20):
-    assert _run(tools.HermesParser(), text, rng if trial else None) == (content, calls)
+    assert _run(tool_parsers.HermesParser(), text, rng if trial else None) == (content, calls)
 
 
 def test_hermes_without_parallel_calls_keeps_the_first():
   text = 'x ' + _hermes('f', {'a': 1}) + _hermes('g', {}) + ' y'
-  content, calls = _run(tools.HermesParser(parallel=False), text, None)
+  content, calls = _run(tool_parsers.HermesParser(parallel=False), text, None)
   assert calls == [('f', '{"a": 1}')] and content == 'x y'
 
 
@@ -254,8 +254,8 @@ PYTHONIC_CASES = [   # text, content, calls
 
 
 @pytest.mark.parametrize('parser, text, content, calls',
-                         [(tools.Llama3JsonParser, *c) for c in LLAMA_CASES]
-                         + [(tools.PythonicParser, *c) for c in PYTHONIC_CASES])
+                         [(tool_parsers.Llama3JsonParser, *c) for c in LLAMA_CASES]
+                         + [(tool_parsers.PythonicParser, *c) for c in PYTHONIC_CASES])
 def test_json_and_pythonic_parsers_in_any_chunking(parser, text, content, calls):
   rng = random.Random(text)
   for trial in range(20):
@@ -272,12 +272,12 @@ def test_required_parser_in_any_chunking_and_cut_anywhere():
   want = [(i['name'], json.dumps(i['parameters'])) for i in items]
   rng = random.Random(0)
   for trial in range(30):
-    assert _run(tools.RequiredParser(), text, rng if trial else None) == ('', want)
+    assert _run(tool_parsers.RequiredParser(), text, rng if trial else None) == ('', want)
   # Cut at every length: the elements closed so far are calls, an open one is content.
   starts = [text.index(json.dumps(i)) for i in items]
   ends = [s + len(json.dumps(i)) for s, i in zip(starts, items)]
   for cut in range(len(text)):
-    content, calls = _run(tools.RequiredParser(), text[:cut], rng)
+    content, calls = _run(tool_parsers.RequiredParser(), text[:cut], rng)
     done = sum(end <= cut for end in ends)
     assert calls == want[:done], cut
     opened = done < len(items) and starts[done] < cut
@@ -285,9 +285,9 @@ def test_required_parser_in_any_chunking_and_cut_anywhere():
 
 
 def test_named_parser_streams_the_arguments():
-  parser = tools.NamedParser('get_weather')
+  parser = tool_parsers.NamedParser('get_weather')
   pieces = ['{"ci', 'ty": ', '', '"Rome"}']
-  delta = tools.Delta()
+  delta = tool_parsers.Delta()
   for p in pieces:
     delta += parser.feed(p)
   delta += parser.finish()
@@ -295,7 +295,7 @@ def test_named_parser_streams_the_arguments():
       ('get_weather', '{"city": "Rome"}')]
   assert [bool(item.get('id')) for item in delta.tool_calls] == [True, False, False]
   # An empty output is still the call (finish_reason tells it was cut).
-  assert _calls_of(tools.NamedParser('f').finish().tool_calls) == [('f', '')]
+  assert _calls_of(tool_parsers.NamedParser('f').finish().tool_calls) == [('f', '')]
 
 
 # ------------------------------------------------------------------ the server

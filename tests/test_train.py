@@ -147,7 +147,7 @@ def test_evaluation_reports_the_held_out_loss(tmp_path, cache_dir, capsys, monke
   evaluations after steps 3, 6 and the last, in metrics.jsonl, TensorBoard and on the
   console; the last equals a float64 numpy loss of the saved step-7 weights over the same
   held-out windows (the end of the training data, which training never reads)."""
-  from serve.loader import load_checkpoint  # pylint: disable=import-outside-toplevel
+  from serve.load.checkpoint import load_checkpoint  # pylint: disable=import-outside-toplevel
   from training import data  # pylint: disable=import-outside-toplevel
   cfg = tiny(tmp_path, cache_dir, steps=7, eval__every_steps=3, eval__batches=2,
              mesh__data=2, mesh__fsdp=2, mesh__tensor=2, parallel__zero_stage=3,
@@ -182,7 +182,7 @@ def test_evaluation_under_pipeline_and_context_parallelism(tmp_path, cache_dir):
   """The eval step is the training loss's forward on the run's own mesh: with 2 pipeline
   stages, and with the context split in 2 (its load-balance reorder), the evaluation
   after the last step equals the float64 loss of the saved weights."""
-  from serve.loader import load_checkpoint  # pylint: disable=import-outside-toplevel
+  from serve.load.checkpoint import load_checkpoint  # pylint: disable=import-outside-toplevel
   from training import data  # pylint: disable=import-outside-toplevel
   for name, mesh in (('pipeline', {'mesh__stage': 2, 'mesh__data': 4}),
                      ('context', {'mesh__context': 2, 'mesh__data': 4})):
@@ -213,7 +213,7 @@ def test_fine_tuning_starts_from_hugging_face_weights(tmp_path, cache_dir, tiny_
   and its first loss is the float64 loss of those weights on its first batch; a rerun
   resumes from its own checkpoint without reading the directory again."""
   from serve import hf_export  # pylint: disable=import-outside-toplevel
-  from serve.loader import load_checkpoint  # pylint: disable=import-outside-toplevel
+  from serve.load.checkpoint import load_checkpoint  # pylint: disable=import-outside-toplevel
   from training import data  # pylint: disable=import-outside-toplevel
   released = str(tmp_path / 'released')
   hf_export.export(tiny_workdir, released)

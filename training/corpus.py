@@ -13,8 +13,8 @@ import sysconfig
 
 from rich import progress
 
-from training import data
 from training import tokenizer as tokenizer_lib
+from training import token_files
 
 # Installed third-party packages live inside the stdlib folder on some systems.
 _SKIP_DIRS = {'site-packages', 'dist-packages', '__pycache__'}
@@ -40,7 +40,7 @@ def default_corpus(cfg) -> str:
 
 def _complete(path: str) -> bool:
   # The sidecar is renamed into place last, so its presence means the .bin is whole.
-  return os.path.isfile(path) and os.path.isfile(data.sidecar(path))
+  return os.path.isfile(path) and os.path.isfile(token_files.sidecar(path))
 
 
 @contextlib.contextmanager
@@ -84,6 +84,6 @@ def _build(path: str, tok, max_bytes: int) -> None:
         yield tok.encode(source.read_bytes().decode('utf-8', errors='replace'))
         bar.advance(task)
 
-    meta = data.write_token_file(path, docs(), tok)
+    meta = token_files.write_token_file(path, docs(), tok)
   print(f'Default corpus: {meta["num_documents"]} files, {meta["num_tokens"]:,} tokens '
         f'-> {path}')

@@ -4,12 +4,11 @@ Per-row settings travel as arrays, so one program serves any mix of greedy, temp
 top-k, top-p and min-p rows; programs differ only by the row bucket (a power of two), by
 which filters some row uses and by whether any row wants top logprobs.
 
-Before them the logits are adjusted as vLLM does (`adjusted_logits`): logit_bias, then the
-repetition, frequency and presence penalties, from each row's prompt and output tokens,
-then the tokens a row may not draw (eos and stop ids before its min_tokens; those outside
-its guided output's allowed set) go to -inf; greedy rows take the argmax of the adjusted
-logits. Filters apply in the order Hugging
-Face applies them: temperature, top-k, top-p (on the top-k survivors, renormalised), min-p
+Before them the logits are adjusted as vLLM does (serve/worker/logits_adjust.py):
+logit_bias, then the repetition, frequency and presence penalties, from each row's prompt
+and output tokens, then the tokens a row may not draw (eos and stop ids before its
+min_tokens; those outside its guided output's allowed set) go to -inf; greedy rows take
+the argmax of the adjusted logits. Filters apply in the order Hugging Face applies them: temperature, top-k, top-p (on the top-k survivors, renormalised), min-p
 (relative to the most likely token, so it commutes with the others). Tokens tied with the last kept one are kept. Logprobs are the "raw"
 ones (vLLM's default): log_softmax of the unmodified logits over the real vocabulary, so
 they describe the model, not the sampling settings.
@@ -26,8 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serve.penalties import PenaltyRow, PenaltyState, stored_rows
 from serve.sampling_params import GREEDY_BELOW, MAX_LOGPROBS, SamplingParams
+from serve.worker.logits_adjust import adjust_arrays, adjusted_logits, row_bucket
+from serve.worker.penalties import PenaltyRow, PenaltyState
 
 FEW_TOP_K = 256     # top-k up to this many works on lax.top_k's candidates, not a bisection
 
@@ -44,7 +44,7 @@ class SampleResult:
 
 class Sampler:
   """The engine's sampler: `sample`, the RNG that seeds requests without a seed, and the
-  penalties' per-request state (serve/penalties.py)."""
+  penalties' per-request state (serve/worker/penalties.py)."""
 
   def __init__(self, seed: int | None = None):
     self._rng = np.random.default_rng(seed)
@@ -119,17 +119,12 @@ def prepare(logits: jax.Array, params: list[SamplingParams], steps: list[int],
   if given != rows:   # (a slice of all rows would still be a dispatch)
     logits = logits[:rows] if given > rows else jnp.pad(logits, ((0, rows - given), (0, 0)))
   want_top = any(p.logprobs for p in params)
-  adjust = _adjust_arrays(params, history, rows, vocab_size, banned, allowed, requests,
-                          penalties)
+  adjust = adjust_arrays(params, history, rows, vocab_size, banned, allowed, requests,
+                         penalties)
   return Prepared(params, (logits, *row_args, adjust),
                   dict(vocab_size=vocab_size, filters=_filters(params, vocab_size),
                        logprobs=any(p.logprobs is not None for p in params),
                        top_n=min(MAX_LOGPROBS, vocab_size) if want_top else 0))
-
-
-def row_bucket(n: int) -> int:
-  """The rows a sample of n rows runs as (a power of two): its program's size."""
-  return 1 << max(0, n - 1).bit_length()
 
 
 def _filters(params: list[SamplingParams], vocab_size: int) -> tuple[int, bool] | None:
@@ -175,115 +170,6 @@ def _row_arrays(params, steps, rng, rows, vocab_size):
           column([p.top_p for p in params], 1.0, np.float32),
           column([p.min_p for p in params], 0.0, np.float32),
           _key_data(params, rng, rows), column(list(steps), 0, np.int32))
-
-
-def _adjust_arrays(params, history, rows, vocab_size, banned=None, allowed=None,
-                   requests=None, penalties=None) -> dict | None:
-  """adjusted_logits' arguments for the rows (None: no row adjusts its logits). Token ids
-  are padded with vocab_size, which the scatters drop, to a power-of-two width (>= 16):
-  one program per width, not per length."""
-  ban = banned is not None and any(len(b) for b in banned)
-  guide = allowed is not None and any(a is not None for a in allowed)
-  if not ban and not guide and not any(p.adjusts_logits for p in params):
-    return None
-  pad = rows - len(params)
-  repeat = any(p.repetition_penalty != 1 for p in params)
-  count = any(p.counts_output for p in params)
-  stored = requests is not None and (repeat or count)
-  if stored and len(requests) != len(params):
-    raise ValueError(f'sample: requests has {len(requests)} PenaltyRows for {len(params)} '
-                     'rows; give one per row (a draft\'s rows each name its request)')
-  if stored and penalties is None:
-    raise ValueError('sample: requests need the PenaltyState that keeps their counts: pass '
-                     'penalties=, or call a Sampler (it passes its own)')
-  if (repeat or count) and not stored and (history is None or len(history) != len(params)):
-    raise ValueError('sample: penalties need each row\'s (prompt ids, output ids) history, '
-                     'or its PenaltyRow (requests)')
-
-  def column(values, fill):
-    return np.asarray(list(values) + [fill] * pad, np.float32)
-
-  def padded(lists, fill=vocab_size, dtype=np.int32):
-    width = max(16, row_bucket(max(map(len, lists))))
-    out = np.full((rows, width), fill, dtype)
-    for i, values in enumerate(lists):
-      out[i, :len(values)] = values
-    return out
-
-  adjust = penalties.arrays(params, requests, rows, vocab_size) if stored else {}
-  if count:
-    adjust['presence'] = column((p.presence_penalty for p in params), 0.0)
-    adjust['frequency'] = column((p.frequency_penalty for p in params), 0.0)
-  if repeat:
-    adjust['repetition'] = column((p.repetition_penalty for p in params), 1.0)
-  if count and not stored:
-    adjust['output'] = padded([h[1] if p.counts_output else () for p, h in zip(params, history)])
-  if repeat and not stored:
-    adjust['seen'] = padded([list(h[0]) + list(h[1]) if p.repetition_penalty != 1 else ()
-                             for p, h in zip(params, history)])
-  if any(p.logit_bias for p in params):
-    adjust['bias_ids'] = padded([list(p.logit_bias) for p in params])
-    adjust['bias'] = padded([list(p.logit_bias.values()) for p in params], 0.0, np.float32)
-  if ban:
-    if len(banned) != len(params):
-      raise ValueError(f'sample: banned must have one list per row ({len(params)}), got '
-                       f'{len(banned)}')
-    adjust['banned'] = padded([list(b) for b in banned])
-  if guide:   # 32 tokens a word: 1/32 of a bool mask to send each step
-    words = np.full((rows, -(-vocab_size // 32)), 0xFFFFFFFF, np.uint32)
-    for i, a in enumerate(allowed):
-      if a is not None:
-        words[i] = a
-    adjust['allowed'] = words
-  return adjust or None
-
-
-def adjusted_logits(logits, output=None, presence=None, frequency=None, seen=None,
-                    repetition=None, bias_ids=None, bias=None, banned=None, allowed=None,
-                    seen_table=None, seen_slot=None, count_table=None, count_slot=None,
-                    ahead=None):
-  """logits [N, V] after logit_bias (bias_ids, bias [N, B]), the repetition penalty over
-  the tokens in `seen` [N, S], the frequency and presence penalties over the tokens of
-  `output` [N, O] (penalties [N]), and -inf for the tokens in `banned` [N, K] and those
-  whose bit is 0 in `allowed` [N, ceil(V / 32)] (unpack_bits); ids >= V are padding.
-  Instead of seen and output, the penalties may read PenaltyState's tables: row i's
-  seen_table[seen_slot[i]] and count_table[count_slot[i]] plus its draft prefix ahead[i]."""
-  logits, rows = jnp.asarray(logits), jnp.arange(logits.shape[0])[:, None]
-  if bias_ids is not None:
-    logits = logits.at[rows, bias_ids].add(bias, mode='drop')
-  if seen_table is not None:
-    seen_mask = stored_rows(seen_table, seen_slot, ahead)
-  elif seen is not None:
-    seen_mask = jnp.zeros(logits.shape, bool).at[rows, seen].set(True, mode='drop')
-  if seen is not None or seen_table is not None:
-    r = repetition[:, None]
-    logits = jnp.where(seen_mask, jnp.where(logits > 0, logits / r, logits * r), logits)
-  if count_table is not None:
-    counts = stored_rows(count_table, count_slot, ahead).astype(jnp.float32)
-  elif output is not None:
-    counts = jnp.zeros(logits.shape, jnp.float32).at[rows, output].add(1.0, mode='drop')
-  if output is not None or count_table is not None:
-    logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
-  if banned is not None:
-    logits = logits.at[rows, banned].set(-jnp.inf, mode='drop')
-  if allowed is not None:
-    logits = jnp.where(unpack_bits(allowed, logits.shape[1]), logits, -jnp.inf)
-  return logits
-
-
-def pack_bits(token_ids, vocab_size: int) -> np.ndarray:
-  """unpack_bits' inverse: [ceil(vocab_size / 32)] uint32 words with the ids' bits set."""
-  words = np.zeros(-(-vocab_size // 32), np.uint32)
-  ids = np.asarray(sorted(set(token_ids)), np.int64)
-  np.bitwise_or.at(words, ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32)))
-  return words
-
-
-def unpack_bits(words, vocab_size: int):
-  """[..., W] uint32 words -> [..., vocab_size] bool: token i is bit i % 32 of word
-  i // 32 (numpy or jax arrays)."""
-  ids = np.arange(vocab_size)
-  return (words[..., ids // 32] >> (ids % 32).astype(np.uint32)) & 1 == 1
 
 
 @functools.partial(jax.jit, static_argnames=('vocab_size', 'filters', 'logprobs', 'top_n'))
@@ -362,10 +248,6 @@ def _in_few_top_k_top_p(scaled, top_k, top_p, cap, use_top_p):
   cut = jnp.min(jnp.where(needed, values, jnp.inf), axis=-1, keepdims=True)
   return in_top_k & ((scaled >= cut) | (top_p[:, None] >= 1.0))
 
-
-# Otherwise top-k and top-p keep every token at least as likely as a per-row threshold
-# found by bisection over the float32 bit patterns (32 masked reductions per row, exact):
-# a sort of the vocabulary costs 30x more on CPU at 32k tokens.
 
 def _in_top_k(scaled, top_k):
   """Tokens whose logit is >= the k-th largest (ties at it kept); k <= 0 keeps all."""

@@ -12,7 +12,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import model
 from model.config import ModelConfig
-from serve.hf_llama import ServedModel, with_dtype
+from serve.load.hf_model import ServedModel, with_dtype
 from sharding.rules import REPLICATED
 from training import checkpoint
 from training.config import read_config_json

@@ -23,8 +23,8 @@ outputs (or finds them in the prefix cache) before sampling again.
 import collections
 import dataclasses
 
-from serve.kv_cache_manager import KVCacheManager
-from serve.request import Request, RequestStatus
+from serve.engine.kv_cache_manager import KVCacheManager
+from serve.engine.request import Request, RequestStatus
 
 
 @dataclasses.dataclass

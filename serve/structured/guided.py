@@ -34,9 +34,9 @@ import threading
 
 import numpy as np
 
-from serve.sampler import pack_bits, unpack_bits
 from serve.sampling_params import SamplingParamsError
-from serve.speculative import MAX_SPECULATIVE_TOKENS
+from serve.spec.config import MAX_SPECULATIVE_TOKENS
+from serve.worker.logits_adjust import pack_bits, unpack_bits
 from training.tokenizer import bytes_to_unicode
 
 # Compiled expressions kept per engine: json_object's takes ~170 MB at a 128K vocabulary.

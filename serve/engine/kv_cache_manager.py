@@ -5,8 +5,8 @@ token order) and the chained hashes of its full blocks. It decides nothing about
 runs: the scheduler asks for room and acts on the answer.
 """
 
-from serve.block_pool import BlockHash, BlockPool, KVBlock, hash_request_blocks
-from serve.request import Request
+from serve.engine.block_pool import BlockHash, BlockPool, KVBlock, hash_request_blocks
+from serve.engine.request import Request
 
 
 def _cdiv(a: int, b: int) -> int:

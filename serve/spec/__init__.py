@@ -1,0 +1,1 @@
+"""Speculative decoding: its configuration and n-gram drafts."""

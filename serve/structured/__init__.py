@@ -1,0 +1,1 @@
+"""Structured output: regular expressions and grammars as per-token allowed sets."""
