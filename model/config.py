@@ -43,6 +43,16 @@ class ModelConfig:
   """Llama-3 RoPE scaling: wavelengths below original_max_len / this are kept."""
   norm_eps: float = 1e-5
   """RMSNorm epsilon."""
+  qkv_bias: bool = False
+  """A learned bias on the query, key and value projections (Qwen2/2.5); none on the output."""
+  qk_norm: bool = False
+  """RMSNorm (norm_eps, a learned scale of head_dim) on each query and key head before RoPE
+  (Qwen3)."""
+  hf_architecture: str = ''
+  """The Hugging Face architecture `python -m serve.hf_export` writes (init_from_hf sets the
+  directory's: model/hf.py's FAMILIES); '': the one the fields give (LlamaForCausalLM,
+  Qwen2ForCausalLM with qkv_bias, Qwen3ForCausalLM with qk_norm, MixtralForCausalLM with
+  experts). It changes nothing the model computes."""
   tie_embeddings: bool = True
   """Use the embedding table as the output head (no separate lm_head)."""
   dtype: str = 'float32'

@@ -131,9 +131,9 @@ def layer_pages(cache: KVCache, index, batch: PagedBatch, impl: str):
   return pool[0], pool[1], (batch.kv_lens, offset, batch.cu_q_lens, batch.num_seqs)
 
 
-def paged_attention_layer(x, layer, index, cache, batch, rope, impl, plan):
+def paged_attention_layer(x, layer, index, cache, batch, cfg, rope, impl, plan):
   """x [1, T, d] -> (attention output [1, T, d], cache with this layer's K/V written)."""
-  q, k, v = project_qkv(x, layer, rope, plan)
+  q, k, v = project_qkv(x, layer, cfg, rope, plan)
   cache = write_kv(cache, index, k[0], v[0], batch.slots)
   k_pages, v_pages, meta = layer_pages(cache, index, batch, impl)
   out = paged_attend(q[0], k_pages, v_pages, meta, impl, plan)
@@ -167,7 +167,8 @@ def paged_forward(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelC
   def body(carry, layer_and_index):
     x, cache = carry
     layer, index = layer_and_index
-    attend = lambda h: paged_attention_layer(h, layer, index, cache, batch, rope, impl, plan)
+    attend = lambda h: paged_attention_layer(h, layer, index, cache, batch, cfg, rope, impl,
+                                             plan)
     return residual_block(x, layer, cfg, plan, attend), None
 
   if isinstance(params.get('layers'), (list, tuple)):   # unstack_layers' form
