@@ -1,0 +1,109 @@
+"""Every family model/hf.py reads, end to end against transformers (the independent
+implementation): a random *ForCausalLM saved by transformers is served through the paged
+forward (prefill in chunks, then greedy decode) with its logits and tokens, fine-tuned
+from with init_from_hf (the first step's loss is transformers' loss on the same batch),
+and the run exported back to the same architecture, which transformers loads to the run's
+logits. The training forward's logits and greedy tokens are tests/test_serve_hf.py's
+test_logits_and_greedy_tokens_match_transformers, over the same CASES."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from serve import hf_export
+from serve.hf_llama import load_hf_model
+from serve.loader import load_checkpoint
+from tests.test_paged_forward import Chunk, Out, tiny_runner
+from tests.test_serve_hf import CASES, our_logits, save_hf, write_tokenizer
+from tests.test_train import cache_dir, tiny  # pylint: disable=unused-import
+from training import trainer
+
+# One case a family (tests/test_serve_hf.py's CASES).
+FAMILY_CASES = ('untied_gqa_sharded', 'mistral', 'mixtral_sharded', 'qwen2_tied',
+                'qwen3_head_dim')
+TOL = 1e-4   # float32 logits, absolute
+
+
+def hf_logits(hf, tokens) -> np.ndarray:
+  with torch.no_grad():
+    return hf(torch.as_tensor(np.asarray(tokens)[None])).logits[0].numpy()
+
+
+@pytest.mark.parametrize('case', FAMILY_CASES)
+def test_the_paged_serving_forward_prefills_in_chunks_and_decodes_as_transformers(
+    tmp_path, case):
+  """A 24-token prompt prefilled in chunks of 5, 7 and 12 tokens, then 8 tokens decoded
+  one a step by argmax, all in the paged KV cache: each step's logits equal transformers'
+  on the whole sequence at that position, and the tokens equal its greedy generate."""
+  hf = save_hf(tmp_path, **CASES[case])
+  write_tokenizer(tmp_path)
+  served = load_hf_model(str(tmp_path))
+  runner = tiny_runner(served.params, served.model_cfg)
+  blocks = list(range(16))   # 64 tokens of 4-token blocks
+  seq = [int(t) for t in np.random.default_rng(5).integers(0, 300, 24)]
+  got, start = [], 0
+  for n in (5, 7, 12):
+    got.append(np.asarray(runner.execute(Out([Chunk(seq[start:start + n], start, blocks)]))[0]))
+    start += n
+  for _ in range(8):
+    seq.append(int(np.argmax(got[-1])))
+    got.append(np.asarray(runner.execute(Out([Chunk(seq[-1:], len(seq) - 1, blocks)]))[0]))
+  want = hf_logits(hf, seq[:-1])   # the last token's logits were never asked for
+  rows = [4, 11] + list(range(23, len(seq) - 1))
+  assert np.abs(np.stack(got[:-1]) - want[rows]).max() < TOL
+  assert np.abs(got[-1] - hf_logits(hf, seq)[-1]).max() < TOL
+  hf.generation_config.eos_token_id = None   # eight tokens whatever they are
+  prompt = torch.as_tensor([seq[:24]])
+  with torch.no_grad():   # the mask given: generate takes id 0 in a prompt for padding
+    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
+                      do_sample=False, pad_token_id=0)
+  assert seq[24:] == out[0, 24:].tolist()
+
+
+@pytest.mark.parametrize('case', FAMILY_CASES)
+def test_a_training_step_from_init_from_hf_and_its_export_match_transformers(
+    tmp_path, cache_dir, case):  # pylint: disable=redefined-outer-name
+  """init_from_hf on a transformers-saved directory (a byte-level tokenizer): the run's
+  first loss is transformers' loss on the run's first batch; `python -m serve.hf_export`
+  of the run after that step writes the directory's architecture again, and
+  transformers loads it to the logits of the run's checkpoint."""
+  released = tmp_path / 'released'
+  hf = save_hf(released, **CASES[case])
+  (released / 'tokenizer.json').write_text(hf_export.byte_tokenizer_json())
+  overrides = dict(init_from_hf=str(released), steps=1, sample__num_tokens=0,
+                   optim__warmup_steps=0,   # else the one step's learning rate is 0
+                   data__pack_documents=False)   # transformers sees no document boundaries
+  if CASES[case].get('family') == 'mixtral':
+    overrides['model__moe_dispatch'] = 'dropless'   # capacity would drop tokens
+  cfg = tiny(tmp_path / 'run', cache_dir, **overrides)
+  t = trainer.setup(cfg)
+  batch = next(t.data_iter)
+  t.data_iter.close()
+  first = trainer.train(cfg)[0]
+  with torch.no_grad():
+    targets = torch.as_tensor(np.asarray(batch['targets'], np.int64))
+    want = hf(torch.as_tensor(np.asarray(batch['inputs'], np.int64)), labels=targets,
+              shift_labels=targets).loss.item()
+  assert first['loss'] == pytest.approx(want, rel=1e-5), (first['loss'], want)
+
+  exported = tmp_path / 'exported'
+  assert hf_export.main(['--checkpoint', str(tmp_path / 'run'), '--output',
+                         str(exported)]) == 0
+  config = json.loads((exported / 'config.json').read_text())
+  assert config['architectures'] == hf.config.architectures
+  back = transformers.AutoModelForCausalLM.from_pretrained(str(exported),
+                                                           dtype=torch.float32).eval()
+  assert type(back) is type(hf)
+  run = load_checkpoint(str(tmp_path / 'run'), dtype='float32')
+  ids = np.random.default_rng(6).integers(0, 300, size=(2, 40))
+  with torch.no_grad():
+    theirs = back(torch.as_tensor(ids)).logits.numpy()
+  ours = our_logits(run, ids)
+  assert np.abs(theirs - ours).max() < TOL
+  assert np.abs(theirs - hf(torch.as_tensor(ids)).logits.detach().numpy()).max() > 1e-3, (
+      'the step changed no logit: the export would pass on the released weights')
+  assert os.path.isfile(exported / 'tokenizer.json')
