@@ -6,14 +6,17 @@ and the run exported back to the same architecture, which transformers loads to 
 logits. The training forward's logits and greedy tokens are tests/test_serve_hf.py's
 test_logits_and_greedy_tokens_match_transformers, over the same CASES."""
 
+import dataclasses
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 import torch
 import transformers
 
+import model
 from serve import hf_export
 from serve.hf_llama import load_hf_model
 from serve.loader import load_checkpoint
@@ -107,3 +110,32 @@ def test_a_training_step_from_init_from_hf_and_its_export_match_transformers(
   assert np.abs(theirs - hf(torch.as_tensor(ids)).logits.detach().numpy()).max() > 1e-3, (
       'the step changed no logit: the export would pass on the released weights')
   assert os.path.isfile(exported / 'tokenizer.json')
+
+
+@pytest.mark.parametrize('layout', ['fsdp2_tp4', 'tp4_sp_dp2'])
+def test_biases_and_head_norms_train_alike_on_every_layout(layout, monkeypatch):
+  """qkv_bias and qk_norm (random, not their zeros and ones) under FSDP with tensor
+  parallelism and under sequence parallelism: the loss and every gradient equal one
+  device's (tests/test_parallel.py's layouts)."""
+  from tests import test_parallel  # pylint: disable=import-outside-toplevel
+  cfg = test_parallel.tiny_config()
+  cfg.model = dataclasses.replace(cfg.model, qkv_bias=True, qk_norm=True)
+  init = model.init_params
+
+  def random_extras(model_cfg, key):
+    params = init(model_cfg, key)
+    rng = np.random.default_rng(0)
+    for name in ('bq', 'bk', 'bv', 'q_norm', 'k_norm'):
+      w = params['layers'][name]
+      params['layers'][name] = w + 0.5 * rng.standard_normal(w.shape).astype(w.dtype)
+    return params
+
+  monkeypatch.setattr(model, 'init_params', random_extras)
+  ref_loss, ref_grads = test_parallel.sharded_loss_and_grads(
+      cfg, test_parallel.MeshConfig(data=1), 0, False, jax.devices()[:1])
+  loss, grads = test_parallel.sharded_loss_and_grads(cfg, *test_parallel.PRESETS[layout])
+  assert test_parallel.rel_err(loss, ref_loss) < 1e-5
+  errs = jax.tree.map(test_parallel.rel_err, grads, ref_grads)
+  assert max(jax.tree.leaves(errs)) < 1e-5, errs
+  assert all(np.any(np.asarray(grads['layers'][name]))
+             for name in ('bq', 'bk', 'bv', 'q_norm', 'k_norm'))
