@@ -47,7 +47,7 @@ class Family:
 
 FAMILIES = {
     'LlamaForCausalLM': Family('llama', {'max_position_embeddings': 2048},
-                               refused='attention_bias, mlp_bias'),
+                               refused='attention_bias or mlp_bias true'),
     'MistralForCausalLM': Family('mistral', {'max_position_embeddings': 4096 * 32,
                                              'num_key_value_heads': 8, 'sliding_window': 4096}),
     'MixtralForCausalLM': Family(
@@ -62,7 +62,7 @@ FAMILIES = {
     'Qwen3ForCausalLM': Family('qwen3', {'max_position_embeddings': 32768,
                                          'num_key_value_heads': 32, 'head_dim': 128,
                                          **_QWEN_WINDOW},
-                               fields={'qk_norm': True}, refused='attention_bias'),
+                               fields={'qk_norm': True}, refused='attention_bias true'),
 }
 # Refused in every family: other activations, RoPE scalings and sliding windows.
 REFUSED_EVERYWHERE = ("hidden_act other than silu; rope scaling other than 'llama3'; a "
