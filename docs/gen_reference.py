@@ -179,11 +179,12 @@ def architectures() -> str:
   out = ['| architecture | `model_type` | train (`init_from_hf`) | serve (`--hf-model`) | '
          'export (`serve.hf_export`) | model fields | refused |', '|---|---|---|---|---|---|---|']
   for arch, family in hf.FAMILIES.items():
-    fields = ', '.join(f'`model.{k}={v}`' for k, v in family.fields.items())
+    fields = [f'`model.{k}={v}`' for k, v in family.fields.items()]
     if family.experts:
-      fields = "`model.num_experts`, `model.experts_per_token`, `router='softmax'`"
-    out.append(f'| `{arch}` | `{family.model_type}` | yes | yes | yes | {fields or "-"} | '
-               f'{_cell(family.refused or "-")} |')
+      fields.append('experts: `model.num_experts`, `model.experts_per_token`, '
+                    '`model.moe_every`, `model.moe_mlp_dim`, `model.router_norm_topk`')
+    out.append(f'| `{arch}` | `{family.model_type}` | yes | yes | yes | '
+               f'{", ".join(fields) or "-"} | {_cell(family.refused or "-")} |')
   out += ['', f'Refused in every architecture: {_cell(hf.REFUSED_EVERYWHERE)}.']
   return '\n'.join(out)
 

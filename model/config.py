@@ -89,6 +89,10 @@ class ModelConfig:
   router: str = 'softmax'
   """'softmax' (Mixtral: top-k of the softmax, renormalized) or 'sigmoid' (DeepSeek-V3:
   top-k of per-expert sigmoids, normalized to sum 1)."""
+  router_norm_topk: bool = True
+  """With experts_per_token > 1, the chosen experts' weights normalized to sum 1 (Mixtral;
+  Qwen3-MoE's norm_topk_prob); False: the router's scores as they are (Qwen3-MoE's
+  default)."""
   moe_aux_loss_coef: float = 0.01
   """Weight of the load-balancing loss E * sum_i f_i * P_i (Switch/GShard) in the objective."""
   router_z_loss_coef: float = 0.001

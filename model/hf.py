@@ -4,9 +4,11 @@
 
 FAMILIES is the one table of what is read and written: Llama-style decoders whose
 differences are ModelConfig fields (Qwen2's q/k/v biases: qkv_bias; Qwen3's per-head q/k
-norms: qk_norm) and Mixtral, Llama with every MLP a mixture of experts (a softmax router
+norms: qk_norm), Mixtral, Llama with every MLP a mixture of experts (a softmax router
 over E experts whose top k (k >= 2) weights are renormalized, each expert a SwiGLU, as
-model/moe.py computes with router='softmax' and moe_every=1). Anything else (other
+model/moe.py computes with router='softmax' and moe_every=1), and Qwen3-MoE, Qwen3 with
+every decoder_sparse_step-th MLP routed (moe_every; the top k renormalized or not:
+router_norm_topk). Anything else (other
 biases, activations, RoPE scalings, sliding-window attention shorter than the context,
 architectures, expert layouts) is refused with a ValueError naming it, before any weight
 is read, rather than computed wrong.
@@ -41,8 +43,8 @@ class Family:
   model_type: str
   defaults: dict        # its config class's defaults, beyond _COMMON_DEFAULTS
   fields: dict = dataclasses.field(default_factory=dict)   # ModelConfig fields it fixes
-  experts: bool = False   # every layer's MLP a Mixtral mixture of experts
-  refused: str = ''       # what of the family is refused (the docs' table)
+  experts: str = ''     # its experts' tensor layout (_EXPERT_LAYOUTS); '': dense
+  refused: str = ''     # what of the family is refused (the docs' table)
 
 
 FAMILIES = {
@@ -54,8 +56,8 @@ FAMILIES = {
         'mixtral', {'rope_theta': 1e6, 'rms_norm_eps': 1e-5,
                     'max_position_embeddings': 4096 * 32, 'num_key_value_heads': 8,
                     'sliding_window': None, 'num_local_experts': 8, 'num_experts_per_tok': 2},
-        experts=True, refused='num_experts_per_tok=1; the fused experts layout '
-                              '(mlp.experts.gate_up_proj)'),
+        experts='mixtral', refused='num_experts_per_tok=1; the fused experts layout '
+                                   '(mlp.experts.gate_up_proj)'),
     'Qwen2ForCausalLM': Family('qwen2', {'max_position_embeddings': 32768,
                                          'num_key_value_heads': 32, **_QWEN_WINDOW},
                                fields={'qkv_bias': True}),
@@ -63,6 +65,17 @@ FAMILIES = {
                                          'num_key_value_heads': 32, 'head_dim': 128,
                                          **_QWEN_WINDOW},
                                fields={'qk_norm': True}, refused='attention_bias true'),
+    # Qwen3's attention, every decoder_sparse_step-th layer's MLP routed.
+    'Qwen3MoeForCausalLM': Family(
+        'qwen3_moe', {'max_position_embeddings': 32768, 'num_key_value_heads': 4,
+                      'use_sliding_window': False, 'sliding_window': 4096,
+                      'num_experts': 128, 'num_experts_per_tok': 8, 'norm_topk_prob': False,
+                      'decoder_sparse_step': 1, 'moe_intermediate_size': 768,
+                      'mlp_only_layers': []},
+        fields={'qk_norm': True}, experts='qwen3_moe',
+        refused='attention_bias true; mlp_only_layers; a decoder_sparse_step not dividing '
+                'num_hidden_layers; num_experts_per_tok=1 with norm_topk_prob; the fused '
+                'experts layout'),
 }
 # Refused in every family: other activations, RoPE scalings and sliding windows.
 REFUSED_EVERYWHERE = ("hidden_act other than silu; rope scaling other than 'llama3'; a "
@@ -102,10 +115,36 @@ def check_supported(hf: dict) -> None:
                      f'sees the whole context, so only a window of null or at least '
                      f'max_position_embeddings ({longest}) can be read (setting '
                      f'max_position_embeddings to {window} runs the model within its window).')
-  if family.experts and _get(hf, 'num_experts_per_tok') < 2:
+  if family.experts == 'mixtral' and _get(hf, 'num_experts_per_tok') < 2:
     raise ValueError(f'config.json num_experts_per_tok={hf["num_experts_per_tok"]} is '
                      'not supported: with one expert a token, Mixtral weighs it 1 and '
                      'model/moe.py by its router probability; 2 or more can be read.')
+  if family.experts == 'qwen3_moe':
+    _check_qwen3_moe(hf)
+
+
+def _check_qwen3_moe(hf: dict) -> None:
+  """ValueError naming the first Qwen3-MoE field our layer pattern and router cannot
+  follow: MoE layers are every moe_every-th (decoder_sparse_step), none skipped."""
+  layers, step = hf['num_hidden_layers'], _get(hf, 'decoder_sparse_step')
+  for ok, field, supported in (
+      (not _get(hf, 'mlp_only_layers'), 'mlp_only_layers', '[] (every '
+       'decoder_sparse_step-th layer routed)'),
+      (step >= 1 and layers % step == 0, 'decoder_sparse_step',
+       f'a divisor of num_hidden_layers={layers}'),
+      (_num_experts(hf) > 0, 'num_experts', 'at least 1 (without experts: '
+       'Qwen3ForCausalLM)'),
+      (_get(hf, 'num_experts_per_tok') > 1 or not _get(hf, 'norm_topk_prob'),
+       'norm_topk_prob', 'false with num_experts_per_tok=1 (model/moe.py keeps one '
+       "expert's router probability)")):
+    if not ok:
+      raise ValueError(f'config.json {field}={hf.get(field, _get(hf, field))!r} is not '
+                       f'supported: only {supported} can be read.')
+
+
+def _num_experts(hf: dict) -> int:
+  # Qwen3MoeConfig reads num_experts, and saves it as num_local_experts.
+  return hf.get('num_experts', hf.get('num_local_experts', _get(hf, 'num_experts')))
 
 
 def _sliding_window(hf: dict) -> int | None:
@@ -115,9 +154,9 @@ def _sliding_window(hf: dict) -> int | None:
   if 'sliding_window' not in defaults:   # Llama has no sliding window
     return None
   window = _get(hf, 'sliding_window')
-  if 'use_sliding_window' in defaults:   # Qwen
-    if not _get(hf, 'use_sliding_window'):
-      return None
+  if 'use_sliding_window' in defaults and not _get(hf, 'use_sliding_window'):   # Qwen
+    return None
+  if 'max_window_layers' in defaults:   # Qwen2, Qwen3: only some layers
     first = _get(hf, 'max_window_layers')
     types = hf.get('layer_types') or ['sliding_attention' if i >= first else 'full_attention'
                                       for i in range(hf['num_hidden_layers'])]
@@ -143,12 +182,7 @@ def model_config(hf: dict, dtype: str = 'float32') -> ModelConfig:
   theta, scaling = _rope(hf)
   arch = _architecture(hf)
   family, heads = FAMILIES[arch], hf['num_attention_heads']
-  experts = {}
-  if family.experts:   # every layer's MLP routed; an expert is intermediate_size wide
-    experts = dict(num_experts=_get(hf, 'num_local_experts'),
-                   experts_per_token=_get(hf, 'num_experts_per_tok'), moe_every=1,
-                   num_shared_experts=0, moe_mlp_dim=0, router='softmax',
-                   moe_dispatch='dropless')   # every token to its experts, as Mixtral
+  experts = _experts(hf, family)
   cfg = ModelConfig(
       vocab_size=hf['vocab_size'], num_layers=hf['num_hidden_layers'],
       embed_dim=hf['hidden_size'], mlp_dim=hf['intermediate_size'], num_heads=heads,
@@ -166,6 +200,22 @@ def model_config(hf: dict, dtype: str = 'float32') -> ModelConfig:
   return cfg
 
 
+def _experts(hf: dict, family: Family) -> dict:
+  """The ModelConfig MoE fields of a config.json: routed every token to its experts
+  (dropless), as transformers does."""
+  if family.experts == 'mixtral':   # every layer's MLP routed; intermediate_size wide
+    return dict(num_experts=_get(hf, 'num_local_experts'),
+                experts_per_token=_get(hf, 'num_experts_per_tok'), moe_every=1,
+                num_shared_experts=0, moe_mlp_dim=0, router='softmax',
+                router_norm_topk=True, moe_dispatch='dropless')
+  if family.experts == 'qwen3_moe':   # dense layers intermediate_size wide, experts not
+    return dict(num_experts=_num_experts(hf), experts_per_token=_get(hf, 'num_experts_per_tok'),
+                moe_every=_get(hf, 'decoder_sparse_step'), num_shared_experts=0,
+                moe_mlp_dim=_get(hf, 'moe_intermediate_size'), router='softmax',
+                router_norm_topk=bool(_get(hf, 'norm_topk_prob')), moe_dispatch='dropless')
+  return {}
+
+
 def export_architecture(cfg: ModelConfig) -> str:
   """The architecture `cfg` exports as: model.hf_architecture, or the one its fields give;
   ValueError naming the first field that architecture cannot express."""
@@ -179,35 +229,42 @@ def export_architecture(cfg: ModelConfig) -> str:
     if getattr(cfg, field) != want:
       raise ValueError(f'model.{field}={getattr(cfg, field)}: {arch} has '
                        f'{field}={want}; this model has no {arch} form to export to.')
-  if bool(cfg.num_experts) != family.experts:
+  if bool(cfg.num_experts) != bool(family.experts):
     raise ValueError(f'model.num_experts={cfg.num_experts}: {arch} has '
                      f'{"experts" if family.experts else "no experts"}; this model has no '
                      f'{arch} form to export to.')
   if family.experts:
-    _check_mixtral(cfg)
+    _check_experts(cfg, arch)
   return arch
 
 
 def _architecture_of(cfg: ModelConfig) -> str:
-  return cfg.hf_architecture or (
-      'MixtralForCausalLM' if cfg.num_experts else 'Qwen2ForCausalLM' if cfg.qkv_bias
-      else 'Qwen3ForCausalLM' if cfg.qk_norm else 'LlamaForCausalLM')
+  if cfg.hf_architecture:
+    return cfg.hf_architecture
+  if cfg.num_experts:
+    return 'Qwen3MoeForCausalLM' if cfg.qk_norm else 'MixtralForCausalLM'
+  return ('Qwen2ForCausalLM' if cfg.qkv_bias else 'Qwen3ForCausalLM' if cfg.qk_norm
+          else 'LlamaForCausalLM')
 
 
-def _check_mixtral(cfg: ModelConfig) -> None:
-  """ValueError naming the first MoE field Mixtral cannot express."""
+def _check_experts(cfg: ModelConfig, arch: str) -> None:
+  """ValueError naming the first MoE field `arch` cannot express."""
+  mixtral = FAMILIES[arch].experts == 'mixtral'
+  name = 'Mixtral' if mixtral else 'Qwen3-MoE'
   for ok, what in (
-      (cfg.moe_every == 1, f'model.moe_every={cfg.moe_every}: Mixtral routes every layer\'s '
-       'MLP (1)'),
+      (cfg.moe_every == 1 or not mixtral, f'model.moe_every={cfg.moe_every}: Mixtral '
+       'routes every layer\'s MLP (1)'),
       (cfg.num_shared_experts == 0, f'model.num_shared_experts={cfg.num_shared_experts}: '
-       'Mixtral has none'),
-      (cfg.router == 'softmax', f'model.router={cfg.router!r}: Mixtral\'s is softmax'),
-      (cfg.experts_per_token >= 2, f'model.experts_per_token={cfg.experts_per_token}: '
-       'with one expert a token Mixtral weighs it 1, model/moe.py by its router '
-       'probability')):
+       f'{name} has none'),
+      (cfg.router == 'softmax', f'model.router={cfg.router!r}: {name}\'s is softmax'),
+      (cfg.experts_per_token >= 2 or not mixtral, f'model.experts_per_token='
+       f'{cfg.experts_per_token}: with one expert a token Mixtral weighs it 1, '
+       'model/moe.py by its router probability'),
+      (cfg.router_norm_topk or not mixtral, 'model.router_norm_topk=False: Mixtral '
+       'renormalizes the chosen weights')):
     if not ok:
-      raise ValueError(f'{what}; this mixture of experts has no Mixtral '
-                       '(MixtralForCausalLM) form to export to.')
+      raise ValueError(f'{what}; this mixture of experts has no {name} ({arch}) form to '
+                       'export to.')
 
 
 # config.json fields each family's export writes beyond the shared ones: no biases, no
@@ -219,6 +276,8 @@ _EXPORT_FIELDS = {
                 'output_router_logits': False},
     'qwen2': {'use_sliding_window': False, 'sliding_window': None},
     'qwen3': {'use_sliding_window': False, 'sliding_window': None, 'attention_bias': False},
+    'qwen3_moe': {'use_sliding_window': False, 'sliding_window': None, 'attention_bias': False,
+                  'mlp_only_layers': [], 'output_router_logits': False},
 }
 
 
@@ -231,16 +290,21 @@ def hf_config(cfg: ModelConfig, dtype: str, eos_id: int, bos_id: int | None = No
       'architectures': [arch], 'model_type': family.model_type,
       **_EXPORT_FIELDS[family.model_type], 'hidden_act': 'silu', 'vocab_size': cfg.vocab_size,
       'num_hidden_layers': cfg.num_layers, 'hidden_size': cfg.embed_dim,
-      'intermediate_size': (cfg.resolved_moe_mlp_dim if cfg.num_experts
+      'intermediate_size': (cfg.resolved_moe_mlp_dim if family.experts == 'mixtral'
                             else cfg.resolved_mlp_dim), 'num_attention_heads': cfg.num_heads,
       'num_key_value_heads': cfg.num_kv_heads, 'head_dim': cfg.resolved_head_dim,
       'max_position_embeddings': cfg.max_seq_len, 'rope_theta': cfg.rope_theta,
       'rms_norm_eps': cfg.norm_eps, 'tie_word_embeddings': cfg.tie_embeddings,
       'torch_dtype': dtype, 'eos_token_id': eos_id, 'bos_token_id': bos_id,
       'initializer_range': cfg.init_std}
+  if family.experts == 'mixtral':
+    out.update({'num_local_experts': cfg.num_experts})
+  elif family.experts == 'qwen3_moe':
+    out.update({'num_experts': cfg.num_experts, 'decoder_sparse_step': cfg.moe_every,
+                'moe_intermediate_size': cfg.resolved_moe_mlp_dim,
+                'norm_topk_prob': cfg.router_norm_topk and cfg.experts_per_token > 1})
   if family.experts:
-    out.update({'num_local_experts': cfg.num_experts,
-                'num_experts_per_tok': cfg.experts_per_token,
+    out.update({'num_experts_per_tok': cfg.experts_per_token,
                 'router_aux_loss_coef': cfg.moe_aux_loss_coef})
   if cfg.rope_scaling_factor != 1.0:
     out['rope_scaling'] = {
@@ -309,20 +373,32 @@ _QKV_BIAS = (('self_attn.q_proj.bias', 'bq', None),   # [H, E]
              ('self_attn.v_proj.bias', 'bv', None))
 _QK_NORM = (('self_attn.q_norm.weight', 'q_norm', None),   # [E]
             ('self_attn.k_norm.weight', 'k_norm', None))
-_ROUTER = (('block_sparse_moe.gate.weight', 'router', 1),)   # [D, E]
-_EXPERT = (('block_sparse_moe.experts.{j}.w1.weight', 'we_gate'),   # [D, F] each
-           ('block_sparse_moe.experts.{j}.w3.weight', 'we_up'),
-           ('block_sparse_moe.experts.{j}.w2.weight', 'we_down'))   # [F, D]
+# Each expert layout: the router's tensor, and per expert j the three of its SwiGLU.
+_EXPERT_LAYOUTS = {
+    'mixtral': (('block_sparse_moe.gate.weight', 'router', 1),   # [D, E]
+                (('block_sparse_moe.experts.{j}.w1.weight', 'we_gate'),   # [D, F] each
+                 ('block_sparse_moe.experts.{j}.w3.weight', 'we_up'),
+                 ('block_sparse_moe.experts.{j}.w2.weight', 'we_down'))),   # [F, D]
+    'qwen3_moe': (('mlp.gate.weight', 'router', 1),
+                  (('mlp.experts.{j}.gate_proj.weight', 'we_gate'),
+                   ('mlp.experts.{j}.up_proj.weight', 'we_up'),
+                   ('mlp.experts.{j}.down_proj.weight', 'we_down'))),
+}
 
 
-def _layer_tables(cfg: ModelConfig) -> tuple[str, tuple]:
-  """(our tree's layer group, its per-layer tensor table) for cfg: Llama's, or Mixtral's
-  after _check_mixtral; with the q/k/v biases and q/k norms cfg has."""
+def _layer_groups(cfg: ModelConfig) -> list[tuple[str, list[int], tuple, tuple]]:
+  """(our tree's layer group, the HF layer indices stacked in it, its per-layer tensor
+  table, its per-expert table) for each group cfg has: 'layers' the dense layers,
+  'moe_layers' every moe_every-th (model.transformer's groups), after _check_experts."""
   extras = (_QKV_BIAS if cfg.qkv_bias else ()) + (_QK_NORM if cfg.qk_norm else ())
   if not cfg.num_experts:
-    return 'layers', _LAYER + extras
-  _check_mixtral(cfg)
-  return 'moe_layers', _ATTENTION + extras + _ROUTER
+    return [('layers', list(range(cfg.num_layers)), _LAYER + extras, ())]
+  arch = export_architecture(cfg)
+  router, experts = _EXPERT_LAYOUTS[FAMILIES[arch].experts]
+  routed = [i for i in range(cfg.num_layers) if (i + 1) % cfg.moe_every == 0]
+  dense = [i for i in range(cfg.num_layers) if (i + 1) % cfg.moe_every]
+  groups = [('moe_layers', routed, _ATTENTION + extras + (router,), experts)]
+  return groups + ([('layers', dense, _LAYER + extras, ())] if dense else [])
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
@@ -335,10 +411,10 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
   def take(name, shape, in_axes=None):
     if name not in tensors:
       if any('.mlp.experts.gate_up_proj' in k for k in tensors):
-        raise ValueError('these safetensors hold Mixtral\'s experts fused '
+        raise ValueError('these safetensors hold the experts fused '
                          '(mlp.experts.gate_up_proj, transformers 5\'s in-memory layout, '
                          'saved with save_original_format=False), which is not read: save '
-                         'the model in the original layout (block_sparse_moe.experts.N.w1).')
+                         'the model in the original layout (one tensor per expert).')
       raise ValueError(f'the safetensors files have no {name!r}: not a complete '
                        f'{_architecture_of(cfg)} checkpoint.')
     used.add(name)
@@ -350,15 +426,15 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
 
   tree = {'embed': take('model.embed_tokens.weight', shapes['embed'].shape),
           'final_norm': take('model.norm.weight', shapes['final_norm'].shape)}
-  group, table = _layer_tables(cfg)
-  layers = shapes[group]
-  tree[group] = {ours: np.stack([take(f'model.layers.{i}.{name}', layers[ours].shape[1:],
-                                      in_axes) for i in range(cfg.num_layers)])
-                 for name, ours, in_axes in table}
-  for name, ours in _EXPERT if cfg.num_experts else ():
-    tree[group][ours] = np.stack([np.stack([
-        take(f'model.layers.{i}.{name.format(j=j)}', layers[ours].shape[2:], 1)
-        for j in range(cfg.num_experts)]) for i in range(cfg.num_layers)])
+  for group, indices, table, experts in _layer_groups(cfg):
+    layers = shapes[group]
+    tree[group] = {ours: np.stack([take(f'model.layers.{i}.{name}', layers[ours].shape[1:],
+                                        in_axes) for i in indices])
+                   for name, ours, in_axes in table}
+    for name, ours in experts:
+      tree[group][ours] = np.stack([np.stack([
+          take(f'model.layers.{i}.{name.format(j=j)}', layers[ours].shape[2:], 1)
+          for j in range(cfg.num_experts)]) for i in indices])
   if not cfg.tie_embeddings:
     tree['lm_head'] = take('lm_head.weight', shapes['lm_head'].shape, 1)
   used.add('lm_head.weight')   # a tied model may still store its (equal) head
@@ -378,13 +454,13 @@ def hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return w.reshape(-1) if in_axes is None else w.reshape(math.prod(w.shape[:in_axes]), -1).T
 
   out = {'model.embed_tokens.weight': host['embed'], 'model.norm.weight': host['final_norm']}
-  group, table = _layer_tables(cfg)
-  for i in range(cfg.num_layers):
-    out.update({f'model.layers.{i}.{name}': llama(host[group][ours][i], in_axes)
-                for name, ours, in_axes in table})
-    for name, ours in _EXPERT if cfg.num_experts else ():
-      out.update({f'model.layers.{i}.{name.format(j=j)}': llama(host[group][ours][i, j], 1)
-                  for j in range(cfg.num_experts)})
+  for group, indices, table, experts in _layer_groups(cfg):
+    for n, i in enumerate(indices):
+      out.update({f'model.layers.{i}.{name}': llama(host[group][ours][n], in_axes)
+                  for name, ours, in_axes in table})
+      for name, ours in experts:
+        out.update({f'model.layers.{i}.{name.format(j=j)}': llama(host[group][ours][n, j], 1)
+                    for j in range(cfg.num_experts)})
   if not cfg.tie_embeddings:
     out['lm_head.weight'] = llama(host['lm_head'], 1)
   return {k: np.ascontiguousarray(v) for k, v in out.items()}

@@ -146,7 +146,14 @@ def test_what_cannot_be_exported_is_refused_and_nothing_is_left(tiny_workdir, tm
       ({'num_experts': 4, 'hf_architecture': 'Qwen3ForCausalLM'},
        'model.qk_norm=False: Qwen3ForCausalLM has qk_norm=True'),
       ({'hf_architecture': 'GPT2LMHeadModel'},
-       "model.hf_architecture='GPT2LMHeadModel' is not one meshlm writes")):
+       "model.hf_architecture='GPT2LMHeadModel' is not one meshlm writes"),
+      ({'num_experts': 4, 'router_norm_topk': False}, 'model.router_norm_topk=False: '
+       'Mixtral renormalizes .* no Mixtral'),
+      ({'num_experts': 4, 'qk_norm': True, 'num_shared_experts': 1},
+       'model.num_shared_experts=1: Qwen3-MoE has none; .* no Qwen3-MoE '
+       r'\(Qwen3MoeForCausalLM\)'),
+      ({'num_experts': 4, 'qk_norm': True, 'router': 'sigmoid'},
+       "model.router='sigmoid': Qwen3-MoE's is softmax")):
     with pytest.raises(ValueError, match=message):
       hf_config(ModelConfig(num_layers=2, **fields), 'float32', 0)
 

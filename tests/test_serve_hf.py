@@ -60,7 +60,7 @@ def write_tokenizer(path, chat_template=None, eos_token='</s>'):
 
 # family -> the prefix of transformers' config and model classes (the reference).
 FAMILIES = {'llama': 'Llama', 'mistral': 'Mistral', 'mixtral': 'Mixtral', 'qwen2': 'Qwen2',
-            'qwen3': 'Qwen3'}
+            'qwen3': 'Qwen3', 'qwen3_moe': 'Qwen3Moe'}
 
 
 def save_hf(path, family='llama', shard=False, **overrides):
@@ -123,6 +123,15 @@ CASES = {
     'qwen3_head_dim': dict(family='qwen3', head_dim=24, shard=True),
     # Llama's layout; the window no shorter than the context: plain attention.
     'mistral': dict(family='mistral', sliding_window=128, rope_theta=1e6),
+    # Qwen3's attention; layers 1 and 3 route over 4 experts of width 32, 2 a token, their
+    # router probabilities as they are (norm_topk_prob's default); layers 0 and 2 dense.
+    'qwen3_moe_sparse_step': dict(family='qwen3_moe', num_hidden_layers=4, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=32,
+                                  decoder_sparse_step=2),
+    # Every layer routed, 3 of 4 experts a token renormalized, tied, sharded.
+    'qwen3_moe_normed': dict(family='qwen3_moe', num_experts=4, num_experts_per_tok=3,
+                             moe_intermediate_size=32, norm_topk_prob=True,
+                             tie_word_embeddings=True, shard=True),
 }
 
 
@@ -306,6 +315,8 @@ MIXTRAL = {'architectures': ['MixtralForCausalLM'], 'model_type': 'mixtral',
 QWEN2 = {'architectures': ['Qwen2ForCausalLM'], 'model_type': 'qwen2'}
 QWEN3 = {'architectures': ['Qwen3ForCausalLM'], 'model_type': 'qwen3'}
 MISTRAL = {'architectures': ['MistralForCausalLM'], 'model_type': 'mistral'}
+QWEN3_MOE = {'architectures': ['Qwen3MoeForCausalLM'], 'model_type': 'qwen3_moe',
+             'num_experts': 4, 'num_experts_per_tok': 2}
 
 
 @pytest.mark.parametrize('edit, message', [
@@ -333,6 +344,16 @@ MISTRAL = {'architectures': ['MistralForCausalLM'], 'model_type': 'mistral'}
     ({**QWEN2, 'layer_types': ['full_attention', 'sliding_attention'],
       'use_sliding_window': True, 'sliding_window': 64}, 'sliding_window=64 is not supported'),
     (QWEN2, "no 'model.layers.0.self_attn.q_proj.bias': not a complete Qwen2ForCausalLM"),
+    ({**QWEN3_MOE, 'mlp_only_layers': [0]}, r'mlp_only_layers=\[0\] is not supported: '
+     r'only \[\] \(every decoder_sparse_step-th layer routed\)'),
+    ({**QWEN3_MOE, 'decoder_sparse_step': 3}, 'decoder_sparse_step=3 is not supported: only '
+     'a divisor of num_hidden_layers=2'),
+    ({**QWEN3_MOE, 'num_experts_per_tok': 1, 'norm_topk_prob': True},
+     'norm_topk_prob=True is not supported'),
+    ({**QWEN3_MOE, 'num_experts': 0}, 'num_experts=0 is not supported'),
+    ({**QWEN3_MOE, 'attention_bias': True}, 'attention_bias=True is not supported'),
+    ({**QWEN3_MOE, 'use_sliding_window': True, 'sliding_window': 64},
+     'sliding_window=64 is not supported'),
 ])
 def test_other_architectures_are_refused_by_name(llama_dir, tmp_path, edit, message):
   path = tmp_path / 'model'
@@ -391,7 +412,7 @@ def test_a_mixtral_serves_through_the_engine_as_transformers_generates(tmp_path)
   assert got == want
 
 
-@pytest.mark.parametrize('arch', ['llama', 'mixtral', 'qwen2', 'qwen3', 'mistral'])
+@pytest.mark.parametrize('arch', FAMILIES)
 def test_fields_config_json_leaves_out_take_transformers_defaults(arch):
   """A hand-written config.json with only the sizes: what it leaves out (RoPE theta, norm
   epsilon, context, KV heads, head width, experts) is what transformers' own config class
@@ -418,6 +439,11 @@ def test_fields_config_json_leaves_out_take_transformers_defaults(arch):
   if arch == 'mixtral':
     assert (ours.num_experts, ours.experts_per_token) == (theirs.num_local_experts,
                                                           theirs.num_experts_per_tok)
+  if arch == 'qwen3_moe':
+    assert (ours.num_experts, ours.experts_per_token, ours.router_norm_topk, ours.moe_every,
+            ours.moe_mlp_dim) == (theirs.num_experts, theirs.num_experts_per_tok,
+                                  theirs.norm_topk_prob, theirs.decoder_sparse_step,
+                                  theirs.moe_intermediate_size)
 
 
 def test_a_mixtral_saved_in_the_fused_layout_is_refused_by_name():
