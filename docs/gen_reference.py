@@ -10,6 +10,7 @@ generate-flags, architectures).
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -183,9 +184,11 @@ def architectures() -> str:
     if family.experts:
       fields.append('experts: `model.num_experts`, `model.experts_per_token`, '
                     '`model.moe_every`, `model.moe_mlp_dim`, `model.router_norm_topk`')
+    refused = [f'{k} other than {json.dumps(v)}' for k, v in family.required.items()]
+    refused += [family.refused] if family.refused else []
     out.append(f'| `{arch}` | `{family.model_type}` | yes | yes | yes | '
-               f'{", ".join(fields) or "-"} | {_cell(family.refused or "-")} |')
-  out += ['', f'Refused in every architecture: {_cell(hf.REFUSED_EVERYWHERE)}.']
+               f'{", ".join(fields) or "-"} | {_cell("; ".join(refused) or "-")} |')
+  out += ['', f'Refused in every architecture: {_cell("; ".join(hf.REFUSED_EVERYWHERE))}.']
   return '\n'.join(out)
 
 

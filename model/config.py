@@ -50,9 +50,10 @@ class ModelConfig:
   (Qwen3)."""
   hf_architecture: str = ''
   """The Hugging Face architecture `python -m serve.hf_export` writes (init_from_hf sets the
-  directory's: model/hf.py's FAMILIES); '': the one the fields give (LlamaForCausalLM,
-  Qwen2ForCausalLM with qkv_bias, Qwen3ForCausalLM with qk_norm, MixtralForCausalLM with
-  experts). It changes nothing the model computes."""
+  directory's: model/hf.py's FAMILIES); '': the one the fields give (LlamaForCausalLM;
+  Qwen2ForCausalLM with qkv_bias; Qwen3ForCausalLM with qk_norm; MixtralForCausalLM with
+  experts, Qwen3MoeForCausalLM with experts and qk_norm). It changes nothing the model
+  computes."""
   tie_embeddings: bool = True
   """Use the embedding table as the output head (no separate lm_head)."""
   dtype: str = 'float32'

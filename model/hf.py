@@ -44,19 +44,21 @@ class Family:
   defaults: dict        # its config class's defaults, beyond _COMMON_DEFAULTS
   fields: dict = dataclasses.field(default_factory=dict)   # ModelConfig fields it fixes
   experts: str = ''     # its experts' tensor layout (_EXPERT_LAYOUTS); '': dense
-  refused: str = ''     # what of the family is refused (the docs' table)
+  required: dict = dataclasses.field(default_factory=dict)   # config.json field -> the
+  # only value read (its config class has the field; other classes ignore it)
+  refused: str = ''     # what else of the family is refused (the docs' table)
 
 
 FAMILIES = {
     'LlamaForCausalLM': Family('llama', {'max_position_embeddings': 2048},
-                               refused='attention_bias or mlp_bias true'),
+                               required={'attention_bias': False, 'mlp_bias': False}),
     'MistralForCausalLM': Family('mistral', {'max_position_embeddings': 4096 * 32,
                                              'num_key_value_heads': 8, 'sliding_window': 4096}),
     'MixtralForCausalLM': Family(
         'mixtral', {'rope_theta': 1e6, 'rms_norm_eps': 1e-5,
                     'max_position_embeddings': 4096 * 32, 'num_key_value_heads': 8,
                     'sliding_window': None, 'num_local_experts': 8, 'num_experts_per_tok': 2},
-        experts='mixtral', refused='num_experts_per_tok=1; the fused experts layout '
+        experts='mixtral', refused='num_experts_per_tok=1; experts fused in one tensor '
                                    '(mlp.experts.gate_up_proj)'),
     'Qwen2ForCausalLM': Family('qwen2', {'max_position_embeddings': 32768,
                                          'num_key_value_heads': 32, **_QWEN_WINDOW},
@@ -64,7 +66,7 @@ FAMILIES = {
     'Qwen3ForCausalLM': Family('qwen3', {'max_position_embeddings': 32768,
                                          'num_key_value_heads': 32, 'head_dim': 128,
                                          **_QWEN_WINDOW},
-                               fields={'qk_norm': True}, refused='attention_bias true'),
+                               fields={'qk_norm': True}, required={'attention_bias': False}),
     # Qwen3's attention, every decoder_sparse_step-th layer's MLP routed.
     'Qwen3MoeForCausalLM': Family(
         'qwen3_moe', {'max_position_embeddings': 32768, 'num_key_value_heads': 4,
@@ -72,16 +74,17 @@ FAMILIES = {
                       'num_experts': 128, 'num_experts_per_tok': 8, 'norm_topk_prob': False,
                       'decoder_sparse_step': 1, 'moe_intermediate_size': 768,
                       'mlp_only_layers': []},
-        fields={'qk_norm': True}, experts='qwen3_moe',
-        refused='attention_bias true; mlp_only_layers; a decoder_sparse_step not dividing '
-                'num_hidden_layers; num_experts_per_tok=1 with norm_topk_prob; the fused '
-                'experts layout'),
+        fields={'qk_norm': True}, experts='qwen3_moe', required={'attention_bias': False},
+        refused='mlp_only_layers; a decoder_sparse_step not dividing num_hidden_layers; '
+                'num_experts_per_tok=1 with norm_topk_prob; experts fused in one tensor'),
 }
-# Refused in every family: other activations, RoPE scalings and sliding windows.
-REFUSED_EVERYWHERE = ("hidden_act other than silu; rope scaling other than 'llama3'; a "
-                      'sliding_window shorter than max_position_embeddings')
-# HF config field -> the value it must have for our model to compute the same thing.
-_REQUIRED = {'hidden_act': 'silu', 'attention_bias': False, 'mlp_bias': False}
+# HF config field -> the value it must have in every family for our model to compute the
+# same thing.
+_REQUIRED = {'hidden_act': 'silu'}
+# Refused in every family (the docs' table): other activations, RoPE scalings and windows.
+REFUSED_EVERYWHERE = (*(f'{k} other than {v}' for k, v in _REQUIRED.items()),
+                      "rope scaling other than 'llama3'",
+                      'a sliding_window shorter than max_position_embeddings')
 # ModelConfig fields a family may fix (Family.fields); the others' are off.
 _FAMILY_FIELDS = ('qkv_bias', 'qk_norm')
 
@@ -104,7 +107,7 @@ def check_supported(hf: dict) -> None:
     raise ValueError(f'config.json architectures={archs} is not supported: only '
                      f'{", ".join(FAMILIES)} can be read.')
   family = FAMILIES[archs[0]]
-  for key, want in {'model_type': family.model_type, **_REQUIRED}.items():
+  for key, want in {'model_type': family.model_type, **_REQUIRED, **family.required}.items():
     got = hf.get(key, want)
     if got != want:
       raise ValueError(f'config.json {key}={got!r} is not supported: only {archs[0]} '

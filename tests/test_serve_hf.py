@@ -364,6 +364,24 @@ def test_other_architectures_are_refused_by_name(llama_dir, tmp_path, edit, mess
     load_hf_model(str(path))
 
 
+def test_what_config_json_refuses_is_refused_before_any_weight_is_read(llama_dir, tmp_path,
+                                                                     monkeypatch):
+  from serve import hf_llama  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(hf_llama, 'read_safetensors',
+                      lambda *a: pytest.fail('weights read before the refusal'))
+  for edit, field in (({**QWEN3, 'attention_bias': True}, 'attention_bias'),
+                      ({**MISTRAL, 'sliding_window': 64}, 'sliding_window'),
+                      ({**QWEN3_MOE, 'mlp_only_layers': [1]}, 'mlp_only_layers'),
+                      ({'rope_parameters': {'rope_type': 'yarn', 'factor': 2.0}},
+                       'rope_type')):
+    path = tmp_path / field
+    shutil.copytree(llama_dir, path)
+    config = json.loads((path / 'config.json').read_text())
+    (path / 'config.json').write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match=f'config.json (rope scaling )?{field}='):
+      load_hf_model(str(path))
+
+
 def test_biased_weights_and_missing_files_are_refused(llama_dir, tmp_path):
   """A Llama saved with q/k/v/o biases (attention_bias=True) whose config claims none."""
   biased = tmp_path / 'biased'
