@@ -9,7 +9,7 @@ over E experts whose top k (k >= 2) weights are renormalized, each expert a SwiG
 model/moe.py computes with router='softmax' and moe_every=1), and Qwen3-MoE, Qwen3 with
 every decoder_sparse_step-th MLP routed (moe_every; the top k renormalized or not:
 router_norm_topk). Anything else (other
-biases, activations, RoPE scalings, sliding-window attention shorter than the context,
+biases, activations, RoPE scalings, a sliding window in some layers only,
 architectures, expert layouts) is refused with a ValueError naming it, before any weight
 is read, rather than computed wrong.
 """
@@ -84,7 +84,7 @@ _REQUIRED = {'hidden_act': 'silu'}
 # Refused in every family (the docs' table): other activations, RoPE scalings and windows.
 REFUSED_EVERYWHERE = (*(f'{k} other than {v}' for k, v in _REQUIRED.items()),
                       "rope scaling other than 'llama3'",
-                      'a sliding_window shorter than max_position_embeddings')
+                      'a sliding window in some layers only (max_window_layers, layer_types)')
 # ModelConfig fields a family may fix (Family.fields); the others' are off.
 _FAMILY_FIELDS = ('qkv_bias', 'qk_norm')
 
@@ -112,12 +112,11 @@ def check_supported(hf: dict) -> None:
     if got != want:
       raise ValueError(f'config.json {key}={got!r} is not supported: only {archs[0]} '
                        f'models with {key}={want!r} can be read.')
-  window, longest = _sliding_window(hf), _get(hf, 'max_position_embeddings')
-  if window is not None and window < longest:
-    raise ValueError(f'config.json sliding_window={window} is not supported: attention here '
-                     f'sees the whole context, so only a window of null or at least '
-                     f'max_position_embeddings ({longest}) can be read (setting '
-                     f'max_position_embeddings to {window} runs the model within its window).')
+  window, every_layer = _sliding_window(hf)
+  if window and not every_layer:
+    raise ValueError(f'config.json sliding_window={window} is not supported in some layers '
+                     f'only (max_window_layers={hf.get("max_window_layers")}, layer_types): '
+                     'a window in every layer (max_window_layers=0), or none, can be read.')
   if family.experts == 'mixtral' and _get(hf, 'num_experts_per_tok') < 2:
     raise ValueError(f'config.json num_experts_per_tok={hf["num_experts_per_tok"]} is '
                      'not supported: with one expert a token, Mixtral weighs it 1 and '
@@ -150,22 +149,25 @@ def _num_experts(hf: dict) -> int:
   return hf.get('num_experts', hf.get('num_local_experts', _get(hf, 'num_experts')))
 
 
-def _sliding_window(hf: dict) -> int | None:
-  """The window of the layers that slide, as transformers reads config.json (None: no
-  layer slides)."""
+def _sliding_window(hf: dict) -> tuple[int, bool]:
+  """(the window of the layers that slide, whether every layer does), as transformers
+  reads config.json; (0, True) where none does, or the window spans the context."""
   defaults = FAMILIES[_architecture(hf)].defaults
   if 'sliding_window' not in defaults:   # Llama has no sliding window
-    return None
+    return 0, True
   window = _get(hf, 'sliding_window')
   if 'use_sliding_window' in defaults and not _get(hf, 'use_sliding_window'):   # Qwen
-    return None
-  if 'max_window_layers' in defaults:   # Qwen2, Qwen3: only some layers
-    first = _get(hf, 'max_window_layers')
-    types = hf.get('layer_types') or ['sliding_attention' if i >= first else 'full_attention'
-                                      for i in range(hf['num_hidden_layers'])]
-    if 'sliding_attention' not in types:
-      return None
-  return window
+    return 0, True
+  if not window or window >= _get(hf, 'max_position_embeddings'):
+    return 0, True
+  if 'max_window_layers' not in defaults:
+    return window, True
+  first = _get(hf, 'max_window_layers')   # Qwen2, Qwen3: only some layers
+  types = hf.get('layer_types') or ['sliding_attention' if i >= first else 'full_attention'
+                                    for i in range(hf['num_hidden_layers'])]
+  if 'sliding_attention' not in types:
+    return 0, True
+  return window, 'full_attention' not in types
 
 
 def _rope(hf: dict) -> tuple[float, dict]:
@@ -193,7 +195,8 @@ def model_config(hf: dict, dtype: str = 'float32') -> ModelConfig:
       head_dim=_get(hf, 'head_dim') or hf['hidden_size'] // heads,
       max_seq_len=_get(hf, 'max_position_embeddings'), rope_theta=theta,
       norm_eps=_get(hf, 'rms_norm_eps'), tie_embeddings=bool(_get(hf, 'tie_word_embeddings')),
-      dtype=dtype, param_dtype=dtype, hf_architecture=arch, **family.fields, **experts)
+      sliding_window=_sliding_window(hf)[0], dtype=dtype, param_dtype=dtype,
+      hf_architecture=arch, **family.fields, **experts)
   if scaling:
     cfg.rope_scaling_factor = float(scaling['factor'])
     cfg.rope_original_max_len = int(scaling['original_max_position_embeddings'])
@@ -232,6 +235,9 @@ def export_architecture(cfg: ModelConfig) -> str:
     if getattr(cfg, field) != want:
       raise ValueError(f'model.{field}={getattr(cfg, field)}: {arch} has '
                        f'{field}={want}; this model has no {arch} form to export to.')
+  if cfg.sliding_window and 'sliding_window' not in family.defaults:
+    raise ValueError(f'model.sliding_window={cfg.sliding_window}: {arch} has no sliding '
+                     f'window; this model has no {arch} form to export to.')
   if bool(cfg.num_experts) != bool(family.experts):
     raise ValueError(f'model.num_experts={cfg.num_experts}: {arch} has '
                      f'{"experts" if family.experts else "no experts"}; this model has no '
@@ -247,7 +253,7 @@ def _architecture_of(cfg: ModelConfig) -> str:
   if cfg.num_experts:
     return 'Qwen3MoeForCausalLM' if cfg.qk_norm else 'MixtralForCausalLM'
   return ('Qwen2ForCausalLM' if cfg.qkv_bias else 'Qwen3ForCausalLM' if cfg.qk_norm
-          else 'LlamaForCausalLM')
+          else 'MistralForCausalLM' if cfg.sliding_window else 'LlamaForCausalLM')
 
 
 def _check_experts(cfg: ModelConfig, arch: str) -> None:
@@ -271,7 +277,7 @@ def _check_experts(cfg: ModelConfig, arch: str) -> None:
 
 
 # config.json fields each family's export writes beyond the shared ones: no biases, no
-# sliding window, no router noise.
+# router noise, no sliding window (hf_config writes model.sliding_window's).
 _EXPORT_FIELDS = {
     'llama': {'attention_bias': False, 'mlp_bias': False},
     'mistral': {'sliding_window': None},
@@ -309,6 +315,12 @@ def hf_config(cfg: ModelConfig, dtype: str, eos_id: int, bos_id: int | None = No
   if family.experts:
     out.update({'num_experts_per_tok': cfg.experts_per_token,
                 'router_aux_loss_coef': cfg.moe_aux_loss_coef})
+  if cfg.sliding_window:   # in every layer
+    out['sliding_window'] = cfg.sliding_window
+    if 'use_sliding_window' in family.defaults:   # Qwen
+      out['use_sliding_window'] = True
+    if 'max_window_layers' in family.defaults:   # Qwen2, Qwen3: from the first layer on
+      out['max_window_layers'] = 0
   if cfg.rope_scaling_factor != 1.0:
     out['rope_scaling'] = {
         'rope_type': 'llama3', 'factor': cfg.rope_scaling_factor,

@@ -172,19 +172,23 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 # ---------------------------------------------------------------------------- attention
 
-def attention_mask(segment_ids: jax.Array | None, t: int) -> jax.Array:
-  """[b or 1, t, s] boolean: causal, and within one packed document."""
-  causal = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
+def attention_mask(segment_ids: jax.Array | None, t: int, window: int = 0) -> jax.Array:
+  """[b or 1, t, s] boolean: causal, within the last `window` tokens (0: all), and within
+  one packed document."""
+  causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+  if window:
+    causal &= ~jnp.tril(jnp.ones((t, t), dtype=bool), -window)
   if segment_ids is None:
-    return causal
+    return causal[None]
   same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
-  return causal & same_doc
+  return causal[None] & same_doc
 
 
-def attention_xla(q, k, v, segment_ids):
-  """Grouped-query attention without repeating K/V: q [b,t,h,e], k/v [b,s,k,e]."""
+def attention_xla(q, k, v, segment_ids, window: int = 0):
+  """Grouped-query attention without repeating K/V: q [b,t,h,e], k/v [b,s,k,e]; window:
+  model.sliding_window."""
   b, t, h, e = q.shape
-  mask = attention_mask(segment_ids, t)
+  mask = attention_mask(segment_ids, t, window)
   groups = h // k.shape[2]
   q = q.reshape(b, t, k.shape[2], groups, e)
   scores = jnp.einsum('btkge,bske->bkgts', q, k, preferred_element_type=jnp.float32)
@@ -212,11 +216,11 @@ def _flash_kernels(backend: str) -> dict:
   return dict(backend=backend)
 
 
-def attention_pallas(q, k, v, segment_ids, plan, backend='auto'):
+def attention_pallas(q, k, v, segment_ids, plan, backend='auto', window: int = 0):
   """The Pallas flash kernel, run per shard: a pallas_call is opaque to the partitioner.
   backend: model.pallas_backend ('mosaic_gpu_fused': the Mosaic GPU forward and its
-  one-kernel backward)."""
-  kernels = _flash_kernels(backend)
+  one-kernel backward); window: model.sliding_window."""
+  kernels = {**_flash_kernels(backend), 'sliding_window': window or None}
   if plan is None:
     return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, **kernels)
   spec = plan.activations.spec
@@ -268,11 +272,11 @@ def attention_core(q, k, v, cfg: ModelConfig, segment_ids, plan):
       flash = functools.partial(flash_attention, **_flash_kernels(cfg.pallas_backend))
     out = context.attention(q, k, v, segment_ids, plan, constrain, flash)
   elif cfg.attention_impl == 'xla':
-    out = attention_xla(q, k, v, segment_ids)
+    out = attention_xla(q, k, v, segment_ids, cfg.sliding_window)
   elif cfg.attention_impl == 'cudnn':
     out = attention_cudnn(q, k, v, segment_ids)
   else:
-    out = attention_pallas(q, k, v, segment_ids, plan, cfg.pallas_backend)
+    out = attention_pallas(q, k, v, segment_ids, plan, cfg.pallas_backend, cfg.sliding_window)
   return out
 
 

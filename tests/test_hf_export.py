@@ -145,6 +145,8 @@ def test_what_cannot_be_exported_is_refused_and_nothing_is_left(tiny_workdir, tm
        'model.qkv_bias=True: MistralForCausalLM has qkv_bias=False'),
       ({'num_experts': 4, 'hf_architecture': 'Qwen3ForCausalLM'},
        'model.qk_norm=False: Qwen3ForCausalLM has qk_norm=True'),
+      ({'sliding_window': 8, 'hf_architecture': 'LlamaForCausalLM'},
+       'model.sliding_window=8: LlamaForCausalLM has no sliding window'),
       ({'hf_architecture': 'GPT2LMHeadModel'},
        "model.hf_architecture='GPT2LMHeadModel' is not one meshlm writes"),
       ({'num_experts': 4, 'router_norm_topk': False}, 'model.router_norm_topk=False: '

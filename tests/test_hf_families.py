@@ -17,16 +17,20 @@ import torch
 import transformers
 
 import model
+from model import paged
+from model.config import ModelConfig
+from pallas_kernels import paged_attention as pa
 from serve import hf_export
 from serve.hf_llama import load_hf_model
 from serve.loader import load_checkpoint
+from tests.test_paged_attention import MIXED, make_case, rel_err
 from tests.test_paged_forward import Chunk, Out, tiny_runner
 from tests.test_serve_hf import CASES, our_logits, save_hf, write_tokenizer
 from tests.test_train import cache_dir, tiny  # pylint: disable=unused-import
-from training import trainer
+from training import config as train_config, trainer
 
 # One case a family (tests/test_serve_hf.py's CASES).
-FAMILY_CASES = ('untied_gqa_sharded', 'mistral', 'mixtral_sharded', 'qwen2_tied',
+FAMILY_CASES = ('untied_gqa_sharded', 'mistral_window', 'mixtral_sharded', 'qwen2_tied',
                 'qwen3_head_dim', 'qwen3_moe_sparse_step')
 TOL = 1e-4   # float32 logits, absolute
 
@@ -139,3 +143,58 @@ def test_biases_and_head_norms_train_alike_on_every_layout(layout, monkeypatch):
   assert max(jax.tree.leaves(errs)) < 1e-5, errs
   assert all(np.any(np.asarray(grads['layers'][name]))
              for name in ('bq', 'bk', 'bv', 'q_norm', 'k_norm'))
+
+
+@pytest.mark.parametrize('kw', [dict(block_k=4), dict(block_k=4, row_tokens=10**6),
+                                dict(block_k=4, step_dense=True), dict(block_k=8, window=4)],
+                         ids=['by_sequence', 'by_row', 'step_dense', 'windows_of_4'])
+def test_the_xla_paged_attention_keeps_to_the_sliding_window(kw):
+  """model.sliding_window in serving: every path of the XLA paged attention equals the
+  reference with the window (each row its last 3 or 7 positions), which differs from
+  attention over the whole context."""
+  split = [(1, 9), (5, 13), (12, 12), (1, 1), (7, 7)]   # step_dense's split path applies
+  for seqs in (MIXED, split):
+    case = make_case(seqs, hq=8, hkv=2, max_seqs=7, seed=3)
+    live = case.live_rows
+    for window in (3, 7):
+      want = pa.paged_attention_reference(*case.args, sliding_window=window)[:live]
+      got = pa.paged_attention_xla(*case.args, sliding_window=window, **kw)[:live]
+      assert rel_err(got, want) < 1e-5, (window, rel_err(got, want))
+      assert rel_err(pa.paged_attention_reference(*case.args)[:live], want) > 0.1
+
+
+def test_sliding_window_is_refused_where_it_is_not_computed():
+  """cuDNN, the Pallas paged kernel and context parallelism, which attend the whole
+  context, are refused by name at start."""
+  with pytest.raises(ValueError, match="sliding_window=8 runs with attention_impl xla or "
+                                       "pallas \\(it is 'cudnn'\\)"):
+    ModelConfig(sliding_window=8, attention_impl='cudnn').validate()
+  with pytest.raises(ValueError, match="the 'pallas' paged attention sees the whole context; "
+                                       'serve this model with --attention xla'):
+    paged.check_impl(ModelConfig(sliding_window=8), 'pallas')
+  paged.check_impl(ModelConfig(sliding_window=8), 'xla')
+  cfg = train_config.Config()
+  cfg.model.sliding_window, cfg.mesh.context, cfg.mesh.data = 8, 2, 4
+  with pytest.raises(ValueError, match='mesh.context=2 with model.sliding_window=8'):
+    train_config.validate(cfg, 8)
+
+
+def test_the_flash_kernel_keeps_to_the_same_sliding_window():
+  """attention_impl=pallas (the flash kernels, interpreted on CPU) with model.sliding_window:
+  the loss and gradients of the XLA attention's window, not the whole context's."""
+  cfg = ModelConfig(vocab_size=64, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
+                    max_seq_len=32, sliding_window=5, init_std=0.3)
+  params = model.init_params(cfg, jax.random.key(0))
+  tokens = np.random.default_rng(0).integers(0, 64, (2, 32)).astype(np.int32)
+  batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+           'weights': np.ones((2, 31), np.float32)}
+
+  def loss_and_grads(**fields):
+    model_cfg = dataclasses.replace(cfg, **fields)
+    return jax.jit(jax.value_and_grad(lambda p: model.summed_nll(p, batch, model_cfg)))(params)
+
+  (want, want_grads), (got, got_grads) = (loss_and_grads(attention_impl=impl)
+                                          for impl in ('xla', 'pallas'))
+  assert rel_err(got, want) < 1e-5
+  assert max(jax.tree.leaves(jax.tree.map(rel_err, got_grads, want_grads))) < 1e-5
+  assert rel_err(loss_and_grads(sliding_window=0)[0], want) > 1e-3

@@ -123,6 +123,11 @@ CASES = {
     'qwen3_head_dim': dict(family='qwen3', head_dim=24, shard=True),
     # Llama's layout; the window no shorter than the context: plain attention.
     'mistral': dict(family='mistral', sliding_window=128, rope_theta=1e6),
+    # Each query sees its last 8 positions (of 60).
+    'mistral_window': dict(family='mistral', sliding_window=8),
+    # Qwen's window in every layer (max_window_layers=0).
+    'qwen2_window': dict(family='qwen2', use_sliding_window=True, sliding_window=8,
+                         max_window_layers=0),
     # Qwen3's attention; layers 1 and 3 route over 4 experts of width 32, 2 a token, their
     # router probabilities as they are (norm_topk_prob's default); layers 0 and 2 dense.
     'qwen3_moe_sparse_step': dict(family='qwen3_moe', num_hidden_layers=4, num_experts=4,
@@ -314,7 +319,6 @@ MIXTRAL = {'architectures': ['MixtralForCausalLM'], 'model_type': 'mixtral',
            'num_local_experts': 4, 'num_experts_per_tok': 2}
 QWEN2 = {'architectures': ['Qwen2ForCausalLM'], 'model_type': 'qwen2'}
 QWEN3 = {'architectures': ['Qwen3ForCausalLM'], 'model_type': 'qwen3'}
-MISTRAL = {'architectures': ['MistralForCausalLM'], 'model_type': 'mistral'}
 QWEN3_MOE = {'architectures': ['Qwen3MoeForCausalLM'], 'model_type': 'qwen3_moe',
              'num_experts': 4, 'num_experts_per_tok': 2}
 
@@ -330,17 +334,12 @@ QWEN3_MOE = {'architectures': ['Qwen3MoeForCausalLM'], 'model_type': 'qwen3_moe'
      "rope_type='yarn' is not supported"),
     ({'rope_parameters': None, 'rope_scaling': {'type': 'linear', 'factor': 2.0}},
      "rope_type='linear' is not supported"),
-    ({**MIXTRAL, 'sliding_window': 64}, 'sliding_window=64 is not supported'),
     ({**MIXTRAL, 'num_experts_per_tok': 1}, 'num_experts_per_tok=1 is not supported'),
     ({**MIXTRAL, 'model_type': 'llama'}, "model_type='llama' is not supported"),
     (MIXTRAL, "no 'model.layers.0.block_sparse_moe.gate.weight': not a complete Mixtral"),
     ({**QWEN3, 'attention_bias': True}, 'attention_bias=True is not supported'),
-    ({**MISTRAL, 'sliding_window': 64}, r'sliding_window=64 is not supported: .* at least '
-     r'max_position_embeddings \(128\)'),
-    # Transformers' Mistral window (4096) where config.json names none: shorter than 8192.
-    ({**MISTRAL, 'max_position_embeddings': 8192}, 'sliding_window=4096 is not supported'),
     ({**QWEN2, 'use_sliding_window': True, 'sliding_window': 64, 'max_window_layers': 1},
-     'sliding_window=64 is not supported'),
+     r'sliding_window=64 is not supported in some layers only \(max_window_layers=1, '),
     ({**QWEN2, 'layer_types': ['full_attention', 'sliding_attention'],
       'use_sliding_window': True, 'sliding_window': 64}, 'sliding_window=64 is not supported'),
     (QWEN2, "no 'model.layers.0.self_attn.q_proj.bias': not a complete Qwen2ForCausalLM"),
@@ -352,8 +351,6 @@ QWEN3_MOE = {'architectures': ['Qwen3MoeForCausalLM'], 'model_type': 'qwen3_moe'
      'norm_topk_prob=True is not supported'),
     ({**QWEN3_MOE, 'num_experts': 0}, 'num_experts=0 is not supported'),
     ({**QWEN3_MOE, 'attention_bias': True}, 'attention_bias=True is not supported'),
-    ({**QWEN3_MOE, 'use_sliding_window': True, 'sliding_window': 64},
-     'sliding_window=64 is not supported'),
 ])
 def test_other_architectures_are_refused_by_name(llama_dir, tmp_path, edit, message):
   path = tmp_path / 'model'
@@ -370,7 +367,8 @@ def test_what_config_json_refuses_is_refused_before_any_weight_is_read(llama_dir
   monkeypatch.setattr(hf_llama, 'read_safetensors',
                       lambda *a: pytest.fail('weights read before the refusal'))
   for edit, field in (({**QWEN3, 'attention_bias': True}, 'attention_bias'),
-                      ({**MISTRAL, 'sliding_window': 64}, 'sliding_window'),
+                      ({**QWEN2, 'use_sliding_window': True, 'sliding_window': 64,
+                        'max_window_layers': 1}, 'sliding_window'),
                       ({**QWEN3_MOE, 'mlp_only_layers': [1]}, 'mlp_only_layers'),
                       ({'rope_parameters': {'rope_type': 'yarn', 'factor': 2.0}},
                        'rope_type')):
@@ -434,13 +432,10 @@ def test_a_mixtral_serves_through_the_engine_as_transformers_generates(tmp_path)
 def test_fields_config_json_leaves_out_take_transformers_defaults(arch):
   """A hand-written config.json with only the sizes: what it leaves out (RoPE theta, norm
   epsilon, context, KV heads, head width, experts) is what transformers' own config class
-  assumes. Mistral's default window (4096) is shorter than its default context, so that
-  config names a context."""
+  assumes (Mistral's: a sliding window of 4096)."""
   from model.hf import model_config   # pylint: disable=import-outside-toplevel
   sizes = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=32)   # Qwen's default kv heads: 32
-  if arch == 'mistral':
-    sizes['max_position_embeddings'] = 4096
   name = f'{FAMILIES[arch]}ForCausalLM'
   ours = model_config({'architectures': [name], 'model_type': arch, **sizes})
   theirs = getattr(transformers, f'{FAMILIES[arch]}Config')(**sizes)
@@ -449,6 +444,7 @@ def test_fields_config_json_leaves_out_take_transformers_defaults(arch):
   assert (ours.norm_eps, ours.max_seq_len, ours.num_kv_heads) == (
       theirs.rms_norm_eps, theirs.max_position_embeddings, theirs.num_key_value_heads)
   assert ours.tie_embeddings == theirs.tie_word_embeddings
+  assert ours.sliding_window == (getattr(theirs, 'sliding_window', None) or 0)
   attention = model(theirs).model.layers[0].self_attn   # the width transformers builds
   assert ours.resolved_head_dim == attention.head_dim
   assert (ours.qkv_bias, ours.qk_norm) == (attention.q_proj.bias is not None,
