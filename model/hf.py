@@ -115,7 +115,7 @@ def check_supported(hf: dict) -> None:
   window, every_layer = _sliding_window(hf)
   if window and not every_layer:
     raise ValueError(f'config.json sliding_window={window} is not supported in some layers '
-                     f'only (max_window_layers={hf.get("max_window_layers")}, layer_types): '
+                     f'only (max_window_layers={_get(hf, "max_window_layers")}, layer_types): '
                      'a window in every layer (max_window_layers=0), or none, can be read.')
   if family.experts == 'mixtral' and _get(hf, 'num_experts_per_tok') < 2:
     raise ValueError(f'config.json num_experts_per_tok={hf["num_experts_per_tok"]} is '
