@@ -1,14 +1,16 @@
 """The docs' generated reference pages: config fields from the config dataclasses' field
-docstrings, server and batch CLI flags from their argument parsers.
+docstrings, server and batch CLI flags from their argument parsers, the Hugging Face
+architectures from model/hf.py's FAMILIES.
 
 Sphinx calls `fill_page` on every page it reads (docs/conf.py); a page holding a marker
 `<!-- generated: NAME -->` gets NAME's table in its place, so the tables are never written
 by hand. `python docs/gen_reference.py NAME` prints one (config, serve-flags,
-generate-flags).
+generate-flags, architectures).
 """
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -171,8 +173,27 @@ def generate_flags() -> str:
                     level='###')
 
 
+def architectures() -> str:
+  """One row per architecture model/hf.py reads and writes: the model fields it sets and
+  what of it is refused; then what every one refuses."""
+  from model import hf   # pylint: disable=import-outside-toplevel
+  out = ['| architecture | `model_type` | train (`init_from_hf`) | serve (`--hf-model`) | '
+         'export (`serve.hf_export`) | model fields | refused |', '|---|---|---|---|---|---|---|']
+  for arch, family in hf.FAMILIES.items():
+    fields = [f'`model.{k}={v}`' for k, v in family.fields.items()]
+    if family.experts:
+      fields.append('experts: `model.num_experts`, `model.experts_per_token`, '
+                    '`model.moe_every`, `model.moe_mlp_dim`, `model.router_norm_topk`')
+    refused = [f'{k} other than {json.dumps(v)}' for k, v in family.required.items()]
+    refused += [family.refused] if family.refused else []
+    out.append(f'| `{arch}` | `{family.model_type}` | yes | yes | yes | '
+               f'{", ".join(fields) or "-"} | {_cell("; ".join(refused) or "-")} |')
+  out += ['', f'Refused in every architecture: {_cell("; ".join(hf.REFUSED_EVERYWHERE))}.']
+  return '\n'.join(out)
+
+
 GENERATORS = {'config': config_reference, 'serve-flags': serve_flags,
-              'generate-flags': generate_flags}
+              'generate-flags': generate_flags, 'architectures': architectures}
 
 
 def fill_page(app, docname, source) -> None:   # pylint: disable=unused-argument

@@ -43,6 +43,22 @@ class ModelConfig:
   """Llama-3 RoPE scaling: wavelengths below original_max_len / this are kept."""
   norm_eps: float = 1e-5
   """RMSNorm epsilon."""
+  qkv_bias: bool = False
+  """A learned bias on the query, key and value projections (Qwen2/2.5); none on the output."""
+  qk_norm: bool = False
+  """RMSNorm (norm_eps, a learned scale of head_dim) on each query and key head before RoPE
+  (Qwen3)."""
+  sliding_window: int = 0
+  """>0: each query attends only the last sliding_window positions, itself included
+  (Mistral, Mixtral, Qwen's use_sliding_window); attention_impl xla or pallas, no context
+  parallelism; serving's paged attention xla, its cache keeping the keys outside the
+  window, masked. 0: the whole context."""
+  hf_architecture: str = ''
+  """The Hugging Face architecture `python -m serve.hf_export` writes (init_from_hf sets the
+  directory's: model/hf.py's FAMILIES); '': the one the fields give (LlamaForCausalLM;
+  Qwen2ForCausalLM with qkv_bias; Qwen3ForCausalLM with qk_norm; MixtralForCausalLM with
+  experts, Qwen3MoeForCausalLM with experts and qk_norm; else MistralForCausalLM with a
+  sliding_window). It changes nothing the model computes."""
   tie_embeddings: bool = True
   """Use the embedding table as the output head (no separate lm_head)."""
   dtype: str = 'float32'
@@ -79,6 +95,10 @@ class ModelConfig:
   router: str = 'softmax'
   """'softmax' (Mixtral: top-k of the softmax, renormalized) or 'sigmoid' (DeepSeek-V3:
   top-k of per-expert sigmoids, normalized to sum 1)."""
+  router_norm_topk: bool = True
+  """With experts_per_token > 1, the chosen experts' weights normalized to sum 1 (Mixtral;
+  Qwen3-MoE's norm_topk_prob); False: the router's scores as they are (Qwen3-MoE's
+  default)."""
   moe_aux_loss_coef: float = 0.01
   """Weight of the load-balancing loss E * sum_i f_i * P_i (Switch/GShard) in the objective."""
   router_z_loss_coef: float = 0.001
@@ -122,6 +142,11 @@ class ModelConfig:
     need(not mosaic or self.dtype in ('bfloat16', 'float16'),
          f"model.pallas_backend={self.pallas_backend!r} runs bfloat16/float16 attention; set "
          f"model.dtype='bfloat16' (it is {self.dtype!r}) or model.pallas_backend='triton'.")
+    need(self.sliding_window >= 0, f'model.sliding_window={self.sliding_window} must be >= 0 '
+         '(0: attention over the whole context).')
+    need(not self.sliding_window or self.attention_impl in ('xla', 'pallas'),
+         f'model.sliding_window={self.sliding_window} runs with attention_impl xla or pallas '
+         f'(it is {self.attention_impl!r}): set model.attention_impl to one of them.')
     need(self.remat in REMAT_POLICIES,
          f'model.remat={self.remat!r}: choose one of {REMAT_POLICIES}.')
     need(self.remat != 'save_attention' or self.attention_impl in ('pallas', 'cudnn'),

@@ -1,14 +1,20 @@
-"""Hugging Face Llama and Mixtral, both ways: config.json <-> ModelConfig, safetensors
-tensors <-> our parameter tree. Read by serving (`serve/hf_llama.py`: --hf-model), by
-training (init_from_hf: fine-tuning a released model) and written by
-`serve/hf_export.py`. Mixtral is Llama with every MLP a mixture of experts: a softmax
-router over E experts whose top k (k >= 2) weights are renormalized, each expert a
-SwiGLU, as model/moe.py computes with router='softmax' and moe_every=1. Anything else
-(biases, other activations, other RoPE scalings, sliding-window attention, other
-architectures, other expert layouts) is refused with a ValueError naming it, rather than
-computed wrong.
+"""Hugging Face checkpoints, both ways: config.json <-> ModelConfig, safetensors tensors
+<-> our parameter tree. Read by serving (`serve/hf_llama.py`: --hf-model), by training
+(init_from_hf: fine-tuning a released model) and written by `serve/hf_export.py`.
+
+FAMILIES is the one table of what is read and written: Llama-style decoders whose
+differences are ModelConfig fields (Qwen2's q/k/v biases: qkv_bias; Qwen3's per-head q/k
+norms: qk_norm), Mixtral, Llama with every MLP a mixture of experts (a softmax router
+over E experts whose top k (k >= 2) weights are renormalized, each expert a SwiGLU, as
+model/moe.py computes with router='softmax' and moe_every=1), and Qwen3-MoE, Qwen3 with
+every decoder_sparse_step-th MLP routed (moe_every; the top k renormalized or not:
+router_norm_topk). Anything else (other
+biases, activations, RoPE scalings, a sliding window in some layers only,
+architectures, expert layouts) is refused with a ValueError naming it, before any weight
+is read, rather than computed wrong.
 """
 
+import dataclasses
 import glob
 import json
 import math
@@ -22,53 +28,152 @@ from safetensors import safe_open
 from model.config import ModelConfig
 from model.transformer import abstract_params
 
-# architectures -> model_type, and each one's defaults where config.json leaves a field
-# out (transformers' LlamaConfig and MixtralConfig).
-_ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'MixtralForCausalLM': 'mixtral'}
-_DEFAULTS = {'llama': {'rope_theta': 10000.0, 'rms_norm_eps': 1e-6,
-                       'max_position_embeddings': 2048},
-             'mixtral': {'rope_theta': 1e6, 'rms_norm_eps': 1e-5,
-                         'max_position_embeddings': 4096 * 32, 'num_key_value_heads': 8,
-                         'num_local_experts': 8, 'num_experts_per_tok': 2}}
-# HF config field -> the value it must have for our model to compute the same thing.
-_REQUIRED = {'hidden_act': 'silu', 'attention_bias': False, 'mlp_bias': False}
+# What transformers' config classes assume for a field config.json leaves out, where every
+# family below assumes the same (None: derived, as transformers derives it).
+_COMMON_DEFAULTS = {'rope_theta': 10000.0, 'rms_norm_eps': 1e-6, 'num_key_value_heads': None,
+                    'head_dim': None, 'tie_word_embeddings': False}
+# Qwen2/Qwen3: a sliding window only with use_sliding_window, and then only in the layers
+# from max_window_layers on (unless config.json lists layer_types).
+_QWEN_WINDOW = {'use_sliding_window': False, 'sliding_window': 4096, 'max_window_layers': 28}
 
 
-def _kind(hf: dict) -> str:
-  """'llama' or 'mixtral' (check_supported has passed)."""
-  return _ARCHITECTURES[(hf.get('architectures') or ['LlamaForCausalLM'])[0]]
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One Hugging Face architecture: how its config.json maps onto ModelConfig."""
+  model_type: str
+  defaults: dict        # its config class's defaults, beyond _COMMON_DEFAULTS
+  fields: dict = dataclasses.field(default_factory=dict)   # ModelConfig fields it fixes
+  experts: str = ''     # its experts' tensor layout (_EXPERT_LAYOUTS); '': dense
+  required: dict = dataclasses.field(default_factory=dict)   # config.json field -> the
+  # only value read (its config class has the field; other classes ignore it)
+  refused: str = ''     # what else of the family is refused (the docs' table)
+
+
+FAMILIES = {
+    'LlamaForCausalLM': Family('llama', {'max_position_embeddings': 2048},
+                               required={'attention_bias': False, 'mlp_bias': False}),
+    'MistralForCausalLM': Family('mistral', {'max_position_embeddings': 4096 * 32,
+                                             'num_key_value_heads': 8, 'sliding_window': 4096}),
+    'MixtralForCausalLM': Family(
+        'mixtral', {'rope_theta': 1e6, 'rms_norm_eps': 1e-5,
+                    'max_position_embeddings': 4096 * 32, 'num_key_value_heads': 8,
+                    'sliding_window': None, 'num_local_experts': 8, 'num_experts_per_tok': 2},
+        experts='mixtral', refused='num_experts_per_tok=1; experts fused in one tensor '
+                                   '(mlp.experts.gate_up_proj)'),
+    'Qwen2ForCausalLM': Family('qwen2', {'max_position_embeddings': 32768,
+                                         'num_key_value_heads': 32, **_QWEN_WINDOW},
+                               fields={'qkv_bias': True}),
+    'Qwen3ForCausalLM': Family('qwen3', {'max_position_embeddings': 32768,
+                                         'num_key_value_heads': 32, 'head_dim': 128,
+                                         **_QWEN_WINDOW},
+                               fields={'qk_norm': True}, required={'attention_bias': False}),
+    # Qwen3's attention, every decoder_sparse_step-th layer's MLP routed.
+    'Qwen3MoeForCausalLM': Family(
+        'qwen3_moe', {'max_position_embeddings': 32768, 'num_key_value_heads': 4,
+                      'use_sliding_window': False, 'sliding_window': 4096,
+                      'num_experts': 128, 'num_experts_per_tok': 8, 'norm_topk_prob': False,
+                      'decoder_sparse_step': 1, 'moe_intermediate_size': 768,
+                      'mlp_only_layers': []},
+        fields={'qk_norm': True}, experts='qwen3_moe', required={'attention_bias': False},
+        refused='mlp_only_layers; a decoder_sparse_step not dividing num_hidden_layers; '
+                'num_experts_per_tok=1 with norm_topk_prob; experts fused in one tensor'),
+}
+# HF config field -> the value it must have in every family for our model to compute the
+# same thing.
+_REQUIRED = {'hidden_act': 'silu'}
+# Refused in every family (the docs' table): other activations, RoPE scalings and windows.
+REFUSED_EVERYWHERE = (*(f'{k} other than {v}' for k, v in _REQUIRED.items()),
+                      "rope scaling other than 'llama3'",
+                      'a sliding window in some layers only (max_window_layers, layer_types)')
+# ModelConfig fields a family may fix (Family.fields); the others' are off.
+_FAMILY_FIELDS = ('qkv_bias', 'qk_norm')
+
+
+def _architecture(hf: dict) -> str:
+  return (hf.get('architectures') or ['LlamaForCausalLM'])[0]
+
+
+def _get(hf: dict, key: str):
+  """config.json's `key`, or what transformers' config class assumes when it is absent."""
+  if key in hf:
+    return hf[key]
+  return {**_COMMON_DEFAULTS, **FAMILIES[_architecture(hf)].defaults}[key]
 
 
 def check_supported(hf: dict) -> None:
   """Raises ValueError naming the first thing our model would compute differently."""
   archs = hf.get('architectures') or ['LlamaForCausalLM']
-  if len(archs) != 1 or archs[0] not in _ARCHITECTURES:
-    raise ValueError(f'architectures={archs} is not supported: only LlamaForCausalLM '
-                     '(Llama-family decoders) and MixtralForCausalLM can be read.')
-  kind = _ARCHITECTURES[archs[0]]
-  for key, want in {'model_type': kind, **_REQUIRED}.items():
+  if len(archs) != 1 or archs[0] not in FAMILIES:
+    raise ValueError(f'config.json architectures={archs} is not supported: only '
+                     f'{", ".join(FAMILIES)} can be read.')
+  family = FAMILIES[archs[0]]
+  for key, want in {'model_type': family.model_type, **_REQUIRED, **family.required}.items():
     got = hf.get(key, want)
     if got != want:
       raise ValueError(f'config.json {key}={got!r} is not supported: only {archs[0]} '
                        f'models with {key}={want!r} can be read.')
-  if kind == 'mixtral':
-    window = hf.get('sliding_window')
-    longest = hf.get('max_position_embeddings', _DEFAULTS[kind]['max_position_embeddings'])
-    if window is not None and window < longest:
-      raise ValueError(f'config.json sliding_window={window} is not supported: attention '
-                       'here sees the whole context (null, or at least '
-                       'max_position_embeddings, can be read).')
-    if hf.get('num_experts_per_tok', 2) < 2:
-      raise ValueError(f'config.json num_experts_per_tok={hf["num_experts_per_tok"]} is '
-                       'not supported: with one expert a token, Mixtral weighs it 1 and '
-                       'model/moe.py by its router probability; 2 or more can be read.')
+  window, every_layer = _sliding_window(hf)
+  if window and not every_layer:
+    raise ValueError(f'config.json sliding_window={window} is not supported in some layers '
+                     f'only (max_window_layers={_get(hf, "max_window_layers")}, layer_types): '
+                     'a window in every layer (max_window_layers=0), or none, can be read.')
+  if family.experts == 'mixtral' and _get(hf, 'num_experts_per_tok') < 2:
+    raise ValueError(f'config.json num_experts_per_tok={hf["num_experts_per_tok"]} is '
+                     'not supported: with one expert a token, Mixtral weighs it 1 and '
+                     'model/moe.py by its router probability; 2 or more can be read.')
+  if family.experts == 'qwen3_moe':
+    _check_qwen3_moe(hf)
+
+
+def _check_qwen3_moe(hf: dict) -> None:
+  """ValueError naming the first Qwen3-MoE field our layer pattern and router cannot
+  follow: MoE layers are every moe_every-th (decoder_sparse_step), none skipped."""
+  layers, step = hf['num_hidden_layers'], _get(hf, 'decoder_sparse_step')
+  for ok, field, supported in (
+      (not _get(hf, 'mlp_only_layers'), 'mlp_only_layers', '[] (every '
+       'decoder_sparse_step-th layer routed)'),
+      (step >= 1 and layers % step == 0, 'decoder_sparse_step',
+       f'a divisor of num_hidden_layers={layers}'),
+      (_num_experts(hf) > 0, 'num_experts', 'at least 1 (without experts: '
+       'Qwen3ForCausalLM)'),
+      (_get(hf, 'num_experts_per_tok') > 1 or not _get(hf, 'norm_topk_prob'),
+       'norm_topk_prob', 'false with num_experts_per_tok=1 (model/moe.py keeps one '
+       "expert's router probability)")):
+    if not ok:
+      raise ValueError(f'config.json {field}={hf.get(field, _get(hf, field))!r} is not '
+                       f'supported: only {supported} can be read.')
+
+
+def _num_experts(hf: dict) -> int:
+  # Qwen3MoeConfig reads num_experts, and saves it as num_local_experts.
+  return hf.get('num_experts', hf.get('num_local_experts', _get(hf, 'num_experts')))
+
+
+def _sliding_window(hf: dict) -> tuple[int, bool]:
+  """(the window of the layers that slide, whether every layer does), as transformers
+  reads config.json; (0, True) where none does, or the window spans the context."""
+  defaults = FAMILIES[_architecture(hf)].defaults
+  if 'sliding_window' not in defaults:   # Llama has no sliding window
+    return 0, True
+  window = _get(hf, 'sliding_window')
+  if 'use_sliding_window' in defaults and not _get(hf, 'use_sliding_window'):   # Qwen
+    return 0, True
+  if not window or window >= _get(hf, 'max_position_embeddings'):
+    return 0, True
+  if 'max_window_layers' not in defaults:
+    return window, True
+  first = _get(hf, 'max_window_layers')   # Qwen2, Qwen3: only some layers
+  types = hf.get('layer_types') or ['sliding_attention' if i >= first else 'full_attention'
+                                    for i in range(hf['num_hidden_layers'])]
+  if 'sliding_attention' not in types:
+    return 0, True
+  return window, 'full_attention' not in types
 
 
 def _rope(hf: dict) -> tuple[float, dict]:
   """(theta, scaling) from transformers 5's rope_parameters or the older rope_scaling."""
   params = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
-  theta = float(params.get('rope_theta', hf.get('rope_theta',
-                                                _DEFAULTS[_kind(hf)]['rope_theta'])))
+  theta = float(params.get('rope_theta', _get(hf, 'rope_theta')))
   kind = params.get('rope_type', params.get('type', 'default'))
   if kind not in ('default', 'llama3'):
     raise ValueError(f"config.json rope scaling rope_type={kind!r} is not supported: only "
@@ -77,27 +182,21 @@ def _rope(hf: dict) -> tuple[float, dict]:
 
 
 def model_config(hf: dict, dtype: str = 'float32') -> ModelConfig:
-  """Our ModelConfig for a Hugging Face LlamaConfig or MixtralConfig dict (config.json)."""
+  """Our ModelConfig for a config.json dict of one of FAMILIES."""
   check_supported(hf)
   theta, scaling = _rope(hf)
-  heads, defaults = hf['num_attention_heads'], _DEFAULTS[_kind(hf)]
-  experts = {}
-  if _kind(hf) == 'mixtral':   # every layer's MLP routed; an expert is intermediate_size wide
-    experts = dict(num_experts=hf.get('num_local_experts', defaults['num_local_experts']),
-                   experts_per_token=hf.get('num_experts_per_tok',
-                                            defaults['num_experts_per_tok']), moe_every=1,
-                   num_shared_experts=0, moe_mlp_dim=0, router='softmax',
-                   moe_dispatch='dropless')   # every token to its experts, as Mixtral
+  arch = _architecture(hf)
+  family, heads = FAMILIES[arch], hf['num_attention_heads']
+  experts = _experts(hf, family)
   cfg = ModelConfig(
       vocab_size=hf['vocab_size'], num_layers=hf['num_hidden_layers'],
       embed_dim=hf['hidden_size'], mlp_dim=hf['intermediate_size'], num_heads=heads,
-      num_kv_heads=hf.get('num_key_value_heads') or defaults.get('num_key_value_heads', heads),
-      head_dim=hf.get('head_dim') or hf['hidden_size'] // heads,
-      max_seq_len=hf.get('max_position_embeddings', defaults['max_position_embeddings']),
-      rope_theta=theta, norm_eps=hf.get('rms_norm_eps', defaults['rms_norm_eps']),
-      # LlamaConfig's and MixtralConfig's default is untied.
-      tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
-      dtype=dtype, param_dtype=dtype, **experts)
+      num_kv_heads=_get(hf, 'num_key_value_heads') or heads,
+      head_dim=_get(hf, 'head_dim') or hf['hidden_size'] // heads,
+      max_seq_len=_get(hf, 'max_position_embeddings'), rope_theta=theta,
+      norm_eps=_get(hf, 'rms_norm_eps'), tie_embeddings=bool(_get(hf, 'tie_word_embeddings')),
+      sliding_window=_sliding_window(hf)[0], dtype=dtype, param_dtype=dtype,
+      hf_architecture=arch, **family.fields, **experts)
   if scaling:
     cfg.rope_scaling_factor = float(scaling['factor'])
     cfg.rope_original_max_len = int(scaling['original_max_position_embeddings'])
@@ -107,46 +206,121 @@ def model_config(hf: dict, dtype: str = 'float32') -> ModelConfig:
   return cfg
 
 
-def _check_mixtral(cfg: ModelConfig) -> None:
-  """ValueError naming the first MoE field Mixtral cannot express."""
+def _experts(hf: dict, family: Family) -> dict:
+  """The ModelConfig MoE fields of a config.json: routed every token to its experts
+  (dropless), as transformers does."""
+  if family.experts == 'mixtral':   # every layer's MLP routed; intermediate_size wide
+    return dict(num_experts=_get(hf, 'num_local_experts'),
+                experts_per_token=_get(hf, 'num_experts_per_tok'), moe_every=1,
+                num_shared_experts=0, moe_mlp_dim=0, router='softmax',
+                router_norm_topk=True, moe_dispatch='dropless')
+  if family.experts == 'qwen3_moe':   # dense layers intermediate_size wide, experts not
+    return dict(num_experts=_num_experts(hf), experts_per_token=_get(hf, 'num_experts_per_tok'),
+                moe_every=_get(hf, 'decoder_sparse_step'), num_shared_experts=0,
+                moe_mlp_dim=_get(hf, 'moe_intermediate_size'), router='softmax',
+                router_norm_topk=bool(_get(hf, 'norm_topk_prob')), moe_dispatch='dropless')
+  return {}
+
+
+def export_architecture(cfg: ModelConfig) -> str:
+  """The architecture `cfg` exports as: model.hf_architecture, or the one its fields give;
+  ValueError naming the first field that architecture cannot express."""
+  arch = _architecture_of(cfg)
+  if arch not in FAMILIES:
+    raise ValueError(f'model.hf_architecture={arch!r} is not one meshlm writes: choose one '
+                     f'of {", ".join(FAMILIES)}, or leave it empty.')
+  family = FAMILIES[arch]
+  for field in _FAMILY_FIELDS:
+    want = family.fields.get(field, False)
+    if getattr(cfg, field) != want:
+      raise ValueError(f'model.{field}={getattr(cfg, field)}: {arch} has '
+                       f'{field}={want}; this model has no {arch} form to export to.')
+  if cfg.sliding_window and 'sliding_window' not in family.defaults:
+    raise ValueError(f'model.sliding_window={cfg.sliding_window}: {arch} has no sliding '
+                     f'window; this model has no {arch} form to export to.')
+  if bool(cfg.num_experts) != bool(family.experts):
+    raise ValueError(f'model.num_experts={cfg.num_experts}: {arch} has '
+                     f'{"experts" if family.experts else "no experts"}; this model has no '
+                     f'{arch} form to export to.')
+  if family.experts:
+    _check_experts(cfg, arch)
+  return arch
+
+
+def _architecture_of(cfg: ModelConfig) -> str:
+  if cfg.hf_architecture:
+    return cfg.hf_architecture
+  if cfg.num_experts:
+    return 'Qwen3MoeForCausalLM' if cfg.qk_norm else 'MixtralForCausalLM'
+  return ('Qwen2ForCausalLM' if cfg.qkv_bias else 'Qwen3ForCausalLM' if cfg.qk_norm
+          else 'MistralForCausalLM' if cfg.sliding_window else 'LlamaForCausalLM')
+
+
+def _check_experts(cfg: ModelConfig, arch: str) -> None:
+  """ValueError naming the first MoE field `arch` cannot express."""
+  mixtral = FAMILIES[arch].experts == 'mixtral'
+  name = 'Mixtral' if mixtral else 'Qwen3-MoE'
   for ok, what in (
-      (cfg.moe_every == 1, f'model.moe_every={cfg.moe_every}: Mixtral routes every layer\'s '
-       'MLP (1)'),
+      (cfg.moe_every == 1 or not mixtral, f'model.moe_every={cfg.moe_every}: Mixtral '
+       'routes every layer\'s MLP (1)'),
       (cfg.num_shared_experts == 0, f'model.num_shared_experts={cfg.num_shared_experts}: '
-       'Mixtral has none'),
-      (cfg.router == 'softmax', f'model.router={cfg.router!r}: Mixtral\'s is softmax'),
-      (cfg.experts_per_token >= 2, f'model.experts_per_token={cfg.experts_per_token}: '
-       'with one expert a token Mixtral weighs it 1, model/moe.py by its router '
-       'probability')):
+       f'{name} has none'),
+      (cfg.router == 'softmax', f'model.router={cfg.router!r}: {name}\'s is softmax'),
+      (cfg.experts_per_token >= 2 or not mixtral, f'model.experts_per_token='
+       f'{cfg.experts_per_token}: with one expert a token Mixtral weighs it 1, '
+       'model/moe.py by its router probability'),
+      (cfg.router_norm_topk or not mixtral, 'model.router_norm_topk=False: Mixtral '
+       'renormalizes the chosen weights')):
     if not ok:
-      raise ValueError(f'{what}; this mixture of experts has no Mixtral '
-                       '(MixtralForCausalLM) form to export to.')
+      raise ValueError(f'{what}; this mixture of experts has no {name} ({arch}) form to '
+                       'export to.')
+
+
+# config.json fields each family's export writes beyond the shared ones: no biases, no
+# router noise, no sliding window (hf_config writes model.sliding_window's).
+_EXPORT_FIELDS = {
+    'llama': {'attention_bias': False, 'mlp_bias': False},
+    'mistral': {'sliding_window': None},
+    'mixtral': {'sliding_window': None, 'router_jitter_noise': 0.0,
+                'output_router_logits': False},
+    'qwen2': {'use_sliding_window': False, 'sliding_window': None},
+    'qwen3': {'use_sliding_window': False, 'sliding_window': None, 'attention_bias': False},
+    'qwen3_moe': {'use_sliding_window': False, 'sliding_window': None, 'attention_bias': False,
+                  'mlp_only_layers': [], 'output_router_logits': False},
+}
 
 
 def hf_config(cfg: ModelConfig, dtype: str, eos_id: int, bos_id: int | None = None) -> dict:
-  """model_config's inverse: a Hugging Face LlamaConfig dict (config.json) computing what
-  `cfg` computes, or a MixtralConfig dict for a mixture of experts; ValueError naming the
-  first field neither can express."""
-  if cfg.num_experts:
-    _check_mixtral(cfg)
-    arch = {'architectures': ['MixtralForCausalLM'], 'model_type': 'mixtral',
-            'num_local_experts': cfg.num_experts,
-            'num_experts_per_tok': cfg.experts_per_token,
-            'router_aux_loss_coef': cfg.moe_aux_loss_coef, 'router_jitter_noise': 0.0,
-            'sliding_window': None, 'output_router_logits': False}
-  else:
-    arch = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
-            'attention_bias': False, 'mlp_bias': False}
+  """model_config's inverse: the config.json dict of export_architecture(cfg) computing
+  what `cfg` computes; ValueError naming the first field it cannot express."""
+  arch = export_architecture(cfg)
+  family = FAMILIES[arch]
   out = {
-      **arch, 'hidden_act': 'silu', 'vocab_size': cfg.vocab_size,
+      'architectures': [arch], 'model_type': family.model_type,
+      **_EXPORT_FIELDS[family.model_type], 'hidden_act': 'silu', 'vocab_size': cfg.vocab_size,
       'num_hidden_layers': cfg.num_layers, 'hidden_size': cfg.embed_dim,
-      'intermediate_size': (cfg.resolved_moe_mlp_dim if cfg.num_experts
+      'intermediate_size': (cfg.resolved_moe_mlp_dim if family.experts == 'mixtral'
                             else cfg.resolved_mlp_dim), 'num_attention_heads': cfg.num_heads,
       'num_key_value_heads': cfg.num_kv_heads, 'head_dim': cfg.resolved_head_dim,
       'max_position_embeddings': cfg.max_seq_len, 'rope_theta': cfg.rope_theta,
       'rms_norm_eps': cfg.norm_eps, 'tie_word_embeddings': cfg.tie_embeddings,
       'torch_dtype': dtype, 'eos_token_id': eos_id, 'bos_token_id': bos_id,
       'initializer_range': cfg.init_std}
+  if family.experts == 'mixtral':
+    out.update({'num_local_experts': cfg.num_experts})
+  elif family.experts == 'qwen3_moe':
+    out.update({'num_experts': cfg.num_experts, 'decoder_sparse_step': cfg.moe_every,
+                'moe_intermediate_size': cfg.resolved_moe_mlp_dim,
+                'norm_topk_prob': cfg.router_norm_topk and cfg.experts_per_token > 1})
+  if family.experts:
+    out.update({'num_experts_per_tok': cfg.experts_per_token,
+                'router_aux_loss_coef': cfg.moe_aux_loss_coef})
+  if cfg.sliding_window:   # in every layer
+    out['sliding_window'] = cfg.sliding_window
+    if 'use_sliding_window' in family.defaults:   # Qwen
+      out['use_sliding_window'] = True
+    if 'max_window_layers' in family.defaults:   # Qwen2, Qwen3: from the first layer on
+      out['max_window_layers'] = 0
   if cfg.rope_scaling_factor != 1.0:
     out['rope_scaling'] = {
         'rope_type': 'llama3', 'factor': cfg.rope_scaling_factor,
@@ -191,10 +365,11 @@ def host_device():
 
 
 # Each layer's tensors: (Hugging Face's name, ours, how many leading axes of ours are the
-# input; None: a vector, kept as it is). HF stores a matrix [out, in], ours are
+# input; None: a vector, flat in HF's). HF stores a matrix [out, in], ours are
 # [in..., out...]. Llama's layers are the attention and the dense MLP, Mixtral's the
 # attention, the router and per expert j the three (w1 gate, w3 up, w2 down), which ours
-# stack on an experts axis after the layers axis.
+# stack on an experts axis after the layers axis. qkv_bias and qk_norm add theirs to the
+# attention's.
 _ATTENTION = (
     ('input_layernorm.weight', 'attn_norm', None),
     ('self_attn.q_proj.weight', 'wq', 1),       # [D, H, E]
@@ -208,19 +383,37 @@ _LAYER = _ATTENTION + (
     ('mlp.up_proj.weight', 'w_up', 1),
     ('mlp.down_proj.weight', 'w_down', 1),      # [F, D]
 )
-_MOE_LAYER = _ATTENTION + (('block_sparse_moe.gate.weight', 'router', 1),)   # [D, E]
-_EXPERT = (('block_sparse_moe.experts.{j}.w1.weight', 'we_gate'),   # [D, F] each
-           ('block_sparse_moe.experts.{j}.w3.weight', 'we_up'),
-           ('block_sparse_moe.experts.{j}.w2.weight', 'we_down'))   # [F, D]
+_QKV_BIAS = (('self_attn.q_proj.bias', 'bq', None),   # [H, E]
+             ('self_attn.k_proj.bias', 'bk', None),   # [K, E]
+             ('self_attn.v_proj.bias', 'bv', None))
+_QK_NORM = (('self_attn.q_norm.weight', 'q_norm', None),   # [E]
+            ('self_attn.k_norm.weight', 'k_norm', None))
+# Each expert layout: the router's tensor, and per expert j the three of its SwiGLU.
+_EXPERT_LAYOUTS = {
+    'mixtral': (('block_sparse_moe.gate.weight', 'router', 1),   # [D, E]
+                (('block_sparse_moe.experts.{j}.w1.weight', 'we_gate'),   # [D, F] each
+                 ('block_sparse_moe.experts.{j}.w3.weight', 'we_up'),
+                 ('block_sparse_moe.experts.{j}.w2.weight', 'we_down'))),   # [F, D]
+    'qwen3_moe': (('mlp.gate.weight', 'router', 1),
+                  (('mlp.experts.{j}.gate_proj.weight', 'we_gate'),
+                   ('mlp.experts.{j}.up_proj.weight', 'we_up'),
+                   ('mlp.experts.{j}.down_proj.weight', 'we_down'))),
+}
 
 
-def _layer_tables(cfg: ModelConfig) -> tuple[str, tuple]:
-  """(our tree's layer group, its per-layer tensor table) for cfg: Llama's, or Mixtral's
-  after _check_mixtral."""
+def _layer_groups(cfg: ModelConfig) -> list[tuple[str, list[int], tuple, tuple]]:
+  """(our tree's layer group, the HF layer indices stacked in it, its per-layer tensor
+  table, its per-expert table) for each group cfg has: 'layers' the dense layers,
+  'moe_layers' every moe_every-th (model.transformer's groups), after _check_experts."""
+  extras = (_QKV_BIAS if cfg.qkv_bias else ()) + (_QK_NORM if cfg.qk_norm else ())
   if not cfg.num_experts:
-    return 'layers', _LAYER
-  _check_mixtral(cfg)
-  return 'moe_layers', _MOE_LAYER
+    return [('layers', list(range(cfg.num_layers)), _LAYER + extras, ())]
+  arch = export_architecture(cfg)
+  router, experts = _EXPERT_LAYOUTS[FAMILIES[arch].experts]
+  routed = [i for i in range(cfg.num_layers) if (i + 1) % cfg.moe_every == 0]
+  dense = [i for i in range(cfg.num_layers) if (i + 1) % cfg.moe_every]
+  groups = [('moe_layers', routed, _ATTENTION + extras + (router,), experts)]
+  return groups + ([('layers', dense, _LAYER + extras, ())] if dense else [])
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
@@ -233,12 +426,12 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
   def take(name, shape, in_axes=None):
     if name not in tensors:
       if any('.mlp.experts.gate_up_proj' in k for k in tensors):
-        raise ValueError('these safetensors hold Mixtral\'s experts fused '
+        raise ValueError('these safetensors hold the experts fused '
                          '(mlp.experts.gate_up_proj, transformers 5\'s in-memory layout, '
                          'saved with save_original_format=False), which is not read: save '
-                         'the model in the original layout (block_sparse_moe.experts.N.w1).')
+                         'the model in the original layout (one tensor per expert).')
       raise ValueError(f'the safetensors files have no {name!r}: not a complete '
-                       f'{"Mixtral" if cfg.num_experts else "Llama"} checkpoint.')
+                       f'{_architecture_of(cfg)} checkpoint.')
     used.add(name)
     w = tensors[name] if in_axes is None else tensors[name].T
     if w.size != math.prod(shape):
@@ -248,19 +441,19 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
 
   tree = {'embed': take('model.embed_tokens.weight', shapes['embed'].shape),
           'final_norm': take('model.norm.weight', shapes['final_norm'].shape)}
-  group, table = _layer_tables(cfg)
-  layers = shapes[group]
-  tree[group] = {ours: np.stack([take(f'model.layers.{i}.{name}', layers[ours].shape[1:],
-                                      in_axes) for i in range(cfg.num_layers)])
-                 for name, ours, in_axes in table}
-  for name, ours in _EXPERT if cfg.num_experts else ():
-    tree[group][ours] = np.stack([np.stack([
-        take(f'model.layers.{i}.{name.format(j=j)}', layers[ours].shape[2:], 1)
-        for j in range(cfg.num_experts)]) for i in range(cfg.num_layers)])
+  for group, indices, table, experts in _layer_groups(cfg):
+    layers = shapes[group]
+    tree[group] = {ours: np.stack([take(f'model.layers.{i}.{name}', layers[ours].shape[1:],
+                                        in_axes) for i in indices])
+                   for name, ours, in_axes in table}
+    for name, ours in experts:
+      tree[group][ours] = np.stack([np.stack([
+          take(f'model.layers.{i}.{name.format(j=j)}', layers[ours].shape[2:], 1)
+          for j in range(cfg.num_experts)]) for i in indices])
   if not cfg.tie_embeddings:
     tree['lm_head'] = take('lm_head.weight', shapes['lm_head'].shape, 1)
   used.add('lm_head.weight')   # a tied model may still store its (equal) head
-  _check_all_used(tensors, used)
+  _check_all_used(tensors, used, cfg)
   dtype = jnp.dtype(cfg.param_dtype)
   if on_host:   # numpy, for the caller to place (training shards them straight away)
     return jax.tree.map(lambda v: np.ascontiguousarray(v).astype(dtype), tree)
@@ -268,32 +461,32 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig,
 
 
 def hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-  """params_from_hf's inverse: our tree as Llama's (or Mixtral's) tensors, [out, in], one
-  per layer (and expert)."""
+  """params_from_hf's inverse: our tree as the checkpoint's tensors, [out, in], one per
+  layer (and expert)."""
   host = jax.tree.map(np.asarray, jax.device_get(params))
 
   def llama(w, in_axes):
-    return w if in_axes is None else w.reshape(math.prod(w.shape[:in_axes]), -1).T
+    return w.reshape(-1) if in_axes is None else w.reshape(math.prod(w.shape[:in_axes]), -1).T
 
   out = {'model.embed_tokens.weight': host['embed'], 'model.norm.weight': host['final_norm']}
-  group, table = _layer_tables(cfg)
-  for i in range(cfg.num_layers):
-    out.update({f'model.layers.{i}.{name}': llama(host[group][ours][i], in_axes)
-                for name, ours, in_axes in table})
-    for name, ours in _EXPERT if cfg.num_experts else ():
-      out.update({f'model.layers.{i}.{name.format(j=j)}': llama(host[group][ours][i, j], 1)
-                  for j in range(cfg.num_experts)})
+  for group, indices, table, experts in _layer_groups(cfg):
+    for n, i in enumerate(indices):
+      out.update({f'model.layers.{i}.{name}': llama(host[group][ours][n], in_axes)
+                  for name, ours, in_axes in table})
+      for name, ours in experts:
+        out.update({f'model.layers.{i}.{name.format(j=j)}': llama(host[group][ours][n, j], 1)
+                    for j in range(cfg.num_experts)})
   if not cfg.tie_embeddings:
     out['lm_head.weight'] = llama(host['lm_head'], 1)
   return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def _check_all_used(tensors: dict, used: set) -> None:
+def _check_all_used(tensors: dict, used: set, cfg: ModelConfig) -> None:
   # Weights we do not map (biases, extra norms) mean a model we would compute wrong.
   extra = sorted(k for k in tensors if k not in used and not k.endswith('rotary_emb.inv_freq'))
   if extra:
     raise ValueError(f'unsupported weights {extra[:5]} (of {len(extra)}): this is not a '
-                     'plain Llama or Mixtral checkpoint.')
+                     f'{_architecture_of(cfg)} checkpoint as config.json describes it.')
 
 
 def _to_jax(tree, dtype):

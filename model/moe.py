@@ -8,8 +8,9 @@ slots, k the token's chosen experts, n flattened tokens.
 Router (float32): 'softmax' takes the top-k of softmax(logits) (Mixtral), 'sigmoid' the
 top-k of per-expert sigmoids (DeepSeek-V3). With k > 1 the k weights are normalized to
 sum 1 (Mixtral's softmax over the chosen logits is the same thing; DeepSeek-V3 normalizes
-its sigmoid scores); with k = 1 the raw score is kept (Switch), or the router would get
-no gradient from the language-model loss.
+its sigmoid scores) unless router_norm_topk is off (Qwen3-MoE's norm_topk_prob=False);
+with k = 1 the raw score is kept (Switch), or the router would get no gradient from the
+language-model loss.
 
 Capacity groups are sequences: each expert takes at most
 C = ceil(capacity_factor * seq_len * k / E) of a sequence's (token, choice) pairs, first
@@ -77,7 +78,7 @@ def route(x, router_w, cfg: ModelConfig):
     scores = jax.nn.sigmoid(logits)
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
   top, ids = jax.lax.top_k(scores, cfg.experts_per_token)
-  if cfg.experts_per_token > 1:
+  if cfg.experts_per_token > 1 and cfg.router_norm_topk:
     top = top / jnp.sum(top, axis=-1, keepdims=True)
   losses = {'moe_aux_loss': load_balancing_loss(probs, ids),
             'router_z_loss': jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)}

@@ -93,11 +93,20 @@ def _pallas_stacked(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_s
 PAGED_ATTENTION = {'xla': paged_attention_xla, 'pallas': _pallas_stacked}
 
 
-def paged_attend(q, k_pages, v_pages, meta, impl: str, plan):
+def check_impl(cfg: ModelConfig, impl: str) -> None:
+  """ValueError where `impl` cannot compute cfg's attention."""
+  if cfg.sliding_window and impl != 'xla':
+    raise ValueError(f'model.sliding_window={cfg.sliding_window}: the {impl!r} paged '
+                     "attention sees the whole context; serve this model with --attention xla.")
+
+
+def paged_attend(q, k_pages, v_pages, meta, impl: str, plan, sliding_window: int = 0):
   """q [T, Hq, D] over pages [..., page, Hkv, D] (layer_pages' form); with a plan, each
   tensor shard attends its own kv heads and their q heads (the kernel is opaque to the
-  partitioner)."""
+  partitioner). sliding_window: model.sliding_window (xla only)."""
   fn = PAGED_ATTENTION[impl]
+  if sliding_window:
+    fn = functools.partial(fn, sliding_window=sliding_window)
   if impl == 'xla' and q.shape[0] <= SMALL_STEP:
     fn = functools.partial(fn, block_k=SMALL_STEP_BLOCK_K, row_tokens=SMALL_STEP)
   if impl == 'xla' and q.shape[0] ** 2 * q.shape[1] <= STEP_DENSE_MAX_SCORES:
@@ -131,12 +140,12 @@ def layer_pages(cache: KVCache, index, batch: PagedBatch, impl: str):
   return pool[0], pool[1], (batch.kv_lens, offset, batch.cu_q_lens, batch.num_seqs)
 
 
-def paged_attention_layer(x, layer, index, cache, batch, rope, impl, plan):
+def paged_attention_layer(x, layer, index, cache, batch, cfg, rope, impl, plan):
   """x [1, T, d] -> (attention output [1, T, d], cache with this layer's K/V written)."""
-  q, k, v = project_qkv(x, layer, rope, plan)
+  q, k, v = project_qkv(x, layer, cfg, rope, plan)
   cache = write_kv(cache, index, k[0], v[0], batch.slots)
   k_pages, v_pages, meta = layer_pages(cache, index, batch, impl)
-  out = paged_attend(q[0], k_pages, v_pages, meta, impl, plan)
+  out = paged_attend(q[0], k_pages, v_pages, meta, impl, plan, cfg.sliding_window)
   return output_projection(out[None], layer), cache
 
 
@@ -157,6 +166,7 @@ def paged_forward(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelC
                   rope: Rope | None = None):
   """Final hidden states [1, T, d] of the batch's tokens, and the updated cache. rope:
   rope_table's output covering every position in the batch (else computed here)."""
+  check_impl(cfg, impl)
   if rope is None:
     rope = rope_tables(batch.positions[None], rope_inv_freq(cfg))
   else:
@@ -167,7 +177,8 @@ def paged_forward(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelC
   def body(carry, layer_and_index):
     x, cache = carry
     layer, index = layer_and_index
-    attend = lambda h: paged_attention_layer(h, layer, index, cache, batch, rope, impl, plan)
+    attend = lambda h: paged_attention_layer(h, layer, index, cache, batch, cfg, rope, impl,
+                                             plan)
     return residual_block(x, layer, cfg, plan, attend), None
 
   if isinstance(params.get('layers'), (list, tuple)):   # unstack_layers' form

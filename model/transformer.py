@@ -37,7 +37,7 @@ OFFLOADED = ('query', 'key', 'value', 'context', 'mid_residual', 'mlp_gate', 'ml
 class ParamSpec:
   shape: tuple[int, ...]
   axes: tuple[str | None, ...]   # logical axis names, one per dimension
-  init: str                      # 'ones', 'normal' or 'residual' (scaled by depth)
+  init: str                      # 'ones', 'zeros', 'normal' or 'residual' (scaled by depth)
 
 
 def param_specs(cfg: ModelConfig) -> Params:
@@ -54,6 +54,7 @@ def param_specs(cfg: ModelConfig) -> Params:
       'w_gate': ParamSpec((L, D, F), ('layers', 'embed', 'mlp'), 'normal'),
       'w_up': ParamSpec((L, D, F), ('layers', 'embed', 'mlp'), 'normal'),
       'w_down': ParamSpec((L, F, D), ('layers', 'mlp', 'embed'), 'residual'),
+      **_attention_extras(cfg),
   }
   specs = {
       'embed': ParamSpec((V, D), ('vocab', 'embed'), 'normal'),
@@ -65,6 +66,20 @@ def param_specs(cfg: ModelConfig) -> Params:
   if cfg.num_experts:
     _moe_param_specs(cfg, specs)
   return specs
+
+
+def _attention_extras(cfg: ModelConfig) -> Params:
+  """Per-layer q/k/v biases (qkv_bias) and q/k head norms (qk_norm)."""
+  L, H, K, E = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+  extras = {}
+  if cfg.qkv_bias:
+    extras['bq'] = ParamSpec((L, H, E), ('layers', 'heads', 'head_dim'), 'zeros')
+    extras['bk'] = ParamSpec((L, K, E), ('layers', 'kv_heads', 'head_dim'), 'zeros')
+    extras['bv'] = ParamSpec((L, K, E), ('layers', 'kv_heads', 'head_dim'), 'zeros')
+  if cfg.qk_norm:
+    extras['q_norm'] = ParamSpec((L, E), ('layers', 'head_dim'), 'ones')
+    extras['k_norm'] = ParamSpec((L, E), ('layers', 'head_dim'), 'ones')
+  return extras
 
 
 def _moe_param_specs(cfg: ModelConfig, specs: Params) -> None:
@@ -96,8 +111,8 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
   residual_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
   def one(i, spec):
-    if spec.init == 'ones':
-      return jnp.ones(spec.shape, dtype)
+    if spec.init in ('ones', 'zeros'):
+      return (jnp.ones if spec.init == 'ones' else jnp.zeros)(spec.shape, dtype)
     std = residual_std if spec.init == 'residual' else cfg.init_std
     return (std * jax.random.normal(jax.random.fold_in(key, i), spec.shape)).astype(dtype)
 
@@ -156,19 +171,23 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 # ---------------------------------------------------------------------------- attention
 
-def attention_mask(segment_ids: jax.Array | None, t: int) -> jax.Array:
-  """[b or 1, t, s] boolean: causal, and within one packed document."""
-  causal = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
+def attention_mask(segment_ids: jax.Array | None, t: int, window: int = 0) -> jax.Array:
+  """[b or 1, t, s] boolean: causal, within the last `window` tokens (0: all), and within
+  one packed document."""
+  causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+  if window:
+    causal &= ~jnp.tril(jnp.ones((t, t), dtype=bool), -window)
   if segment_ids is None:
-    return causal
+    return causal[None]
   same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
-  return causal & same_doc
+  return causal[None] & same_doc
 
 
-def attention_xla(q, k, v, segment_ids):
-  """Grouped-query attention without repeating K/V: q [b,t,h,e], k/v [b,s,k,e]."""
+def attention_xla(q, k, v, segment_ids, window: int = 0):
+  """Grouped-query attention without repeating K/V: q [b,t,h,e], k/v [b,s,k,e]; window:
+  model.sliding_window."""
   b, t, h, e = q.shape
-  mask = attention_mask(segment_ids, t)
+  mask = attention_mask(segment_ids, t, window)
   groups = h // k.shape[2]
   q = q.reshape(b, t, k.shape[2], groups, e)
   scores = jnp.einsum('btkge,bske->bkgts', q, k, preferred_element_type=jnp.float32)
@@ -196,11 +215,11 @@ def _flash_kernels(backend: str) -> dict:
   return dict(backend=backend)
 
 
-def attention_pallas(q, k, v, segment_ids, plan, backend='auto'):
+def attention_pallas(q, k, v, segment_ids, plan, backend='auto', window: int = 0):
   """The Pallas flash kernel, run per shard: a pallas_call is opaque to the partitioner.
   backend: model.pallas_backend ('mosaic_gpu_fused': the Mosaic GPU forward and its
-  one-kernel backward)."""
-  kernels = _flash_kernels(backend)
+  one-kernel backward); window: model.sliding_window."""
+  kernels = {**_flash_kernels(backend), 'sliding_window': window or None}
   if plan is None:
     return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, **kernels)
   spec = plan.activations.spec
@@ -218,12 +237,17 @@ def attention_pallas(q, k, v, segment_ids, plan, backend='auto'):
                        check_vma=False)(*args)
 
 
-def project_qkv(x, layer, rope: Rope, plan):
-  """q [b,t,h,e], k/v [b,t,k,e]: projections and RoPE, shared by training and serving."""
+def project_qkv(x, layer, cfg: ModelConfig, rope: Rope, plan):
+  """q [b,t,h,e], k/v [b,t,k,e]: projections (with cfg.qkv_bias, biased; with
+  cfg.qk_norm, each head normed) and RoPE, shared by training and serving."""
   dtype = x.dtype
   q = jnp.einsum('btd,dhe->bthe', x, layer['wq'].astype(dtype))
   k = jnp.einsum('btd,dke->btke', x, layer['wk'].astype(dtype))
   v = jnp.einsum('btd,dke->btke', x, layer['wv'].astype(dtype))
+  if cfg.qkv_bias:
+    q, k, v = (y + layer[b].astype(dtype) for y, b in ((q, 'bq'), (k, 'bk'), (v, 'bv')))
+  if cfg.qk_norm:
+    q, k = rms_norm(q, layer['q_norm'], cfg.norm_eps), rms_norm(k, layer['k_norm'], cfg.norm_eps)
   q_axes = ('batch', 'act_seq', 'act_heads', None)
   kv_axes = ('batch', 'act_seq', 'act_kv_heads', None)
   q = constrain(apply_rope(q, rope), q_axes, plan)
@@ -233,7 +257,7 @@ def project_qkv(x, layer, rope: Rope, plan):
 
 
 def attention(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan):
-  q, k, v = project_qkv(x, layer, rope, plan)
+  q, k, v = project_qkv(x, layer, cfg, rope, plan)
   out = attention_core(q, k, v, cfg, segment_ids, plan)
   return output_projection(checkpoint_name(out, 'context'), layer)
 
@@ -254,10 +278,10 @@ def attention_core(q, k, v, cfg: ModelConfig, segment_ids, plan):
 def local_attention(q, k, v, segment_ids, *, cfg: ModelConfig, plan):
   """Attention where every device holds whole sequences, by cfg.attention_impl."""
   if cfg.attention_impl == 'xla':
-    return attention_xla(q, k, v, segment_ids)
+    return attention_xla(q, k, v, segment_ids, cfg.sliding_window)
   if cfg.attention_impl == 'cudnn':
     return attention_cudnn(q, k, v, segment_ids)
-  return attention_pallas(q, k, v, segment_ids, plan, cfg.pallas_backend)
+  return attention_pallas(q, k, v, segment_ids, plan, cfg.pallas_backend, cfg.sliding_window)
 
 
 def output_projection(out, layer):
@@ -343,7 +367,8 @@ def _block_saving_attention(x, layer, cfg: ModelConfig, rope: Rope, segment_ids,
   (out, aux). Returns (x, aux)."""
   def before(x, layer):
     with jax.named_scope('attention'):
-      return project_qkv(rms_norm(x, layer['attn_norm'], cfg.norm_eps), layer, rope, plan)
+      return project_qkv(rms_norm(x, layer['attn_norm'], cfg.norm_eps), layer, cfg, rope,
+                         plan)
 
   def after(x, out, layer):
     with jax.named_scope('attention'):
@@ -578,9 +603,10 @@ def summed_nll_and_aux(params: Params, batch: dict, cfg: ModelConfig, plan=None)
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   """Training FLOPs per token (forward + backward = 3x forward), causal attention halved.
   MoE: only the experts a token uses count (k routed + the shared ones), and the router."""
-  # Every weight multiplies once per token except the embedding lookup; a tied table
-  # is used once, as the output head.
-  norms = (2 * cfg.num_layers + 1) * cfg.embed_dim
+  # Every weight multiplies once per token except the embedding lookup, the norms' scales
+  # and the biases; a tied table is used once, as the output head.
+  norms = sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg))
+              if s.init in ('ones', 'zeros'))
   lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.embed_dim
   matmul_params = count_params(cfg) - norms - lookup - moe.inactive_params(cfg)
   attn = 2 * 2 * cfg.num_layers * seq_len * cfg.num_heads * cfg.resolved_head_dim * 0.5

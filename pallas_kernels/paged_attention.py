@@ -72,8 +72,9 @@ _MIN_DOT_ROWS = 16       # Triton's tl.dot needs M, N and K >= 16
 
 def paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                               num_seqs, *, sm_scale=None, num_kv_splits=None,
-                              pages_per_block=None, interpret=None):
-  """Float32 jnp version of `paged_attention` (splits/blocks/interpret are ignored).
+                              pages_per_block=None, interpret=None, sliding_window=0):
+  """Float32 jnp version of `paged_attention` (splits/blocks/interpret are ignored);
+  sliding_window > 0: each row sees only its last sliding_window positions.
 
   Gathers every token's whole sequence of K/V from the pages, so it needs
   O(T * pages_per_seq * page_size) memory: for tests and small batches only.
@@ -95,10 +96,16 @@ def paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_l
   hi = jax.lax.Precision.HIGHEST   # no TF32 on GPU: this is the reference
   scores = jnp.einsum('tkgd,tskd->tkgs', qg, k, precision=hi) * scale
   visible = (key_pos[None, :] <= pos[:, None]) & live[:, None]          # [T, L]
+  visible &= _in_window(key_pos[None, :], pos[:, None], sliding_window)
   scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum('tkgs,tskd->tkgd', probs, v, precision=hi).reshape(t, hq, d)
   return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
+
+
+def _in_window(k_pos, q_pos, sliding_window):
+  """Whether key position k_pos is within q_pos's sliding window (all: 0)."""
+  return k_pos > q_pos - sliding_window if sliding_window else True
 
 
 def _token_layout(t, kv_lens, cu_q_lens, num_seqs):
@@ -125,7 +132,7 @@ _XLA_WINDOW = 32   # query rows per work item of the by-sequence path
 
 def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                         sm_scale=None, block_k=None, window=None, row_tokens=0,
-                        step_dense=False):
+                        step_dense=False, sliding_window=0):
   """Ragged paged attention in plain jnp for serving without the kernel (CPU default).
 
   Flash-style (online softmax over key blocks of `block_k` tokens), so no step ever
@@ -150,6 +157,8 @@ def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
   chunks starting at position 0, which is how the scheduler orders a step without
   chunked-prefill continuations or prefix hits. Memory O(T * T * Hq): the caller enables
   it for small T only.
+  sliding_window > 0: each row sees only its last sliding_window positions (the keys
+  before are still read, then masked).
   """
   _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
   page_size = k_pages.shape[1]
@@ -161,16 +170,17 @@ def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
   # Whole blocks of table slots; slots past a sequence's pages read page 0 (masked).
   table = jnp.pad(page_indices, ((0, 0), (0, -page_indices.shape[1] % ppb)))
   args = (q, (k_pages, v_pages), kv_lens, table, cu_q_lens, num_seqs)
-  by_row = functools.partial(_xla_by_row, ppb=ppb, scale=scale)
+  by_row = functools.partial(_xla_by_row, ppb=ppb, scale=scale, sliding=sliding_window)
   by_seq = functools.partial(_xla_by_sequence, ppb=ppb, scale=scale,
-                             window=min(window or _XLA_WINDOW, q.shape[0]))
+                             window=min(window or _XLA_WINDOW, q.shape[0]),
+                             sliding=sliding_window)
   if q.shape[0] <= row_tokens:
     general = by_row
   else:
     general = lambda *a: lax.cond(cu_q_lens[num_seqs] == num_seqs, by_row, by_seq, *a)
   if not step_dense:
     return general(*args).astype(q.dtype)
-  split = functools.partial(_xla_step_dense, ppb=ppb, scale=scale)
+  split = functools.partial(_xla_step_dense, ppb=ppb, scale=scale, sliding=sliding_window)
   prefix = _prefix_lens(q.shape[0], kv_lens, cu_q_lens, num_seqs)
   fits = jnp.all(prefix[min(page_indices.shape[0], q.shape[0]):] == 0)
   return lax.cond(fits, split, general, *args).astype(q.dtype)
@@ -182,7 +192,7 @@ def _prefix_lens(t, kv_lens, cu_q_lens, num_seqs):
   return jnp.where(live, kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq]), 0)
 
 
-def _xla_step_dense(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale):
+def _xla_step_dense(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale, sliding=0):
   """The split path (see paged_attention_xla's step_dense): the step's rows among
   themselves, one dense online-softmax block, then the first S rows' cached prefixes."""
   t, hq, d = q.shape
@@ -199,6 +209,7 @@ def _xla_step_dense(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale
   rows = jnp.arange(t)
   first = jnp.where(live, cu_q_lens[seq], t)                      # padding rows: none
   visible = (rows[None, :] >= first[:, None]) & (rows[None, :] <= rows[:, None])   # [T, T]
+  visible &= _in_window(rows[None, :], rows[:, None], sliding)   # rows are positions apart
   # Heads leading: XLA:CPU runs these dots 4x faster than with the token axis first.
   to_heads = lambda x: jnp.moveaxis(x, 0, -2)                    # [T, Hkv, (G,) D] -> heads
   m, l, acc = _softmax_step(_softmax_init((hkv, hq // hkv, t), d), to_heads(qg),
@@ -208,7 +219,7 @@ def _xla_step_dense(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale
   n = min(table.shape[0], t)
   prefix = _prefix_lens(t, kv_lens, cu_q_lens, num_seqs)[:n]
   step = functools.partial(_xla_row_block, qg=qg[:n], pages=pages, table=table[seq[:n]],
-                           pos=pos[:n], row_len=prefix, ppb=ppb, scale=scale)
+                           pos=pos[:n], row_len=prefix, ppb=ppb, scale=scale, sliding=sliding)
   num_blocks = pl.cdiv(jnp.max(prefix), ppb * page_size)
   head = lax.fori_loop(0, num_blocks, step, (m[:n], l[:n], acc[:n]))
   l, acc = (jnp.concatenate([h, x[n:]]) for h, x in zip(head[1:], (l, acc)))
@@ -216,20 +227,21 @@ def _xla_step_dense(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale
   return jnp.where(live[:, None, None], out, 0)
 
 
-def _xla_by_row(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale):
+def _xla_by_row(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale, sliding=0):
   t, hq, d = q.shape
   hkv = pages[0].shape[2]
   seq, pos, live = _token_layout(t, kv_lens, cu_q_lens, num_seqs)
   row_len = jnp.where(live, kv_lens[seq], 0)
   step = functools.partial(_xla_row_block, qg=q.reshape(t, hkv, hq // hkv, d), pages=pages,
-                           table=table[seq], pos=pos, row_len=row_len, ppb=ppb, scale=scale)
+                           table=table[seq], pos=pos, row_len=row_len, ppb=ppb, scale=scale,
+                           sliding=sliding)
   num_blocks = pl.cdiv(jnp.max(row_len), ppb * pages[0].shape[1])
   _, l, acc = lax.fori_loop(0, num_blocks, step, _softmax_init((t, hkv, hq // hkv), d))
   out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(t, hq, d)
   return jnp.where(live[:, None, None], out, 0)
 
 
-def _xla_row_block(j, carry, *, qg, pages, table, pos, row_len, ppb, scale):
+def _xla_row_block(j, carry, *, qg, pages, table, pos, row_len, ppb, scale, sliding=0):
   """Key block j of every row's own sequence: k, v [T, block_k, Hkv, D]."""
   t = qg.shape[0]
   block_k = ppb * pages[0].shape[1]
@@ -240,11 +252,14 @@ def _xla_row_block(j, carry, *, qg, pages, table, pos, row_len, ppb, scale):
   k, v = (p[ids].reshape(t, block_k, *p.shape[2:]) for p in pages)
   # Junk past a sequence's end may be NaN, and 0 * NaN would poison p @ v.
   v = jnp.where(k_ok[..., None, None], v, 0)
-  visible = (k_ok & (k_pos[None, :] <= pos[:, None]))[:, None, None]       # [T,1,1,bk]
+  visible = k_ok & (k_pos[None, :] <= pos[:, None]) & _in_window(k_pos[None, :], pos[:, None],
+                                                                 sliding)
+  visible = visible[:, None, None]                                          # [T,1,1,bk]
   return _softmax_step(carry, qg, k, v, visible, scale, 'tkgd,tskd->tkgs', 'tkgs,tskd->tkgd')
 
 
-def _xla_by_sequence(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale, window):
+def _xla_by_sequence(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale, window,
+                     sliding=0):
   """fori over live sequences, then over windows of their query rows."""
   t, hq, d = q.shape
   hkv = pages[0].shape[2]
@@ -257,7 +272,8 @@ def _xla_by_sequence(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scal
     rows = w * window + jnp.arange(window)
     qw = lax.dynamic_slice_in_dim(q, r0, window).reshape(window, hkv, hq // hkv, d)
     step = functools.partial(_xla_seq_block, qw=qw, pages=pages, row=table[s],
-                             q_pos=kv_len - q_len + rows, kv_len=kv_len, ppb=ppb, scale=scale)
+                             q_pos=kv_len - q_len + rows, kv_len=kv_len, ppb=ppb, scale=scale,
+                             sliding=sliding)
     # Causal: keys up to the window's last live row.
     keys = kv_len - q_len + jnp.minimum((w + 1) * window, q_len)
     _, l, acc = lax.fori_loop(0, pl.cdiv(keys, block_k), step,
@@ -277,7 +293,7 @@ def _xla_by_sequence(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scal
   return out[:t]
 
 
-def _xla_seq_block(j, carry, *, qw, pages, row, q_pos, kv_len, ppb, scale):
+def _xla_seq_block(j, carry, *, qw, pages, row, q_pos, kv_len, ppb, scale, sliding=0):
   """Key block j of one sequence, shared by a window of its rows: k, v [block_k, Hkv, D]."""
   block_k = ppb * pages[0].shape[1]
   k_pos = j * block_k + jnp.arange(block_k)
@@ -285,7 +301,8 @@ def _xla_seq_block(j, carry, *, qw, pages, row, q_pos, kv_len, ppb, scale):
   ids = jnp.where(k_ok.reshape(ppb, -1)[:, 0], lax.dynamic_slice_in_dim(row, j * ppb, ppb), 0)
   k, v = (p[ids].reshape(block_k, *p.shape[2:]) for p in pages)
   v = jnp.where(k_ok[:, None, None], v, 0)   # junk past the end may be NaN
-  visible = (k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]))[:, None, None]
+  visible = (k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+             & _in_window(k_pos[None, :], q_pos[:, None], sliding))[:, None, None]
   return _softmax_step(carry, qw, k, v, visible, scale, 'qkgd,skd->qkgs', 'qkgs,skd->qkgd')
 
 

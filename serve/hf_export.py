@@ -1,13 +1,16 @@
-"""A train.py run's model as a Hugging Face Llama (or Mixtral) directory, for
-transformers, vLLM and `python -m serve --hf-model`.
+"""A train.py run's model as a Hugging Face directory (model/hf.py's FAMILIES: the
+architecture the run started from, model.hf_architecture, else the one its fields give),
+for transformers, vLLM and `python -m serve --hf-model`.
 
   python -m serve.hf_export --checkpoint runs/default --output runs/default-hf
   python -m serve.hf_export --checkpoint runs/default --output DIR --dtype bfloat16
   python -m serve.hf_export --checkpoint runs/default --output DIR --max-shard-size 2GB
 
-Writes config.json (a LlamaConfig computing what the run's model computes; a
-MixtralConfig for a mixture of experts that Mixtral can express: every layer routed, a
-softmax router, 2 or more experts a token, no shared experts; anything else refused),
+Writes config.json (a LlamaConfig computing what the run's model computes, a Qwen2Config
+with q/k/v biases, a Qwen3Config with q/k norms, a MistralConfig for a run from a
+Mistral; a MixtralConfig for a mixture of experts that Mixtral can express: every layer
+routed, a softmax router, 2 or more experts a token, no shared experts; with q/k norms a
+Qwen3MoeConfig; anything else refused),
 model.safetensors (the weights of the newest intact checkpoint, checksums verified, in
 --dtype; 'auto': the run's master-weight dtype, model.param_dtype, so nothing is
 rounded; past --max-shard-size, 5GB by default, split by huggingface_hub into

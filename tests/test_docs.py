@@ -32,6 +32,8 @@ def test_docs_build_strict(tmp_path):
   assert 'model.num_kv_heads' in page and 'mesh.context' in page, 'config reference empty'
   flags = (tmp_path / 'html' / 'reference' / 'serve-flags.html').read_text(encoding='utf-8')
   assert '--max-num-seqs' in flags and '--tool-call-parser' in flags, 'flag reference empty'
+  models = (tmp_path / 'html' / 'models.html').read_text(encoding='utf-8')
+  assert 'Qwen3ForCausalLM' in models and 'model.qk_norm=True' in models, 'no architectures'
 
 
 def test_readme_is_short():

@@ -137,6 +137,27 @@ def test_what_cannot_be_exported_is_refused_and_nothing_is_left(tiny_workdir, tm
     moe = ModelConfig(num_layers=2, num_experts=4, **{field: value})
     with pytest.raises(ValueError, match=f'model.{field}={value!r}: .* no Mixtral'):
       hf_config(moe, 'float32', 0)
+  # Dense models no architecture (or not the one named) computes.
+  for fields, message in (
+      ({'qkv_bias': True, 'qk_norm': True}, 'model.qk_norm=True: Qwen2ForCausalLM has '
+       'qk_norm=False; this model has no Qwen2ForCausalLM form'),
+      ({'qkv_bias': True, 'hf_architecture': 'MistralForCausalLM'},
+       'model.qkv_bias=True: MistralForCausalLM has qkv_bias=False'),
+      ({'num_experts': 4, 'hf_architecture': 'Qwen3ForCausalLM'},
+       'model.qk_norm=False: Qwen3ForCausalLM has qk_norm=True'),
+      ({'sliding_window': 8, 'hf_architecture': 'LlamaForCausalLM'},
+       'model.sliding_window=8: LlamaForCausalLM has no sliding window'),
+      ({'hf_architecture': 'GPT2LMHeadModel'},
+       "model.hf_architecture='GPT2LMHeadModel' is not one meshlm writes"),
+      ({'num_experts': 4, 'router_norm_topk': False}, 'model.router_norm_topk=False: '
+       'Mixtral renormalizes .* no Mixtral'),
+      ({'num_experts': 4, 'qk_norm': True, 'num_shared_experts': 1},
+       'model.num_shared_experts=1: Qwen3-MoE has none; .* no Qwen3-MoE '
+       r'\(Qwen3MoeForCausalLM\)'),
+      ({'num_experts': 4, 'qk_norm': True, 'router': 'sigmoid'},
+       "model.router='sigmoid': Qwen3-MoE's is softmax")):
+    with pytest.raises(ValueError, match=message):
+      hf_config(ModelConfig(num_layers=2, **fields), 'float32', 0)
 
   def fail(directory, *args):
     open(os.path.join(directory, 'config.json'), 'w').close()

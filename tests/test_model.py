@@ -468,9 +468,12 @@ def test_rope_inv_freq_llama3_scaling():
   np.testing.assert_allclose(unscaled, plain, rtol=1e-6)
 
 
+@pytest.mark.parametrize('extras', [{}, {'qkv_bias': True, 'qk_norm': True}],
+                         ids=['llama', 'qkv_bias_qk_norm'])
 @pytest.mark.parametrize('tie', [True, False], ids=['tied', 'untied'])
-def test_flops_per_token_hand_count(tie):
-  cfg = tiny_cfg(tie_embeddings=tie)
+def test_flops_per_token_hand_count(tie, extras):
+  """Biases and norm scales are no matmul weights."""
+  cfg = tiny_cfg(tie_embeddings=tie, **extras)
   L, D, V, F, T = 2, 32, 61, 48, 12
   H, K, E = 4, 2, 8
   per_layer = D * H * E + 2 * D * K * E + H * E * D + 3 * D * F

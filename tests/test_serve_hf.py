@@ -1,7 +1,7 @@
-"""Hugging Face Llama and Mixtral directories served with our model code: the same logits
-and greedy tokens as transformers' LlamaForCausalLM and MixtralForCausalLM, the same
-chat-template text as apply_chat_template, and anything else refused by name. Everything
-is built here."""
+"""Hugging Face directories of every family model/hf.py reads (Llama, Mistral, Mixtral,
+Qwen2, Qwen3) served with our model code: the same logits and greedy tokens as
+transformers' *ForCausalLM, the same chat-template text as apply_chat_template, and
+anything else refused by name. Everything is built here."""
 
 import json
 import os
@@ -58,19 +58,36 @@ def write_tokenizer(path, chat_template=None, eos_token='</s>'):
   return tok
 
 
-def save_llama(path, shard=False, **overrides):
+# family -> the prefix of transformers' config and model classes (the reference).
+FAMILIES = {'llama': 'Llama', 'mistral': 'Mistral', 'mixtral': 'Mixtral', 'qwen2': 'Qwen2',
+            'qwen3': 'Qwen3', 'qwen3_moe': 'Qwen3Moe'}
+
+
+def save_hf(path, family='llama', shard=False, **overrides):
+  """A random transformers model of `family` at a tiny shape, saved to path. Biases and
+  norm scales, which transformers initializes to 0 and 1, are drawn too, so that a
+  mapping that drops or misplaces one changes the logits."""
   kw = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
             rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
             initializer_range=0.1)
-  mixtral = 'num_local_experts' in overrides   # else a Llama
-  config = (transformers.MixtralConfig if mixtral else transformers.LlamaConfig)(
-      **{**kw, **overrides})
+  config = getattr(transformers, f'{FAMILIES[family]}Config')(**{**kw, **overrides})
   torch.manual_seed(0)
-  hf = (transformers.MixtralForCausalLM if mixtral else transformers.LlamaForCausalLM)(
-      config).float().eval()
+  hf = getattr(transformers, f'{FAMILIES[family]}ForCausalLM')(config).float().eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      if name.endswith('.bias'):
+        p.normal_(0.0, 0.5)
+      elif name.endswith('norm.weight'):
+        p.uniform_(0.5, 1.5)
   hf.save_pretrained(path, safe_serialization=True, **({'max_shard_size': '40KB'} if shard else {}))
   return hf
+
+
+def save_llama(path, shard=False, **overrides):
+  """save_hf of a Llama, or of a Mixtral where overrides give experts."""
+  return save_hf(path, 'mixtral' if 'num_local_experts' in overrides else 'llama', shard,
+                 **overrides)
 
 
 def our_logits(served: ServedModel, tokens: np.ndarray) -> np.ndarray:
@@ -98,15 +115,36 @@ CASES = {
         'rope_type': 'llama3', 'factor': 4.0, 'low_freq_factor': 1.0,
         'high_freq_factor': 4.0, 'original_max_position_embeddings': 16}),
     # Every MLP routed over 4 experts, 2 a token (the router's weights renormalized).
-    'mixtral_sharded': dict(shard=True, num_local_experts=4, num_experts_per_tok=2),
+    'mixtral_sharded': dict(family='mixtral', shard=True, num_local_experts=4,
+                            num_experts_per_tok=2),
+    # Biased q, k, v projections (none on o); tied, as Qwen2.5's small models are.
+    'qwen2_tied': dict(family='qwen2', tie_word_embeddings=True),
+    # Per-head q and k norms; head_dim 24, not hidden / heads (16).
+    'qwen3_head_dim': dict(family='qwen3', head_dim=24, shard=True),
+    # Llama's layout; the window no shorter than the context: plain attention.
+    'mistral': dict(family='mistral', sliding_window=128, rope_theta=1e6),
+    # Each query sees its last 8 positions (of 60).
+    'mistral_window': dict(family='mistral', sliding_window=8),
+    # Qwen's window in every layer (max_window_layers=0).
+    'qwen2_window': dict(family='qwen2', use_sliding_window=True, sliding_window=8,
+                         max_window_layers=0),
+    # Qwen3's attention; layers 1 and 3 route over 4 experts of width 32, 2 a token, their
+    # router probabilities as they are (norm_topk_prob's default); layers 0 and 2 dense.
+    'qwen3_moe_sparse_step': dict(family='qwen3_moe', num_hidden_layers=4, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=32,
+                                  decoder_sparse_step=2),
+    # Every layer routed, 3 of 4 experts a token renormalized, tied, sharded.
+    'qwen3_moe_normed': dict(family='qwen3_moe', num_experts=4, num_experts_per_tok=3,
+                             moe_intermediate_size=32, norm_topk_prob=True,
+                             tie_word_embeddings=True, shard=True),
 }
 
 
 @pytest.mark.parametrize('case', CASES)
 def test_logits_and_greedy_tokens_match_transformers(tmp_path, case):
   overrides = dict(CASES[case])
-  shard = overrides.pop('shard', False)
-  hf = save_llama(tmp_path, shard=shard, **overrides)
+  shard = overrides.get('shard', False)
+  hf = save_hf(tmp_path, **overrides)
   write_tokenizer(tmp_path)
   if shard:
     assert os.path.exists(tmp_path / 'model.safetensors.index.json')
@@ -279,6 +317,10 @@ def llama_dir(tmp_path_factory):
 # A Llama directory's config.json made to claim Mixtral.
 MIXTRAL = {'architectures': ['MixtralForCausalLM'], 'model_type': 'mixtral',
            'num_local_experts': 4, 'num_experts_per_tok': 2}
+QWEN2 = {'architectures': ['Qwen2ForCausalLM'], 'model_type': 'qwen2'}
+QWEN3 = {'architectures': ['Qwen3ForCausalLM'], 'model_type': 'qwen3'}
+QWEN3_MOE = {'architectures': ['Qwen3MoeForCausalLM'], 'model_type': 'qwen3_moe',
+             'num_experts': 4, 'num_experts_per_tok': 2}
 
 
 @pytest.mark.parametrize('edit, message', [
@@ -292,10 +334,23 @@ MIXTRAL = {'architectures': ['MixtralForCausalLM'], 'model_type': 'mixtral',
      "rope_type='yarn' is not supported"),
     ({'rope_parameters': None, 'rope_scaling': {'type': 'linear', 'factor': 2.0}},
      "rope_type='linear' is not supported"),
-    ({**MIXTRAL, 'sliding_window': 64}, 'sliding_window=64 is not supported'),
     ({**MIXTRAL, 'num_experts_per_tok': 1}, 'num_experts_per_tok=1 is not supported'),
     ({**MIXTRAL, 'model_type': 'llama'}, "model_type='llama' is not supported"),
     (MIXTRAL, "no 'model.layers.0.block_sparse_moe.gate.weight': not a complete Mixtral"),
+    ({**QWEN3, 'attention_bias': True}, 'attention_bias=True is not supported'),
+    ({**QWEN2, 'use_sliding_window': True, 'sliding_window': 64, 'max_window_layers': 1},
+     r'sliding_window=64 is not supported in some layers only \(max_window_layers=1, '),
+    ({**QWEN2, 'layer_types': ['full_attention', 'sliding_attention'],
+      'use_sliding_window': True, 'sliding_window': 64}, 'sliding_window=64 is not supported'),
+    (QWEN2, "no 'model.layers.0.self_attn.q_proj.bias': not a complete Qwen2ForCausalLM"),
+    ({**QWEN3_MOE, 'mlp_only_layers': [0]}, r'mlp_only_layers=\[0\] is not supported: '
+     r'only \[\] \(every decoder_sparse_step-th layer routed\)'),
+    ({**QWEN3_MOE, 'decoder_sparse_step': 3}, 'decoder_sparse_step=3 is not supported: only '
+     'a divisor of num_hidden_layers=2'),
+    ({**QWEN3_MOE, 'num_experts_per_tok': 1, 'norm_topk_prob': True},
+     'norm_topk_prob=True is not supported'),
+    ({**QWEN3_MOE, 'num_experts': 0}, 'num_experts=0 is not supported'),
+    ({**QWEN3_MOE, 'attention_bias': True}, 'attention_bias=True is not supported'),
 ])
 def test_other_architectures_are_refused_by_name(llama_dir, tmp_path, edit, message):
   path = tmp_path / 'model'
@@ -304,6 +359,25 @@ def test_other_architectures_are_refused_by_name(llama_dir, tmp_path, edit, mess
   (path / 'config.json').write_text(json.dumps({**config, **edit}))
   with pytest.raises(ValueError, match=message):
     load_hf_model(str(path))
+
+
+def test_what_config_json_refuses_is_refused_before_any_weight_is_read(llama_dir, tmp_path,
+                                                                     monkeypatch):
+  from serve import hf_llama  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(hf_llama, 'read_safetensors',
+                      lambda *a: pytest.fail('weights read before the refusal'))
+  for edit, field in (({**QWEN3, 'attention_bias': True}, 'attention_bias'),
+                      ({**QWEN2, 'use_sliding_window': True, 'sliding_window': 64,
+                        'max_window_layers': 1}, 'sliding_window'),
+                      ({**QWEN3_MOE, 'mlp_only_layers': [1]}, 'mlp_only_layers'),
+                      ({'rope_parameters': {'rope_type': 'yarn', 'factor': 2.0}},
+                       'rope_type')):
+    path = tmp_path / field
+    shutil.copytree(llama_dir, path)
+    config = json.loads((path / 'config.json').read_text())
+    (path / 'config.json').write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match=f'config.json (rope scaling )?{field}='):
+      load_hf_model(str(path))
 
 
 def test_biased_weights_and_missing_files_are_refused(llama_dir, tmp_path):
@@ -354,24 +428,36 @@ def test_a_mixtral_serves_through_the_engine_as_transformers_generates(tmp_path)
   assert got == want
 
 
-@pytest.mark.parametrize('arch', ['llama', 'mixtral'])
+@pytest.mark.parametrize('arch', FAMILIES)
 def test_fields_config_json_leaves_out_take_transformers_defaults(arch):
   """A hand-written config.json with only the sizes: what it leaves out (RoPE theta, norm
-  epsilon, context, KV heads, experts) is what transformers' own config class assumes."""
+  epsilon, context, KV heads, head width, experts) is what transformers' own config class
+  assumes (Mistral's: a sliding window of 4096)."""
   from model.hf import model_config   # pylint: disable=import-outside-toplevel
   sizes = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=16)
-  name = {'llama': 'LlamaForCausalLM', 'mixtral': 'MixtralForCausalLM'}[arch]
+               num_attention_heads=32)   # Qwen's default kv heads: 32
+  name = f'{FAMILIES[arch]}ForCausalLM'
   ours = model_config({'architectures': [name], 'model_type': arch, **sizes})
-  theirs = getattr(transformers, {'llama': 'LlamaConfig', 'mixtral': 'MixtralConfig'}[arch])(
-      **sizes)
+  theirs = getattr(transformers, f'{FAMILIES[arch]}Config')(**sizes)
+  model = getattr(transformers, name)
   assert ours.rope_theta == theirs.rope_parameters['rope_theta']
   assert (ours.norm_eps, ours.max_seq_len, ours.num_kv_heads) == (
       theirs.rms_norm_eps, theirs.max_position_embeddings, theirs.num_key_value_heads)
   assert ours.tie_embeddings == theirs.tie_word_embeddings
+  assert ours.sliding_window == (getattr(theirs, 'sliding_window', None) or 0)
+  attention = model(theirs).model.layers[0].self_attn   # the width transformers builds
+  assert ours.resolved_head_dim == attention.head_dim
+  assert (ours.qkv_bias, ours.qk_norm) == (attention.q_proj.bias is not None,
+                                           hasattr(attention, 'q_norm'))
+  assert ours.hf_architecture == name
   if arch == 'mixtral':
     assert (ours.num_experts, ours.experts_per_token) == (theirs.num_local_experts,
                                                           theirs.num_experts_per_tok)
+  if arch == 'qwen3_moe':
+    assert (ours.num_experts, ours.experts_per_token, ours.router_norm_topk, ours.moe_every,
+            ours.moe_mlp_dim) == (theirs.num_experts, theirs.num_experts_per_tok,
+                                  theirs.norm_topk_prob, theirs.decoder_sparse_step,
+                                  theirs.moe_intermediate_size)
 
 
 def test_a_mixtral_saved_in_the_fused_layout_is_refused_by_name():

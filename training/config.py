@@ -232,6 +232,9 @@ def _validate_pipeline(cfg: Config, sizes) -> None:
 
 def _validate_context(cfg: Config, sizes) -> None:
   n = sizes['context']
+  if n > 1 and cfg.model.sliding_window:
+    raise ValueError(f'mesh.context={n} with model.sliding_window={cfg.model.sliding_window}: '
+                     'context parallelism attends the whole context; set mesh.context=1.')
   if cfg.parallel.context_strategy not in ('all_gather', 'ring'):
     raise ValueError(f'parallel.context_strategy={cfg.parallel.context_strategy!r}: choose '
                      "'all_gather' or 'ring'.")

@@ -1,5 +1,5 @@
-"""Starting a run from a released model: a Hugging Face Llama or Mixtral directory
-(init_from_hf).
+"""Starting a run from a released model: a Hugging Face directory of one of the
+architectures model/hf.py's FAMILIES reads (init_from_hf).
 
 The directory decides what the weights are: its config.json's architecture replaces the
 shape fields of `model`, the experts' included (the training knobs, dtype, remat,
@@ -22,9 +22,10 @@ from training.config import read_config_json
 ARCHITECTURE = ('vocab_size', 'num_layers', 'embed_dim', 'mlp_dim', 'num_heads',
                 'num_kv_heads', 'head_dim', 'max_seq_len', 'rope_theta',
                 'rope_scaling_factor', 'rope_original_max_len', 'rope_low_freq_factor',
-                'rope_high_freq_factor', 'norm_eps', 'tie_embeddings', 'num_experts',
-                'experts_per_token', 'num_shared_experts', 'moe_every', 'moe_mlp_dim',
-                'router')
+                'rope_high_freq_factor', 'norm_eps', 'tie_embeddings', 'qkv_bias', 'qk_norm',
+                'sliding_window',
+                'hf_architecture', 'num_experts', 'experts_per_token', 'num_shared_experts',
+                'moe_every', 'moe_mlp_dim', 'router', 'router_norm_topk')
 
 
 def with_pretrained(cfg):
@@ -35,8 +36,8 @@ def with_pretrained(cfg):
     return cfg, []
   try:
     released = model_hf.model_config(
-        read_config_json(directory, 'init_from_hf takes a local Hugging Face Llama or '
-                         'Mixtral directory (config.json, *.safetensors, tokenizer.json).'),
+        read_config_json(directory, 'init_from_hf takes a local Hugging Face model '
+                         'directory (config.json, *.safetensors, tokenizer.json).'),
         cfg.model.param_dtype)
   except (ValueError, KeyError) as e:
     what = f'config.json lacks {e}' if isinstance(e, KeyError) else str(e)

@@ -1,7 +1,7 @@
-"""A Hugging Face Llama-family (or Mixtral) directory as a model we serve.
+"""A Hugging Face directory (Llama, Mistral, Mixtral, Qwen2, Qwen3) as a model we serve.
 
 config.json -> ModelConfig and *.safetensors (read as numpy, no torch) -> our parameter
-tree (model/hf.py, which refuses what is not plain Llama or Mixtral), tokenizer.json -> HFTokenizer,
+tree (model/hf.py, which refuses what its FAMILIES do not compute), tokenizer.json -> HFTokenizer,
 tokenizer_config.json -> chat template and special tokens.
 """
 
@@ -68,7 +68,7 @@ def with_dtype(served: ServedModel, dtype: str) -> ServedModel:
 
 def load_hf_model(path: str, dtype: str = 'auto',
                   generation_config: str = 'auto') -> ServedModel:
-  """The Llama model in a local Hugging Face directory, weights cast to `dtype` ('auto':
+  """The model in a local Hugging Face directory, weights cast to `dtype` ('auto':
   the dtype config.json names, float32 where it names none); its sampling defaults from
   generation_config.json unless generation_config is 'none'."""
   path = os.path.expanduser(path)

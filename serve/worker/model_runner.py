@@ -146,6 +146,7 @@ class ModelRunner:
     self.vocab_size = vocab_size or model_cfg.vocab_size
     self.plan = serving_plan(mesh)
     self.impl = runner_cfg.resolved_attention
+    paged.check_impl(model_cfg, self.impl)   # before any weight is placed
     self._tokens = token_buckets(runner_cfg)
     self.params, cache_sharding = self._place(params)
     self._cache_sharding = cache_sharding
