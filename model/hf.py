@@ -1,5 +1,5 @@
 """Hugging Face checkpoints, both ways: config.json <-> ModelConfig, safetensors tensors
-<-> our parameter tree. Read by serving (`serve/hf_llama.py`: --hf-model), by training
+<-> our parameter tree. Read by serving (`serve/load/hf_model.py`: --hf-model), by training
 (init_from_hf: fine-tuning a released model) and written by `serve/hf_export.py`.
 
 FAMILIES is the one table of what is read and written: Llama-style decoders whose
