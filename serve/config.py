@@ -93,17 +93,32 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
   return cfg
 
 
+def resolve_attention(cfg, model_cfg=None) -> str:
+  """The paged attention of --attention (cfg.attention): 'auto' is the Pallas kernel on a
+  GPU and XLA's elsewhere, and XLA's for a model with a sliding window (the one that
+  computes it)."""
+  if cfg.attention != 'auto':
+    return cfg.attention
+  if model_cfg is not None and model_cfg.sliding_window:
+    return 'xla'
+  import jax  # pylint: disable=import-outside-toplevel
+  return 'pallas' if jax.default_backend() == 'gpu' else 'xla'
+
+
 def load_served_model(args: argparse.Namespace, mesh=None):
   """The ServedModel named by --checkpoint or --hf-model."""
   # pylint: disable=import-outside-toplevel
   template = _read_chat_template(args.chat_template) if args.chat_template else None
+  from model import paged
+  # What the model needs of the attention (a sliding window: XLA's), before any weight.
+  check = lambda model_cfg: paged.check_impl(model_cfg, resolve_attention(args, model_cfg))
   if args.checkpoint:
     from serve.load.checkpoint import load_checkpoint
-    served = load_checkpoint(args.checkpoint, mesh=mesh, dtype=args.dtype)
+    served = load_checkpoint(args.checkpoint, mesh=mesh, dtype=args.dtype, check=check)
   else:
     from serve.load.hf_model import load_hf_model
     served = load_hf_model(args.hf_model, dtype=args.dtype,
-                           generation_config=args.generation_config)
+                           generation_config=args.generation_config, check=check)
   return served if template is None else dataclasses.replace(served, chat_template=template)
 
 

@@ -21,8 +21,8 @@ from model import paged
 from model.config import ModelConfig
 from pallas_kernels import paged_attention as pa
 from serve import hf_export
-from serve.hf_llama import load_hf_model
-from serve.loader import load_checkpoint
+from serve.load.checkpoint import load_checkpoint
+from serve.load.hf_model import load_hf_model
 from tests.test_paged_attention import MIXED, make_case, rel_err
 from tests.test_paged_forward import Chunk, Out, tiny_runner
 from tests.test_serve_hf import CASES, our_logits, save_hf, write_tokenizer
@@ -177,6 +177,28 @@ def test_sliding_window_is_refused_where_it_is_not_computed():
   cfg.model.sliding_window, cfg.mesh.context, cfg.mesh.data = 8, 2, 4
   with pytest.raises(ValueError, match='mesh.context=2 with model.sliding_window=8'):
     train_config.validate(cfg, 8)
+
+
+def test_serving_a_windowed_model_takes_xla_or_refuses_before_any_weight(tmp_path,
+                                                                          monkeypatch):
+  """--attention auto serves a sliding-window model with XLA's paged attention (the one
+  that computes the window), on a GPU too; --attention pallas is refused before the
+  weights are read."""
+  import argparse  # pylint: disable=import-outside-toplevel
+  from serve import config as serve_config  # pylint: disable=import-outside-toplevel
+  from serve.load import hf_model  # pylint: disable=import-outside-toplevel
+  path = tmp_path / 'mistral'
+  save_hf(path, **CASES['mistral_window'])
+  parse = lambda *flags: serve_config.add_engine_args(argparse.ArgumentParser()).parse_args(
+      ['--hf-model', str(path), *flags])
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  window = ModelConfig(sliding_window=8)
+  assert serve_config.resolve_attention(parse(), window) == 'xla'
+  assert serve_config.resolve_attention(parse(), ModelConfig()) == 'pallas'
+  monkeypatch.setattr(hf_model, 'read_safetensors',
+                      lambda *a: pytest.fail('weights read before the refusal'))
+  with pytest.raises(ValueError, match="the 'pallas' paged attention sees the whole context"):
+    serve_config.load_served_model(parse('--attention', 'pallas'))
 
 
 def test_the_flash_kernel_keeps_to_the_same_sliding_window():

@@ -363,8 +363,8 @@ def test_other_architectures_are_refused_by_name(llama_dir, tmp_path, edit, mess
 
 def test_what_config_json_refuses_is_refused_before_any_weight_is_read(llama_dir, tmp_path,
                                                                      monkeypatch):
-  from serve import hf_llama  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(hf_llama, 'read_safetensors',
+  from serve.load import hf_model  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(hf_model, 'read_safetensors',
                       lambda *a: pytest.fail('weights read before the refusal'))
   for edit, field in (({**QWEN3, 'attention_bias': True}, 'attention_bias'),
                       ({**QWEN2, 'use_sliding_window': True, 'sliding_window': 64,

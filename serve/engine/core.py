@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 
-from serve.config import ServeConfig
+from serve.config import ServeConfig, resolve_attention
 from serve.engine import warmup
 from serve.engine.constraints import bad_word_ids
 from serve.engine.detokenizer import IncrementalDetokenizer
@@ -22,8 +22,7 @@ from serve.engine.output_processor import OutputProcessor
 from serve.engine.outputs import CompletionResult, EngineStats, RequestMetrics
 from serve.engine.request import Request
 from serve.engine.scheduler import Scheduler, SchedulerConfig
-from serve.engine.sizing import (build_mesh, describe_cache, describe_model,
-                                 resolve_attention, size_cache)
+from serve.engine.sizing import build_mesh, describe_cache, describe_model, size_cache
 from serve.engine.stream import RequestStream
 from serve.engine.tracked import TrackedRequest
 from serve.load.hf_model import with_dtype
@@ -106,7 +105,8 @@ class Engine(EngineLoop, OutputProcessor):
         SchedulerConfig(**shared, enable_prefix_caching=cfg.enable_prefix_caching),
         self._make_kv_manager())
     runner = ModelRunner(self.served.params, self.served.model_cfg,
-                         RunnerConfig(**shared, attention=resolve_attention(cfg),
+                         RunnerConfig(**shared,
+                                      attention=resolve_attention(cfg, self.served.model_cfg),
                                       num_speculative_tokens=(
                                           self.spec.num_speculative_tokens if self.spec
                                           else 0)),

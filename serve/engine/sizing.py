@@ -19,12 +19,6 @@ def build_mesh(cfg: ServeConfig):
   return make_mesh(MeshConfig(data=1, tensor=cfg.tensor), devices=devices[:cfg.tensor])
 
 
-def resolve_attention(cfg: ServeConfig) -> str:
-  if cfg.attention != 'auto':
-    return cfg.attention
-  return 'pallas' if jax.default_backend() == 'gpu' else 'xla'
-
-
 def size_cache(served, cfg: ServeConfig, mesh, max_model_len: int) -> int:
   """Number of KV blocks; refuses a cache that cannot hold one full-length request."""
   per_request = math.ceil(max_model_len / cfg.block_size)

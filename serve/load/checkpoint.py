@@ -46,13 +46,16 @@ def shard_params(params: dict, model_cfg: ModelConfig, mesh: Mesh | None = None)
 
 
 def load_checkpoint(workdir: str, mesh: Mesh | None = None,
-                    dtype: str = 'auto') -> ServedModel:
+                    dtype: str = 'auto', check=None) -> ServedModel:
   """The newest intact checkpoint of a train.py workdir, parameters only, on `mesh`, in
   `dtype` ('auto': the run's compute dtype, model.dtype; the master weights a run keeps
-  in model.param_dtype are read, checked against their checksums, then cast)."""
+  in model.param_dtype are read, checked against their checksums, then cast). `check`:
+  called with the model's config before any weight is read (raises to refuse it)."""
   workdir = os.path.expanduser(workdir)
   raw = _read_run_config(workdir)
   model_cfg = _model_config(raw, workdir)
+  if check is not None:
+    check(model_cfg)
   tokenizer = load_tokenizer(raw.get('data', {}).get('tokenizer', 'byte'))
   shardings = param_shardings(model_cfg, mesh)
   target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),

@@ -67,10 +67,11 @@ def with_dtype(served: ServedModel, dtype: str) -> ServedModel:
 
 
 def load_hf_model(path: str, dtype: str = 'auto',
-                  generation_config: str = 'auto') -> ServedModel:
+                  generation_config: str = 'auto', check=None) -> ServedModel:
   """The model in a local Hugging Face directory, weights cast to `dtype` ('auto':
   the dtype config.json names, float32 where it names none); its sampling defaults from
-  generation_config.json unless generation_config is 'none'."""
+  generation_config.json unless generation_config is 'none'. `check`: called with the
+  model's config before any weight is read (raises to refuse it)."""
   path = os.path.expanduser(path)
   hf = _read_json(os.path.join(path, 'config.json'), required=True)
   if dtype == 'auto':
@@ -78,6 +79,8 @@ def load_hf_model(path: str, dtype: str = 'auto',
     stored = hf.get('dtype') or hf.get('torch_dtype') or 'float32'
     dtype = check_dtype(stored, source=f'{path}/config.json dtype')
   model_cfg = model_config(hf, check_dtype(dtype))
+  if check is not None:
+    check(model_cfg)
   tok_cfg = _read_json(os.path.join(path, 'tokenizer_config.json'))
   gen_cfg = _read_json(os.path.join(path, 'generation_config.json'))
   eos_ids = _as_ids(gen_cfg.get('eos_token_id', hf.get('eos_token_id')))
