@@ -354,7 +354,7 @@ def test_few_layer_extrapolation_matches_a_full_compile():
 
 def cli(*args):
   # os.environ names the suite's compilation cache (tests/conftest.py)
-  return subprocess.run([sys.executable, '-m', 'sharding.plan', *args], capture_output=True,
+  return subprocess.run([sys.executable, '-m', 'training.plan_cli', *args], capture_output=True,
                         text=True, timeout=300)
 
 
@@ -522,7 +522,7 @@ def test_pallas_attention_is_planned_from_a_cpu_compile_only(monkeypatch):
   cfg = planner_config()
   cfg.model = dataclasses.replace(cfg.model, attention_impl='pallas')
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
-  with pytest.raises(ValueError, match='python -m sharding.plan'):
+  with pytest.raises(ValueError, match='python -m training.plan_cli'):
     plan.compile_layout(cfg, layout(data=8))
 
 

@@ -3,7 +3,7 @@ the checks training uses and compiled from abstract shapes (nothing allocated), 
 costed and ranked by sharding/planner.py.
 
 Compiling needs as many devices as the layout has: on a CPU, simulated ones
-(`jax_num_cpu_devices`, which `python -m sharding.plan` sets for its own process).
+(`jax_num_cpu_devices`, which `python -m training.plan_cli` sets for its own process).
 `layers=(a, b)` compiles a- and b-layer versions of the model and extrapolates memory,
 FLOPs and collectives linearly to the config's layer count (every per-layer cost is
 linear in the layers of a scanned stack); `check_extrapolation` compares that with a
@@ -144,7 +144,7 @@ def compile_layout(cfg: config_lib.Config, layout: planner.Layout,
         'model.attention_impl=pallas: the planner costs the flash kernels from a CPU compile '
         '(the Pallas interpreter); compiled for this machine\'s '
         f'{jax.default_backend()} they are calls it cannot read. Plan in a CPU-only process: '
-        'python -m sharding.plan, or JAX_PLATFORMS=cpu.')
+        'python -m training.plan_cli, or JAX_PLATFORMS=cpu.')
   built = build_layout(cfg, layout, layers, devices)
   report = hlo.inspect_compiled(built.compile(), dict(built.mesh.shape))
   pair = lambda s: (s.count, s.bytes)

@@ -1,10 +1,10 @@
-"""`python -m sharding.plan`: rank the layouts of a config on N GPUs before touching one.
+"""`python -m training.plan_cli`: rank the layouts of a config on N GPUs before touching one.
 
-  python -m sharding.plan --config=default.py:tiny --devices 8 --device h100 --top 5
+  python -m training.plan_cli --config=default.py:tiny --devices 8 --device h100 --top 5
       [--batch-size N]
 
-A command-line entry, like train.py: it sits on top and imports training (the layout
-compiles) inside main(). It simulates N CPU devices for its own process, bounds every
+A command-line entry, like train.py. It simulates N CPU devices for its own process (so
+jax and the layout compiles are imported inside main(), after that is set), bounds every
 candidate layout's step from below without compiling it (training/plan_bound.py),
 compiles the train steps of those that could be among the --top rows, best bound first,
 predicts each one's step time on the named GPU (sharding/planner.py) and prints the
@@ -21,7 +21,7 @@ import sys
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(prog='python -m sharding.plan',
+  p = argparse.ArgumentParser(prog='python -m training.plan_cli',
                               description=__doc__.split('\n\n', 1)[0])
   p.add_argument('--config', required=True, help='NAME.py[:variant], as train.py takes it')
   p.add_argument('--devices', type=int, required=True, help='GPUs to plan for')
