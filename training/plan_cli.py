@@ -6,7 +6,8 @@
 A command-line entry, like train.py. It simulates N CPU devices for its own process (so
 jax and the layout compiles are imported inside main(), after that is set), bounds every
 candidate layout's step from below without compiling it (training/plan_bound.py),
-compiles the train steps of those that could be among the --top rows, best bound first,
+compiles the train steps of those that could be among the --top rows, best bound first
+(layouts that are one program, once: training/plan.py's program_key),
 predicts each one's step time on the named GPU (sharding/planner.py) and prints the
 ranked table: its rows are a full search's. --output DIR also writes plan.json and
 plan.csv, each row with the train.py overrides that run it. Each compile's numbers are
@@ -118,8 +119,8 @@ def _print(args, found, hw, extra) -> None:
   rows = found.rows
   print(f'{args.config} on {args.devices} x {hw.name} ({hw.gpus_per_host} per host): '
         f'{len(rows) + len(found.pruned)} layouts, {found.compiled} compiled, '
-        f'{found.cached} from the cache, {len(found.pruned)} not compiled, '
-        f'{len(found.rejected)} rejected by validate')
+        f'{found.shared} the same program as one compiled, {found.cached} from the cache, '
+        f'{len(found.pruned)} not compiled, {len(found.rejected)} rejected by validate')
   from sharding import planner   # pylint: disable=import-outside-toplevel
   print(planner.table(rows, args.top))
   if found.exact < min(len(rows), args.top or len(rows)):
