@@ -374,13 +374,16 @@ def test_cli_rejects_impossible_requests(args, message):
 def test_cli_ranks_and_writes_json_and_csv(tmp_path):
   """--batch-size 4 (the tiny config has 8): planned at 4 sequences of 32 tokens a step
   (each row's tokens/s is 4 x 32 over its step time), and every train.py command sets it.
-  Progress names each compile and how many may follow; a second run reads every
-  layout's numbers from the first's cache and compiles nothing."""
+  Progress names each compile, how many may follow and, after the first, the best row so
+  far; a second run reads every layout's numbers from the first's cache and compiles
+  nothing."""
   args = ['--config=default.py:tiny', '--devices', '2', '--zero', '0', '--remat', 'full',
           '--batch-size', '4', '--cache-dir', str(tmp_path / 'cache')]
   result = cli(*args, '--output', str(tmp_path))
   assert result.returncode == 0, result.stderr[-2000:]
   progress = re.findall(r'compiling (\d+)/(\d+): (.+) \((\d+) left\)', result.stderr)
+  lines = [l for l in result.stderr.splitlines() if l.startswith('compiling')]
+  assert 'best so far' not in lines[0] and all('; best so far: ' in l for l in lines[1:])
   assert [int(k) for k, _, _, _ in progress] == list(range(1, len(progress) + 1))
   assert all(int(k) + int(left) == int(n) for k, n, _, left in progress), progress
   # data2 and fsdp2 at ZeRO-0 are one program (plan.program_key): one compile for both.
@@ -684,12 +687,15 @@ def test_search_compiles_by_bound_until_no_layout_left_can_reach_the_top_rows(
   monkeypatch.setattr(plan, 'compile_alike', fake_compile)
   cfg, lays = planner_config(), [LAYOUTS[n] for n in names]
   seen = []
-  progress = lambda k, n, lay, left: seen.append((k, n, by_layout[lay.name()], left))
+  progress = lambda k, n, lay, left, best: seen.append(
+      (k, n, by_layout[lay.name()], left, best and by_layout[best['layout'].name()]))
   cache = plan_cache.MeasureCache(str(tmp_path))
   found = plan.search(cfg, 8, top=2, layouts=lays, progress=progress, cache=cache)
   assert compiled == ['dp8', 'zero3_fsdp8', 'tp2_dp4']
   # After two compiles the cut is the second best, 5 ms: bounds 4 and 5 may still need one.
-  assert seen == [(1, 6, 'dp8', 5), (2, 6, 'zero3_fsdp8', 4), (3, 5, 'tp2_dp4', 2)]
+  # Each compile names the best row so far: the answer once the compiles left are done.
+  assert seen == [(1, 6, 'dp8', 5, None), (2, 6, 'zero3_fsdp8', 4, 'dp8'),
+                  (3, 5, 'tp2_dp4', 2, 'zero3_fsdp8')]
   ranked = [by_layout[r['layout'].name()] for r in found.rows]
   assert ranked[:2] == ['zero3_fsdp8', 'tp2_dp4'] and found.exact == 2   # as a full search
   assert [by_layout[l.name()] for l, _ in found.pruned] == ['fsdp4_tp2', 'cp2_dp4', 'pp2_dp4']

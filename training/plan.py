@@ -292,8 +292,10 @@ def search(cfg: config_lib.Config, devices: int, device: str = 'h100', *, top: i
   max_compiles (0: no cap) stops sooner; then `exact` says how many rows are proven.
   Layouts that share a program_key are compiled once, together (alike=False: each
   apart). cache: a plan_cache.MeasureCache, read first and written after each compile.
-  progress: called before each compile, (k, n, layout, left): the k-th compile of at most
-  n, left = n - k the compiles after it that could still be needed."""
+  progress: called before each compile, (k, n, layout, left, best): the k-th compile of
+  at most n, left = n - k the compiles after it that could still be needed, best the
+  best row so far (None before the first), which the table's first row is unless a
+  compile left beats it."""
   hw = planner.hardware(device)
   layouts, rejected = _layouts(cfg, devices, layouts, candidate_args)
   tokens = cfg.data.batch_size * cfg.data.seq_len
@@ -324,7 +326,8 @@ def search(cfg: config_lib.Config, devices: int, device: str = 'h100', *, top: i
     if max_compiles:
       left = min(left, max_compiles - compiled - 1)
     if progress:
-      progress(compiled + 1, compiled + 1 + left, layouts[i], left)
+      best = min(rows.values(), key=lambda r: planner.rank_key(r['prediction']), default=None)
+      progress(compiled + 1, compiled + 1 + left, layouts[i], left, best)
     alike_i = [j for j in order[position:] if program[j] == program[i] and j not in rows]
     found = measure_alike(cfg, [layouts[j] for j in alike_i], layers, compile_on, cache)
     compiled, shared = compiled + 1, shared + len(alike_i) - 1

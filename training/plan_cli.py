@@ -99,8 +99,9 @@ def main(argv=None) -> int:
                          '>= 0 (0: no limit).')
     off = args.cache_dir.strip().lower() in ('', 'none')
     cache = None if off else plan_cache.MeasureCache(args.cache_dir)
-    progress = lambda k, n, layout, left: print(
-        f'compiling {k}/{n}: {layout.name()} ({left} left)', file=sys.stderr, flush=True)
+    progress = lambda k, n, layout, left, best: print(
+        f'compiling {k}/{n}: {layout.name()} ({left} left)' + _so_far(best),
+        file=sys.stderr, flush=True)
     found = plan_lib.search(
         cfg, args.devices, hw.name, top=args.top, max_compiles=args.max_compiles,
         cache=cache, layers=layers, progress=progress,
@@ -113,6 +114,15 @@ def main(argv=None) -> int:
   if args.output:
     _write(args, found, hw, extra, cfg.data.batch_size)
   return 0
+
+
+def _so_far(best) -> str:
+  """The best layout of the compiles so far: the answer unless a compile left beats it."""
+  if best is None:
+    return ''
+  p = best['prediction']
+  return (f"; best so far: {best['layout'].name()}, "
+          + (f'{p.step_s * 1e3:.4g} ms a step' if p.fits else 'does not fit'))
 
 
 def _print(args, found, hw, extra) -> None:
