@@ -8,8 +8,8 @@ Compiling needs as many devices as the layout has: on a CPU, simulated ones
 FLOPs and collectives linearly to the config's layer count (every per-layer cost is
 linear in the layers of a scanned stack); `check_extrapolation` compares that with a
 full compile. `search` compiles only the layouts whose lower bound (plan_bound.py) could
-reach the rows asked for, reading and keeping each compile's numbers in a cache
-(plan_cache.py) when given one.
+reach the rows asked for, compiling layouts that are one program (program_key) once and
+reading and keeping each compile's numbers in a cache (plan_cache.py) when given one.
 """
 
 import copy

@@ -7,11 +7,12 @@ A command-line entry, like train.py. It simulates N CPU devices for its own proc
 jax and the layout compiles are imported inside main(), after that is set), bounds every
 candidate layout's step from below without compiling it (training/plan_bound.py),
 compiles the train steps of those that could be among the --top rows, best bound first
-(layouts that are one program, once: training/plan.py's program_key),
-predicts each one's step time on the named GPU (sharding/planner.py) and prints the
-ranked table: its rows are a full search's. --output DIR also writes plan.json and
+(layouts that are one program, once: training/plan.py's program_key), predicts each
+one's step time on the named GPU (sharding/planner.py) and prints the ranked table: its
+rows are a full search's. --output DIR also writes plan.json and
 plan.csv, each row with the train.py overrides that run it. Each compile's numbers are
 kept in --cache-dir (training/plan_cache.py), so a rerun compiles nothing it has seen.
+Progress on stderr names each compile, how many may follow and the best layout so far.
 """
 
 import argparse
