@@ -5,7 +5,7 @@
   python -m benchmarks.planner_check --fit=results/a.json,results/b.json [--device=h100]
       [--replan]
 
-For each config, `python -m sharding.plan` ranks the one-device layouts (remat policy x
+For each config, `python -m training.plan_cli` ranks the one-device layouts (remat policy x
 gradient accumulation; ZeRO and the mesh axes do nothing on one device) in a CPU-only
 process of its own, as for a user without a GPU. The top `--top` that fit are then run
 on this machine's accelerator: a fresh train state, random tokens, `--steps` timed steps
@@ -71,9 +71,9 @@ def detect_device() -> str:
 
 def plan_on_cpu(spec: str, hw: planner.Hardware, accums, batch_size: int = 0) -> list[dict]:
   """The planner's ranked one-device rows for `spec` (plan.json records), from
-  `python -m sharding.plan` in its own CPU-only process, as a user without a GPU runs it."""
+  `python -m training.plan_cli` in its own CPU-only process, as a user without a GPU runs it."""
   with tempfile.TemporaryDirectory() as out:
-    cmd = [sys.executable, '-m', 'sharding.plan', f'--config={spec}', '--devices', '1',
+    cmd = [sys.executable, '-m', 'training.plan_cli', f'--config={spec}', '--devices', '1',
            '--device', hw.name, '--zero', '0', '--remat', 'none,full',
            '--grad-accum', ','.join(str(a) for a in accums), '--output', out]
     cmd += [f'--batch-size={batch_size}'] if batch_size else []

@@ -65,24 +65,16 @@ HARDWARE = {
     'h200': Hardware('h200', 989e12, 141e9, 4.8e12, 450e9, 50e9, 5e-6, 10e-6),
     'a100': Hardware('a100', 312e12, 80e9, 2.04e12, 300e9, 25e9, 5e-6, 10e-6),
 }
-# HBM_EFFICIENCY is measured, not fitted: a 1 GiB device-to-device copy on an H200 moved
-# (read + write) 3,087 GB/s of the datasheet's 4.8 TB/s (jax 0.11.2, 2026-11-26:
-# copy_bandwidth_gbs in benchmarks/results/paged_decode_NVIDIA_H200.json). The others are
-# fitted (fit_efficiency, HBM_EFFICIENCY held) to step times measured on one H200 (XLA's
-# default flags: command buffers on), 2026-11-26: default.py at grad_accum 1, 2 and 4
-# (2.0-4.4 ms a step: launches and dispatch) and gpt_64k.py at 2 sequences of 65,536
-# tokens, grad_accum 1 and 2 (8.8 s: matmuls and flash attention), with the FLOPs, bytes
-# and launches of today's planner (jax 0.10.2): rms error 1.3% over the five, against 60%
-# with the factors assumed before (0.6, 0.8, no launch or step cost: default.py predicted
-# 3-6x fast). The counts are jax's: jax 0.11.2's CPU compile (the GPU machine's) counts
-# gpt_64k's traffic 34-40% lower, and with those this table predicts its steps 5-6% fast.
-# benchmarks/results/planner_fit_h200_replanned.json has the fit, and
-# planner_check_gpu_{default,gpt_64k}.json the runs. The five runs do not pin the HBM
-# factor: fitted with the others, it comes out at 0.84 with the step cost held at 0.63 ms
-# (matmuls 0.57), at 0.65 with it held at 0.46, and at 0.40 with none (matmuls 0.68), each
-# fit within 1.3% rms (default.py's bytes barely change with its launches, so dispatch and
-# traffic trade places). MATMUL_EFFICIENCY blends gpt_64k's flash kernels (40-45% of peak
-# in its profiled 64K step) and plain matmuls.
+# HBM_EFFICIENCY is measured, not fitted: a device-to-device copy's bandwidth on an H200
+# over the datasheet's (copy_bandwidth_gbs in
+# benchmarks/results/paged_decode_NVIDIA_H200.json), because the runs the others are
+# fitted to cannot pin it: a small model's traffic barely changes with its launches, so
+# traffic and dispatch trade places in a fit. The others are fitted (fit_efficiency,
+# HBM_EFFICIENCY held) to one-GPU step times of a launch-bound config (default.py) and a
+# matmul-bound one (gpt_64k.py), from the counts a CPU compile gives, as predict uses
+# them: benchmarks/results/planner_fit_h200_replanned.json, and docs/benchmarks.md for how
+# well they fit. MATMUL_EFFICIENCY blends flash-attention kernels and plain matmuls, as
+# the fitted steps do.
 MATMUL_EFFICIENCY = 0.595   # achieved / peak bf16 FLOP/s of the matmul kernels
 HBM_EFFICIENCY = 0.643      # achieved / peak bandwidth of a streaming kernel
 LAUNCH_SECONDS = 1.14e-6    # per kernel launched (with command buffers: CUDA graphs)

@@ -354,7 +354,7 @@ def test_few_layer_extrapolation_matches_a_full_compile():
 
 def cli(*args):
   # os.environ names the suite's compilation cache (tests/conftest.py)
-  return subprocess.run([sys.executable, '-m', 'sharding.plan', *args], capture_output=True,
+  return subprocess.run([sys.executable, '-m', 'training.plan_cli', *args], capture_output=True,
                         text=True, timeout=300)
 
 
@@ -374,20 +374,26 @@ def test_cli_rejects_impossible_requests(args, message):
 def test_cli_ranks_and_writes_json_and_csv(tmp_path):
   """--batch-size 4 (the tiny config has 8): planned at 4 sequences of 32 tokens a step
   (each row's tokens/s is 4 x 32 over its step time), and every train.py command sets it.
-  Progress names each compile and how many may follow; a second run reads every
-  layout's numbers from the first's cache and compiles nothing."""
+  Progress names each compile, how many may follow and, after the first, the best row so
+  far; a second run reads every layout's numbers from the first's cache and compiles
+  nothing."""
   args = ['--config=default.py:tiny', '--devices', '2', '--zero', '0', '--remat', 'full',
           '--batch-size', '4', '--cache-dir', str(tmp_path / 'cache')]
   result = cli(*args, '--output', str(tmp_path))
   assert result.returncode == 0, result.stderr[-2000:]
   progress = re.findall(r'compiling (\d+)/(\d+): (.+) \((\d+) left\)', result.stderr)
+  lines = [l for l in result.stderr.splitlines() if l.startswith('compiling')]
+  assert 'best so far' not in lines[0] and all('; best so far: ' in l for l in lines[1:])
   assert [int(k) for k, _, _, _ in progress] == list(range(1, len(progress) + 1))
   assert all(int(k) + int(left) == int(n) for k, n, _, left in progress), progress
-  assert ': 5 layouts, 5 compiled, 0 from the cache, 0 not compiled' in result.stdout
+  # data2 and fsdp2 at ZeRO-0 are one program (plan.program_key): one compile for both.
+  assert (': 5 layouts, 4 compiled, 1 the same program as one compiled, 0 from the cache, '
+          '0 not compiled') in result.stdout
   again = cli(*args, '--output', str(tmp_path / 'again'))
   assert again.returncode == 0, again.stderr[-2000:]
   assert 'compiling' not in again.stderr
-  assert ': 5 layouts, 0 compiled, 5 from the cache, 0 not compiled' in again.stdout
+  assert (': 5 layouts, 0 compiled, 0 the same program as one compiled, 5 from the cache, '
+          '0 not compiled') in again.stdout
   assert again.stdout.split('\n', 1)[1] == result.stdout.split('\n', 1)[1]
   assert 'GiB/dev' in result.stdout
   assert ('run the best with: python train.py --config=default.py:tiny '
@@ -522,7 +528,7 @@ def test_pallas_attention_is_planned_from_a_cpu_compile_only(monkeypatch):
   cfg = planner_config()
   cfg.model = dataclasses.replace(cfg.model, attention_impl='pallas')
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
-  with pytest.raises(ValueError, match='python -m sharding.plan'):
+  with pytest.raises(ValueError, match='python -m training.plan_cli'):
     plan.compile_layout(cfg, layout(data=8))
 
 
@@ -539,25 +545,29 @@ SMALL = dataclasses.replace(H100, name='small', hbm_bytes=1e3)
 
 @pytest.fixture(scope='module')
 def searches():
-  """The pruned search on SLOW (top 2), then the full search on H100, each layout
-  compiled once (memoized across the two); the layouts the pruned search compiled."""
+  """The pruned search on SLOW (top 2), then the full search on H100 with every layout
+  compiled apart (alike=False), each compile run once (memoized across the two: a
+  layout compiled for itself, or first of the layouts one compile stood for); the
+  layouts the pruned search compiled, or read off another's compile."""
   cfg = planner_config()
   memo, compiled = {}, []
-  real = plan.compile_layout
+  real = plan.compile_alike
 
-  def compile_once(cfg, lay, layers=None, devices=None):
-    compiled.append(lay.name())
-    if lay.name() not in memo:
-      memo[lay.name()] = real(cfg, lay, layers, devices)
-    return memo[lay.name()]
+  def compile_once(cfg, lays, layers=None, devices=None):
+    compiled.extend(lay.name() for lay in lays)
+    if len(lays) > 1 or lays[0].name() not in memo:
+      found = real(cfg, lays, layers, devices)
+      memo.setdefault(lays[0].name(), found[0])
+      return found
+    return [memo[lays[0].name()]]
 
   with pytest.MonkeyPatch.context() as patch:
     patch.setitem(planner.HARDWARE, 'slow', SLOW)
-    patch.setattr(plan, 'compile_layout', compile_once)
+    patch.setattr(plan, 'compile_alike', compile_once)
     pruned = plan.search(cfg, 2, 'slow', top=2, **SEARCH), list(compiled)
-    full, rejected = plan.plan_layouts(cfg, 2, 'h100', **SEARCH)
-  assert not rejected, rejected
-  return cfg, pruned, full
+    full = plan.search(cfg, 2, 'h100', alike=False, **SEARCH)
+  assert not full.rejected and full.compiled == len(full.rows), full
+  return cfg, pruned, full.rows
 
 
 def full_ranking(full, hw, cfg):
@@ -571,8 +581,8 @@ def full_ranking(full, hw, cfg):
 def test_pruned_search_prints_the_full_searchs_top_rows_compiling_fewer(searches):
   cfg, (found, compiled), full = searches
   assert len(full) == 14
-  assert found.compiled == len(compiled) < len(full), compiled
-  assert found.compiled + len(found.pruned) == len(full) and found.exact >= 2
+  assert found.compiled + found.shared == len(compiled) < len(full), compiled
+  assert len(compiled) + len(found.pruned) == len(full) and found.exact >= 2
   want = full_ranking(full, SLOW, cfg)[:2]
   got = found.rows[:2]
   assert [r['layout'] for r in got] == [r['layout'] for r in want]
@@ -580,6 +590,36 @@ def test_pruned_search_prints_the_full_searchs_top_rows_compiling_fewer(searches
   # What it skipped could not have ranked there: its bound is above the second row.
   for _, bound in found.pruned:
     assert planner.rank_key(bound) > planner.rank_key(want[1]['prediction'])
+
+
+def test_layouts_of_one_program_compile_once_and_read_as_their_own_compiles(monkeypatch):
+  """ZeRO-0 layouts that split the batch over data and fsdp differently (stage 1) are
+  one program: the search compiles it once and reads it as each layout, and every
+  number and prediction equals that layout's own compile. The split moves collectives
+  over part of the batch devices between the axes (data2xfsdp2: over fsdp, two devices;
+  fsdp4: four), which changes their predicted time: each layout's collectives are read
+  against its own mesh, not copied. ZeRO-1 shards over fsdp alone: compiled apart."""
+  cfg = planner_config()
+  lays = [layout(data=4, tensor=2), layout(fsdp=4, tensor=2),
+          layout(data=2, fsdp=2, tensor=2), layout(fsdp=4, tensor=2, zero=1)]
+  calls, real = [], plan.compile_alike
+  def counted(cfg, group, layers=None, devices=None):
+    calls.append([lay.name() for lay in group])
+    return real(cfg, group, layers, devices)
+  monkeypatch.setattr(plan, 'compile_alike', counted)
+  shared = plan.search(cfg, 8, 'h100', layouts=lays)
+  assert sorted(map(len, calls)) == [1, 3], calls
+  assert (shared.compiled, shared.shared) == (2, 2)
+  own = plan.search(cfg, 8, 'h100', layouts=lays, alike=False)
+  assert own.compiled == 4 and own.shared == 0
+  assert [r['layout'] for r in shared.rows] == [r['layout'] for r in own.rows]
+  for a, b in zip(shared.rows, own.rows):
+    assert a['measured'] == b['measured'], a['layout'].name()
+    assert a['prediction'] == b['prediction'], a['layout'].name()
+  by_name = {r['layout'].name(): r for r in own.rows}
+  axes = [{a for _, a in by_name[lay.name()]['measured'].by_axes} for lay in lays[:3]]
+  assert axes[0] != axes[1] != axes[2], axes
+  assert len({by_name[lay.name()]['prediction'].step_s for lay in lays[:3]}) > 1
 
 
 @pytest.mark.parametrize('hw', [H100, SLOW, SMALL], ids=lambda hw: hw.name)
@@ -640,18 +680,22 @@ def test_search_compiles_by_bound_until_no_layout_left_can_reach_the_top_rows(
   monkeypatch.setattr(plan_bound, 'floor', lambda cfg, lay, size: planner.Floor(
       flops(bound_ms[by_layout[lay.name()]]), 0.0, 0.0, {}))
   compiled = []
-  def fake_compile(cfg, lay, layers=None, devices=None):
-    compiled.append(by_layout[lay.name()])
-    return synthetic(dot_flops=flops(step_ms[by_layout[lay.name()]]))
-  monkeypatch.setattr(plan, 'compile_layout', fake_compile)
+  def fake_compile(cfg, lays, layers=None, devices=None):
+    assert len(lays) == 1   # no two of these layouts are one program
+    compiled.append(by_layout[lays[0].name()])
+    return [synthetic(dot_flops=flops(step_ms[by_layout[lays[0].name()]]))]
+  monkeypatch.setattr(plan, 'compile_alike', fake_compile)
   cfg, lays = planner_config(), [LAYOUTS[n] for n in names]
   seen = []
-  progress = lambda k, n, lay, left: seen.append((k, n, by_layout[lay.name()], left))
+  progress = lambda k, n, lay, left, best: seen.append(
+      (k, n, by_layout[lay.name()], left, best and by_layout[best['layout'].name()]))
   cache = plan_cache.MeasureCache(str(tmp_path))
   found = plan.search(cfg, 8, top=2, layouts=lays, progress=progress, cache=cache)
   assert compiled == ['dp8', 'zero3_fsdp8', 'tp2_dp4']
   # After two compiles the cut is the second best, 5 ms: bounds 4 and 5 may still need one.
-  assert seen == [(1, 6, 'dp8', 5), (2, 6, 'zero3_fsdp8', 4), (3, 5, 'tp2_dp4', 2)]
+  # Each compile names the best row so far: the answer once the compiles left are done.
+  assert seen == [(1, 6, 'dp8', 5, None), (2, 6, 'zero3_fsdp8', 4, 'dp8'),
+                  (3, 5, 'tp2_dp4', 2, 'zero3_fsdp8')]
   ranked = [by_layout[r['layout'].name()] for r in found.rows]
   assert ranked[:2] == ['zero3_fsdp8', 'tp2_dp4'] and found.exact == 2   # as a full search
   assert [by_layout[l.name()] for l, _ in found.pruned] == ['fsdp4_tp2', 'cp2_dp4', 'pp2_dp4']

@@ -3,13 +3,13 @@ the checks training uses and compiled from abstract shapes (nothing allocated), 
 costed and ranked by sharding/planner.py.
 
 Compiling needs as many devices as the layout has: on a CPU, simulated ones
-(`jax_num_cpu_devices`, which `python -m sharding.plan` sets for its own process).
+(`jax_num_cpu_devices`, which `python -m training.plan_cli` sets for its own process).
 `layers=(a, b)` compiles a- and b-layer versions of the model and extrapolates memory,
 FLOPs and collectives linearly to the config's layer count (every per-layer cost is
 linear in the layers of a scanned stack); `check_extrapolation` compares that with a
 full compile. `search` compiles only the layouts whose lower bound (plan_bound.py) could
-reach the rows asked for, reading and keeping each compile's numbers in a cache
-(plan_cache.py) when given one.
+reach the rows asked for, compiling layouts that are one program (program_key) once and
+reading and keeping each compile's numbers in a cache (plan_cache.py) when given one.
 """
 
 import copy
@@ -55,6 +55,25 @@ def candidates(cfg: config_lib.Config, devices: int, *, axes=None, zero_stages=(
               continue
             valid.append(layout)
   return valid, rejected
+
+
+def program_key(layout: planner.Layout) -> tuple:
+  """Layouts with one key compile to one program (compile_alike compiles it once).
+
+  At ZeRO-0 nothing names `data` or `fsdp` alone: the rules put only the batch on them,
+  as the pair (data, fsdp) (sharding/rules.py BATCH_AXES; the per-shard gradient sums of
+  training/state.py vmap over the same pair), and the config multiplies their sizes. With
+  stage = 1 the two are neighbours in the mesh, so a pair of sizes (a, b) splits the batch
+  into the same a x b pieces on the same devices as (a x b, 1): every sharding in the
+  program is the same device-level sharding, and so is the compiled program. Only the
+  names of the axes its collectives span differ, which compile_alike reads per layout.
+  ZeRO >= 1 shards the optimizer state over fsdp alone, and stage > 1 sits between the
+  two: those layouts keep keys of their own."""
+  mesh = dict(layout.mesh)
+  if layout.zero_stage == 0 and mesh.get('stage', 1) == 1:
+    mesh['data'], mesh['fsdp'] = mesh.get('data', 1) * mesh.get('fsdp', 1), 1
+  return (tuple(sorted(mesh.items())), layout.zero_stage, layout.remat, layout.grad_accum,
+          layout.microbatches)
 
 
 def configure(cfg: config_lib.Config, layout: planner.Layout,
@@ -139,16 +158,42 @@ def compile_layout(cfg: config_lib.Config, layout: planner.Layout,
                    layers: int | None = None, devices=None) -> planner.Measured:
   """The layout's train step compiled from abstract shapes (nothing allocated), measured;
   the flash kernels' FLOPs counted analytically (flash_flops)."""
+  return compile_alike(cfg, [layout], layers, devices)[0]
+
+
+def compile_alike(cfg: config_lib.Config, layouts: list, layers: int | None = None,
+                  devices=None) -> list[planner.Measured]:
+  """compile_layout of each of `layouts`, which share one program_key, from one compile:
+  the first one's train step, read once per layout with that layout's mesh (the mesh
+  axes each collective's device groups span are the layout's own)."""
   if cfg.model.attention_impl == 'pallas' and jax.default_backend() != 'cpu':
     raise ValueError(
         'model.attention_impl=pallas: the planner costs the flash kernels from a CPU compile '
         '(the Pallas interpreter); compiled for this machine\'s '
         f'{jax.default_backend()} they are calls it cannot read. Plan in a CPU-only process: '
-        'python -m sharding.plan, or JAX_PLATFORMS=cpu.')
-  built = build_layout(cfg, layout, layers, devices)
-  report = hlo.inspect_compiled(built.compile(), dict(built.mesh.shape))
+        'python -m training.plan_cli, or JAX_PLATFORMS=cpu.')
+  if len({program_key(l) for l in layouts}) != 1:
+    raise ValueError(f'compile_alike: {[l.name() for l in layouts]} are not one program.')
+  chosen = (devices or jax.devices())[:math.prod(layouts[0].mesh.values())]
+  meshes = [make_mesh(configure(cfg, l).mesh, chosen) for l in layouts]
+  # One program needs one device order too (jax.make_mesh may order devices by the
+  # mesh's shape on some machines): the layouts whose order differs compile apart.
+  order = lambda mesh: [d.id for d in mesh.devices.flat]
+  apart = [i for i, m in enumerate(meshes) if order(m) != order(meshes[0])]
+  out = dict(zip(apart, compile_alike(cfg, [layouts[i] for i in apart], layers, devices)
+                 if apart else []))
+  built = build_layout(cfg, layouts[0], layers, devices)
+  compiled = built.compile()
+  for i, (l, mesh) in enumerate(zip(layouts, meshes)):
+    if i not in out:
+      out[i] = _measured(configure(cfg, l, layers), l, compiled, dict(mesh.shape))
+  return [out[i] for i in range(len(layouts))]
+
+
+def _measured(cfg, layout, compiled, mesh_shape) -> planner.Measured:
+  report = hlo.inspect_compiled(compiled, mesh_shape)
   pair = lambda s: (s.count, s.bytes)
-  kernels = flash_flops(built.cfg, layout, report.kernel_calls)
+  kernels = flash_flops(cfg, layout, report.kernel_calls)
   return planner.Measured(report.argument_bytes, report.output_bytes, report.alias_bytes,
                           report.temp_bytes, report.dot_flops + kernels,
                           {k: pair(v) for k, v in report.collectives.items()},
@@ -174,11 +219,17 @@ def extrapolate(a: planner.Measured, b: planner.Measured, la: int, lb: int,
 def measure(cfg, layout, layers=None, devices=None, cache=None) -> planner.Measured:
   """Full compile, or with layers=(a, b) the extrapolation from a and b layers; each
   compile read from `cache` (plan_cache.MeasureCache) when it has it, else kept there."""
+  return measure_alike(cfg, [layout], layers, devices, cache)[0]
+
+
+def measure_alike(cfg, layouts, layers=None, devices=None, cache=None) -> list:
+  """measure of each of `layouts`, which share one program_key, compiling it once."""
   if layers is None:
-    return _compiled(cfg, layout, None, devices, cache)
+    return _compiled(cfg, layouts, None, devices, cache)
   la, lb = layers
-  return extrapolate(_compiled(cfg, layout, la, devices, cache),
-                     _compiled(cfg, layout, lb, devices, cache), la, lb, cfg.model.num_layers)
+  return [extrapolate(a, b, la, lb, cfg.model.num_layers)
+          for a, b in zip(_compiled(cfg, layouts, la, devices, cache),
+                          _compiled(cfg, layouts, lb, devices, cache))]
 
 
 def _from_cache(cfg, layout, layers, cache) -> planner.Measured | None:
@@ -193,14 +244,15 @@ def _from_cache(cfg, layout, layers, cache) -> planner.Measured | None:
   return extrapolate(*found, *layers, cfg.model.num_layers)
 
 
-def _compiled(cfg, layout, layers, devices, cache) -> planner.Measured:
-  if cache is None:
-    return compile_layout(cfg, layout, layers, devices)
-  applied = configure(cfg, layout, layers)
-  found = cache.get(applied)
-  if found is None:
-    found = compile_layout(cfg, layout, layers, devices)
-    cache.put(applied, found)
+def _compiled(cfg, layouts, layers, devices, cache) -> list:
+  found = [None if cache is None else cache.get(configure(cfg, l, layers)) for l in layouts]
+  missing = [l for l, m in zip(layouts, found) if m is None]
+  if missing:
+    fresh = iter(compile_alike(cfg, missing, layers, devices))
+    found = [next(fresh) if m is None else m for m in found]
+    for l, m in zip(layouts, found):
+      if cache is not None and l in missing:
+        cache.put(configure(cfg, l, layers), m)
   return found
 
 
@@ -223,23 +275,27 @@ class Search:
   rows: list          # compiled (or cached) layouts, ranked: plan_layouts' rows
   rejected: list      # [(layout, why)] refused by config.validate
   pruned: list        # [(layout, planner.lower_bound's Prediction)] never compiled
-  compiled: int       # layouts compiled by this search
+  compiled: int       # compiles this search ran
   cached: int         # layouts read from the cache
   exact: int          # the first `exact` rows are the full search's, whatever it compiled
+  shared: int = 0     # layouts read off another layout's compile (one program_key)
 
 
 def search(cfg: config_lib.Config, devices: int, device: str = 'h100', *, top: int = 0,
            max_compiles: int = 0, cache=None, layers=None, progress=None, layouts=None,
-           compile_on=None, **candidate_args) -> Search:
+           compile_on=None, alike=True, **candidate_args) -> Search:
   """Ranks the layouts (plan_layouts' rows) compiling only those that could be among the
   `top` best (0: all): every layout gets a lower bound from analytic floors
   (training/plan_bound.py), layouts are compiled in order of it, and the search stops
   when the next one's bound is above the top-th best compiled, since no layout left can
   then be among the top rows. So the first `top` rows are the full search's, in its order.
   max_compiles (0: no cap) stops sooner; then `exact` says how many rows are proven.
-  cache: a plan_cache.MeasureCache, read first and written after each compile. progress:
-  called before each compile, (k, n, layout, left): the k-th compile of at most n, left
-  = n - k the layouts after it that could still need one."""
+  Layouts that share a program_key are compiled once, together (alike=False: each
+  apart). cache: a plan_cache.MeasureCache, read first and written after each compile.
+  progress: called before each compile, (k, n, layout, left, best): the k-th compile of
+  at most n, left = n - k the compiles after it that could still be needed, best the
+  best row so far (None before the first), which the table's first row is unless a
+  compile left beats it."""
   hw = planner.hardware(device)
   layouts, rejected = _layouts(cfg, devices, layouts, candidate_args)
   tokens = cfg.data.batch_size * cfg.data.seq_len
@@ -257,25 +313,32 @@ def search(cfg: config_lib.Config, devices: int, device: str = 'h100', *, top: i
   order = sorted((i for i in keys if i not in measured), key=lambda i: (keys[i], i))
   rows = {i: _row(cfg, layouts[i], measured[i], hw, model_flops, tokens, devices, sizes,
                   bounds[i]) for i in measured}
-  compiled = 0
+  program = {i: program_key(l) if alike else i for i, l in enumerate(layouts)}
+  compiled = shared = 0
   for position, i in enumerate(order):
+    if i in rows:
+      continue   # read off an earlier compile of its program
     cut = _cut(rows, top)
     if keys[i] > cut or (max_compiles and compiled >= max_compiles):
       break
-    left = sum(keys[j] <= cut for j in order[position + 1:])
+    left = len({program[j] for j in order[position + 1:]
+                if j not in rows and keys[j] <= cut} - {program[i]})
     if max_compiles:
       left = min(left, max_compiles - compiled - 1)
     if progress:
-      progress(compiled + 1, compiled + 1 + left, layouts[i], left)
-    m = measure(cfg, layouts[i], layers, compile_on, cache)
-    compiled += 1
-    rows[i] = _row(cfg, layouts[i], m, hw, model_flops, tokens, devices, sizes, bounds[i])
+      best = min(rows.values(), key=lambda r: planner.rank_key(r['prediction']), default=None)
+      progress(compiled + 1, compiled + 1 + left, layouts[i], left, best)
+    alike_i = [j for j in order[position:] if program[j] == program[i] and j not in rows]
+    found = measure_alike(cfg, [layouts[j] for j in alike_i], layers, compile_on, cache)
+    compiled, shared = compiled + 1, shared + len(alike_i) - 1
+    for j, m in zip(alike_i, found):
+      rows[j] = _row(cfg, layouts[j], m, hw, model_flops, tokens, devices, sizes, bounds[j])
   # Enumeration order before ranking: ties fall as in a full search.
   ranked = planner.rank([rows[i] for i in sorted(rows)])
   pruned = [(layouts[i], bounds[i]) for i in order if i not in rows]
   least = min((keys[i] for i in order if i not in rows), default=None)
   exact = sum(least is None or planner.rank_key(r['prediction']) < least for r in ranked)
-  return Search(ranked, rejected, pruned, compiled, cached, exact)
+  return Search(ranked, rejected, pruned, compiled, cached, exact, shared)
 
 
 def _cut(rows: dict, top: int):

@@ -1,6 +1,6 @@
 """The mesh planner's numbers kept between runs: one JSON file per compiled layout
 holding what training/plan.py's compile_layout measured (planner.Measured), so a second
-`python -m sharding.plan` over the same config reads what the first compiled.
+`python -m training.plan_cli` over the same config reads what the first compiled.
 
 A measurement is a function of the program compiled and the compiler alone: the config
 with the layout applied (every field, the layer count of an extrapolation's compile

@@ -1,16 +1,18 @@
-"""`python -m sharding.plan`: rank the layouts of a config on N GPUs before touching one.
+"""`python -m training.plan_cli`: rank the layouts of a config on N GPUs before touching one.
 
-  python -m sharding.plan --config=default.py:tiny --devices 8 --device h100 --top 5
+  python -m training.plan_cli --config=default.py:tiny --devices 8 --device h100 --top 5
       [--batch-size N]
 
-A command-line entry, like train.py: it sits on top and imports training (the layout
-compiles) inside main(). It simulates N CPU devices for its own process, bounds every
+A command-line entry, like train.py. It simulates N CPU devices for its own process (so
+jax and the layout compiles are imported inside main(), after that is set), bounds every
 candidate layout's step from below without compiling it (training/plan_bound.py),
-compiles the train steps of those that could be among the --top rows, best bound first,
-predicts each one's step time on the named GPU (sharding/planner.py) and prints the
-ranked table: its rows are a full search's. --output DIR also writes plan.json and
+compiles the train steps of those that could be among the --top rows, best bound first
+(layouts that are one program, once: training/plan.py's program_key), predicts each
+one's step time on the named GPU (sharding/planner.py) and prints the ranked table: its
+rows are a full search's. --output DIR also writes plan.json and
 plan.csv, each row with the train.py overrides that run it. Each compile's numbers are
 kept in --cache-dir (training/plan_cache.py), so a rerun compiles nothing it has seen.
+Progress on stderr names each compile, how many may follow and the best layout so far.
 """
 
 import argparse
@@ -21,7 +23,7 @@ import sys
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(prog='python -m sharding.plan',
+  p = argparse.ArgumentParser(prog='python -m training.plan_cli',
                               description=__doc__.split('\n\n', 1)[0])
   p.add_argument('--config', required=True, help='NAME.py[:variant], as train.py takes it')
   p.add_argument('--devices', type=int, required=True, help='GPUs to plan for')
@@ -98,8 +100,9 @@ def main(argv=None) -> int:
                          '>= 0 (0: no limit).')
     off = args.cache_dir.strip().lower() in ('', 'none')
     cache = None if off else plan_cache.MeasureCache(args.cache_dir)
-    progress = lambda k, n, layout, left: print(
-        f'compiling {k}/{n}: {layout.name()} ({left} left)', file=sys.stderr, flush=True)
+    progress = lambda k, n, layout, left, best: print(
+        f'compiling {k}/{n}: {layout.name()} ({left} left)' + _so_far(best),
+        file=sys.stderr, flush=True)
     found = plan_lib.search(
         cfg, args.devices, hw.name, top=args.top, max_compiles=args.max_compiles,
         cache=cache, layers=layers, progress=progress,
@@ -114,12 +117,21 @@ def main(argv=None) -> int:
   return 0
 
 
+def _so_far(best) -> str:
+  """The best layout of the compiles so far: the answer unless a compile left beats it."""
+  if best is None:
+    return ''
+  p = best['prediction']
+  return (f"; best so far: {best['layout'].name()}, "
+          + (f'{p.step_s * 1e3:.4g} ms a step' if p.fits else 'does not fit'))
+
+
 def _print(args, found, hw, extra) -> None:
   rows = found.rows
   print(f'{args.config} on {args.devices} x {hw.name} ({hw.gpus_per_host} per host): '
         f'{len(rows) + len(found.pruned)} layouts, {found.compiled} compiled, '
-        f'{found.cached} from the cache, {len(found.pruned)} not compiled, '
-        f'{len(found.rejected)} rejected by validate')
+        f'{found.shared} the same program as one compiled, {found.cached} from the cache, '
+        f'{len(found.pruned)} not compiled, {len(found.rejected)} rejected by validate')
   from sharding import planner   # pylint: disable=import-outside-toplevel
   print(planner.table(rows, args.top))
   if found.exact < min(len(rows), args.top or len(rows)):
