@@ -65,20 +65,19 @@ HARDWARE = {
     'h200': Hardware('h200', 989e12, 141e9, 4.8e12, 450e9, 50e9, 5e-6, 10e-6),
     'a100': Hardware('a100', 312e12, 80e9, 2.04e12, 300e9, 25e9, 5e-6, 10e-6),
 }
-# HBM_EFFICIENCY is measured, not fitted: a device-to-device copy's bandwidth on an H200
-# over the datasheet's (copy_bandwidth_gbs in
-# benchmarks/results/paged_decode_NVIDIA_H200.json), because the runs the others are
-# fitted to cannot pin it: a small model's traffic barely changes with its launches, so
-# traffic and dispatch trade places in a fit. The others are fitted (fit_efficiency,
-# HBM_EFFICIENCY held) to one-GPU step times of a launch-bound config (default.py) and a
-# matmul-bound one (gpt_64k.py), from the counts a CPU compile gives, as predict uses
-# them: benchmarks/results/planner_fit_h200_replanned.json, and docs/benchmarks.md for how
-# well they fit. MATMUL_EFFICIENCY blends flash-attention kernels and plain matmuls, as
-# the fitted steps do.
-MATMUL_EFFICIENCY = 0.595   # achieved / peak bf16 FLOP/s of the matmul kernels
-HBM_EFFICIENCY = 0.643      # achieved / peak bandwidth of a streaming kernel
-LAUNCH_SECONDS = 1.14e-6    # per kernel launched (with command buffers: CUDA graphs)
-STEP_SECONDS = 0.46e-3      # per step: the host dispatches the step program
+# All four fitted together (fit_efficiency) to one-GPU step times on an H200 of three kinds
+# of step, from the counts a CPU compile gives, as predict uses them: launch-bound
+# (default.py at its own batch), memory-bound (default.py at 512 sequences, which pins
+# HBM_EFFICIENCY: without it a small model's traffic and its launches trade places in a
+# fit) and matmul-bound (gpt_64k.py). benchmarks/results/planner_fit_h200_replanned.json
+# has the fit, docs/benchmarks.md how well it fits. HBM_EFFICIENCY is bytes as the CPU
+# compile counts them over the time they took on the GPU, so it absorbs what a GPU's
+# fusion reads less. MATMUL_EFFICIENCY blends flash-attention kernels and plain matmuls,
+# as the fitted steps do.
+MATMUL_EFFICIENCY = 0.563   # achieved / peak bf16 FLOP/s of the matmul kernels
+HBM_EFFICIENCY = 0.905      # achieved / peak bandwidth of a streaming kernel
+LAUNCH_SECONDS = 1.18e-6    # per kernel launched (with command buffers: CUDA graphs)
+STEP_SECONDS = 0.652e-3     # per step: the host dispatches the step program
 MEMORY_HEADROOM = 0.1
 OVERLAPPED_AXES = ('data', 'fsdp', 'stage')
 _VOLUME = {'all-reduce': lambda n: 2 * (n - 1) / n, 'all-gather': lambda n: (n - 1) / n,
@@ -296,7 +295,9 @@ def fit_efficiency(runs, hw: Hardware, free=FACTORS) -> dict:
                        'launch_seconds': x[2], 'step_seconds': x[3]}
   table = np.array([1 / MATMUL_EFFICIENCY, 1 / HBM_EFFICIENCY, LAUNCH_SECONDS,
                     STEP_SECONDS])
-  out = {'table': {**factors(table), 'rms_relative_error': error(table)}}
+  out = {'table': {'matmul_efficiency': MATMUL_EFFICIENCY, 'hbm_efficiency': HBM_EFFICIENCY,
+                   'launch_seconds': LAUNCH_SECONDS, 'step_seconds': STEP_SECONDS,
+                   'rms_relative_error': error(table)}}
   # The FLOPs alone (no other term), fitted: what the other terms earn.
   if flops.any():
     alone = float(flops @ flops / flops.sum())
@@ -323,7 +324,10 @@ def fit_efficiency(runs, hw: Hardware, free=FACTORS) -> dict:
         "whose matmuls are compute-bound; and the table's other terms must leave part of "
         'each measured step).')
   fitted, x = best
-  return {**out, 'fitted': [FACTORS[i] for i in fitted], **factors(x),
+  # A factor held keeps the table's value exactly (not the round trip through 1/x).
+  held = {name: value for name, value in out['table'].items()
+          if name in FACTORS and FACTORS.index(name) not in fitted}
+  return {**out, 'fitted': [FACTORS[i] for i in fitted], **factors(x), **held,
           'rms_relative_error': error(x), 'converged': converged}
 
 
