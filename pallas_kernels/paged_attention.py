@@ -573,7 +573,8 @@ def _choose_num_kv_splits(max_seqs, num_kv_heads, max_kv_len, block_k, out_bytes
   """Splits from static shapes: more when few (sequence, kv head) programs face long
   contexts; few when the batch has many tokens (each split holds a float32 copy of out)."""
   programs = max_seqs * num_kv_heads
-  # A power of two: the counts the --splits benchmark times.
+  # The power of two at or below: the counts the --splits benchmark times (a short
+  # context or the outputs' memory may cap it at another count).
   wanted = 1 << (pl.cdiv(_TARGET_PROGRAMS, programs).bit_length() - 1)
   worth = max(1, max_kv_len // max(_MIN_SPLIT_TOKENS, block_k))
   affordable = max(1, _SPLIT_BYTES // max(out_bytes, 1))
