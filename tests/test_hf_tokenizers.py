@@ -214,8 +214,15 @@ def test_streamed_chat_turn_with_special_tokens(style):
 
 # Qwen2.5 / Qwen3 ChatML: tools described in the system turn, calls as <tool_call> JSON
 # in the assistant turn, results as <tool_response> blocks in one user turn per run of
-# tool messages; Qwen3's enable_thinking=false writes an empty think block.
+# tool messages; Qwen3's reasoning as a <think> block in the assistant turns after the
+# last user turn, and enable_thinking=false writing an empty one.
 QWEN_TEMPLATE = r"""
+{%- set ns = namespace(last_user=-1) %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {%- set ns.last_user = loop.index0 %}
+    {%- endif %}
+{%- endfor %}
 {%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0].role == 'system' %}
@@ -242,12 +249,15 @@ QWEN_TEMPLATE = r"""
         {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
             {{- '<|im_end|>\n' }}
         {%- endif %}
-    {%- elif message.role == 'assistant' and message.tool_calls %}
+    {%- elif message.role == 'assistant' %}
         {{- '<|im_start|>assistant' }}
+        {%- if message.reasoning_content and loop.index0 > ns.last_user %}
+            {{- '\n<think>\n' + message.reasoning_content + '\n</think>\n' }}
+        {%- endif %}
         {%- if message.content %}
             {{- '\n' + message.content }}
         {%- endif %}
-        {%- for call in message.tool_calls %}
+        {%- for call in message.tool_calls or [] %}
             {{- '\n<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' }}
             {{- call.function.arguments | tojson + '}\n</tool_call>' }}
         {%- endfor %}
@@ -322,19 +332,22 @@ TOOLS = [{'type': 'function', 'function': {
         'required': ['city']}}}]
 
 
-def conversation(arguments=lambda a: a) -> list[dict]:
+def conversation(arguments=lambda a: a, reasoning=False) -> list[dict]:
   """system, user, assistant, user, assistant calling two tools, two tool results, user.
   arguments: how a call's arguments are given (an object, as transformers takes them;
-  a JSON string, as OpenAI's API sends them)."""
+  a JSON string, as OpenAI's API sends them); reasoning: the assistant turns' thinking,
+  under two of its names."""
   calls = [{'id': f'call{i:05d}', 'type': 'function', 'function': {
       'name': 'get_weather', 'arguments': arguments({'city': city, 'unit': 'C'})}}
       for i, city in enumerate(['Paris', '東京'])]
+  think = [{'reasoning_content': 'A greeting.'}, {'reasoning': 'Two cities: two calls.'}]
+  think = think if reasoning else [{}, {}]
   return [
       {'role': 'system', 'content': 'You are a helpful assistant.'},
       {'role': 'user', 'content': 'Hi! 👋'},
-      {'role': 'assistant', 'content': 'Hello. What is the question?'},
+      {'role': 'assistant', 'content': 'Hello. What is the question?', **think[0]},
       {'role': 'user', 'content': 'What is the weather in Paris and 東京 today?'},
-      {'role': 'assistant', 'content': '', 'tool_calls': calls},
+      {'role': 'assistant', 'content': '', 'tool_calls': calls, **think[1]},
       {'role': 'tool', 'tool_call_id': 'call00000', 'name': 'get_weather',
        'content': '{"temperature": 21, "sky": "sunny"}'},
       {'role': 'tool', 'tool_call_id': 'call00001', 'name': 'get_weather',
@@ -358,15 +371,18 @@ def _reference(name, ref, messages, **kw) -> str:
   return ref.apply_chat_template(messages, tokenize=False, **kw)
 
 
-@pytest.mark.parametrize('case', ['plain', 'tools', 'no_generation_prompt', 'no_thinking'])
+@pytest.mark.parametrize('case', ['plain', 'tools', 'no_generation_prompt', 'no_thinking',
+                                  'thinking'])
 def test_chat_templates_render_as_transformers_does(style, case):
+  """thinking: the reasoning of the turn calling tools, after the last user turn (the
+  conversation ends with the tool results), under vLLM's name `reasoning`."""
   name, ours, ref = style
-  messages = conversation()
+  messages = conversation(reasoning=case == 'thinking')[:-1 if case == 'thinking' else None]
   kw = {'add_generation_prompt': case != 'no_generation_prompt'}
   if case == 'plain':
     messages = messages[:4]
   else:
-    kw['tools'] = TOOLS if case == 'tools' else None
+    kw['tools'] = TOOLS if case in ('tools', 'thinking') else None
   if case == 'no_thinking':
     kw['enable_thinking'] = False
   want = _reference(name, ref, messages, **kw)
@@ -375,12 +391,18 @@ def test_chat_templates_render_as_transformers_does(style, case):
   if name == 'qwen2':
     assert want.startswith('<|im_start|>system\nYou are a helpful assistant.')
     assert ('<|im_start|>assistant\nHello. What is the question?<|im_end|>\n') in want
-    if case != 'plain':
+    if case not in ('plain', 'thinking'):
       assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
-              '{"city": "東京", "unit": "C"}}\n</tool_call><|im_end|>') not in want
+              '{"city": "Paris", "unit": "C"}}\n</tool_call>\n<tool_call>\n{"name": '
+              '"get_weather", "arguments": {"city": "東京", "unit": "C"}}\n</tool_call>'
+              '<|im_end|>\n') in want
       assert ('<|im_start|>user\n<tool_response>\n{"temperature": 21, "sky": "sunny"}\n'
               '</tool_response>\n<tool_response>\n{"temperature": 9, "sky": "rain"}\n'
               '</tool_response><|im_end|>\n') in want
+    if case == 'thinking':
+      assert ('<|im_start|>assistant\n<think>\nTwo cities: two calls.\n</think>\n\n'
+              '<tool_call>\n{"name": "get_weather"') in want
+      assert 'A greeting.' not in want     # before the last user turn: not shown
     assert want.endswith('<think>\n\n</think>\n\n' if case == 'no_thinking' else
                          '<|im_end|>\n' if case == 'no_generation_prompt' else
                          '<|im_start|>assistant\n')
@@ -392,6 +414,7 @@ def test_chat_templates_render_as_transformers_does(style, case):
               '"unit": "C"}, "id": "call00000"}, ') in want
       assert '[TOOL_RESULTS] {"content": "{\\"temperature\\": 9' in want
     assert want.count('</s>') == (1 if case == 'plain' else 2)
+    assert 'calls.' not in want
   ids = ours.encode(want).tolist()
   assert ids == ref.encode(want, add_special_tokens=False)
   assert ours.decode(ids, False) == want
@@ -447,12 +470,15 @@ def test_chat_completions_run_the_templates_prompt(style, served_dir):
     client = openai.OpenAI(base_url=server.url + '/v1', api_key='none', max_retries=0,
                            timeout=120)
     reply = client.chat.completions.create(
-        model=served.name, messages=conversation(json.dumps), tools=TOOLS,
+        model=served.name, messages=conversation(json.dumps, reasoning=True)[:-1],
+        tools=TOOLS,
         tool_choice='none', max_tokens=6, temperature=0, extra_body={'ignore_eos': True})
   finally:
     server.stop()
     engine.shutdown()
-  text = _reference(name, ref, conversation(), tools=TOOLS, add_generation_prompt=True)
+  text = _reference(name, ref, conversation(reasoning=True)[:-1], tools=TOOLS,
+                    add_generation_prompt=True)
+  assert ('Two cities' in text) == (name == 'qwen2')
   want = ref.encode(text, add_special_tokens=False)
   assert seen == [want]
   assert want.count(ref.bos_token_id) == (1 if name == 'mistral' else 0)
