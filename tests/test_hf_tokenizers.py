@@ -489,3 +489,30 @@ def test_chat_completions_run_the_templates_prompt(style, served_dir):
   assert reply.choices[0].message.content == ref.decode(out, skip_special_tokens=True)
   assert reply.usage.prompt_tokens == len(want)
   np.testing.assert_array_equal(served.tokenizer.encode(text), want)
+
+
+@pytest.mark.parametrize('template, message', [
+    ("{{ messages.append(messages[0]) }}",
+     r"does what its sandbox forbids \(access to attribute 'append' of 'list' object is "
+     r"unsafe.*fix the template"),
+    ("{{ render_tools(tools) }}{{ messages[0].content }}",
+     r"reads something undefined here \('render_tools' is undefined\): a field these "
+     r"messages lack, or a name it is not given \(it is given messages, tools, .*"
+     r"chat_template_kwargs"),
+    ("{{ messages[0].content + messages[0].tool_calls }}",
+     r"reads something undefined here \('dict object' has no attribute 'tool_calls'\)"),
+    ("{{ messages[0].content + 1 }}",
+     r'failed on these messages \(TypeError: can only concatenate str'),
+])
+def test_what_a_template_cannot_render_is_named(style, template, message):
+  """Each fails in transformers too (the reference), so none is meshlm's gap alone."""
+  name, _, ref = style
+  served = _Served(name, ref)
+  served.chat_template = template
+  messages = [{'role': 'user', 'content': 'hi'}]
+  with pytest.raises(ValueError, match=message):
+    render_chat(served, messages)
+  ref.chat_template = template
+  with pytest.raises(Exception):
+    ref.apply_chat_template(messages, tokenize=False)
+  ref.chat_template = TEMPLATES[name]

@@ -24,6 +24,9 @@ DEFAULT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 
 ROLES = ('system', 'user', 'assistant', 'tool', 'developer')
+# What a template is given beside the special tokens (the names transformers gives).
+PROVIDED = ('messages', 'tools', 'documents', 'add_generation_prompt', 'raise_exception',
+            'strftime_now', 'tojson', 'namespace')
 # A message's reasoning (thinking) text, under the names transformers accepts; templates
 # read the first (Qwen3) or `thinking` (gpt-oss).
 REASONING_FIELDS = ('reasoning_content', 'thinking', 'reasoning')
@@ -113,6 +116,19 @@ def render_chat(model, messages: list[dict], add_generation_prompt: bool = True,
     return template.render(messages=validate_messages(messages), tools=tools, documents=None,
                            add_generation_prompt=add_generation_prompt,
                            **{**model.special_tokens, **variables})
+  except jinja2.exceptions.SecurityError as e:
+    raise ValueError(f'the chat template does what its sandbox forbids ({e}), as '
+                     'transformers\' does too: fix the template.') from e
+  except jinja2.exceptions.UndefinedError as e:
+    # A field the messages lack, a helper some other renderer gives, or a variable of
+    # the template's own.
+    raise ValueError(f'the chat template reads something undefined here ({e}): a field '
+                     'these messages lack, or a name it is not given (it is given '
+                     f'{", ".join(PROVIDED)} and the special tokens; give a variable of '
+                     'its own in chat_template_kwargs).') from e
   except jinja2.TemplateError as e:
     # raise_exception in a template: the template refused these messages.
     raise ValueError(f'the chat template rejected the messages: {e}') from e
+  except (TypeError, AttributeError) as e:
+    raise ValueError(f'the chat template failed on these messages ({type(e).__name__}: '
+                     f'{e}): check the fields it reads (content, tool_calls, ...).') from e
