@@ -27,7 +27,7 @@ from serve.api.chat_template import render_chat
 from serve.api.server import create_app
 from serve.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from serve.load.hf_model import load_hf_model
-from training.tokenizer import HFTokenizer
+from training.tokenizer import HFTokenizer, bytes_to_unicode
 from tests.test_serve_hf import save_hf
 from tests.test_serve_server import ServerThread
 
@@ -93,7 +93,7 @@ def mistral_tokenizer() -> Tokenizer:
 
 
 STYLES = {
-    'qwen2': (qwen_tokenizer, dict(eos_token='<|im_end|>', pad_token='<|endoftext|>')),
+    'qwen': (qwen_tokenizer, dict(eos_token='<|im_end|>', pad_token='<|endoftext|>')),
     'mistral': (mistral_tokenizer, dict(bos_token='<s>', eos_token='</s>',
                                         unk_token='<unk>')),
 }
@@ -138,7 +138,6 @@ def test_characters_outside_the_vocabulary_become_byte_tokens(style):
 
 
 def _byte_level(text: str) -> str:
-  from training.tokenizer import bytes_to_unicode  # pylint: disable=import-outside-toplevel
   table = bytes_to_unicode()
   return ''.join(table[b] for b in text.encode())
 
@@ -323,7 +322,7 @@ MISTRAL_TEMPLATE = r"""
 {%- endfor %}
 """
 
-TEMPLATES = {'qwen2': QWEN_TEMPLATE, 'mistral': MISTRAL_TEMPLATE}
+TEMPLATES = {'qwen': QWEN_TEMPLATE, 'mistral': MISTRAL_TEMPLATE}
 
 TOOLS = [{'type': 'function', 'function': {
     'name': 'get_weather', 'description': 'The weather in a city, today.',
@@ -388,7 +387,7 @@ def test_chat_templates_render_as_transformers_does(style, case):
   want = _reference(name, ref, messages, **kw)
   assert render_chat(_Served(name, ref), messages, **kw) == want
   # A few of the format's landmarks, written out.
-  if name == 'qwen2':
+  if name == 'qwen':
     assert want.startswith('<|im_start|>system\nYou are a helpful assistant.')
     assert ('<|im_start|>assistant\nHello. What is the question?<|im_end|>\n') in want
     if case not in ('plain', 'thinking'):
@@ -437,7 +436,8 @@ def served_dir(style, tmp_path_factory):
   """A tiny random model of the family, with the style's tokenizer and template."""
   name, ours, ref = style
   path = tmp_path_factory.mktemp(f'{name}_model')
-  family = {'qwen2': 'qwen2', 'mistral': 'mistral'}[name]
+  # Qwen3 (q/k norms) for the Qwen tokenizer: Qwen2 and Qwen2.5 ship the same one.
+  family = {'qwen': 'qwen3', 'mistral': 'mistral'}[name]
   eos = ref.convert_tokens_to_ids(ref.eos_token)
   hf = save_hf(path, family, vocab_size=ours.vocab_size, eos_token_id=eos,
                bos_token_id=ref.convert_tokens_to_ids(ref.bos_token or ref.eos_token),
@@ -449,10 +449,11 @@ def served_dir(style, tmp_path_factory):
 
 
 def test_chat_completions_run_the_templates_prompt(style, served_dir):
-  """A served directory (tokenizer.json, its template in tokenizer_config.json): the
-  ids the engine is given for a tool conversation are transformers' encoding of
-  apply_chat_template's text (the template's own <s>, none added), and the greedy answer
-  is transformers' generate from them, decoded as transformers decodes it."""
+  """A served directory (tokenizer.json and the template as save_pretrained writes them):
+  the ids the engine is given for a tool conversation, ending with the tool results, are
+  transformers' encoding of apply_chat_template's text (the template's own <s>, none
+  added), and the greedy answer is transformers' generate from them, decoded as
+  transformers decodes it."""
   from serve.config import ServeConfig   # pylint: disable=import-outside-toplevel
   from serve.engine.core import Engine   # pylint: disable=import-outside-toplevel
   name, _, ref = style
@@ -471,14 +472,14 @@ def test_chat_completions_run_the_templates_prompt(style, served_dir):
                            timeout=120)
     reply = client.chat.completions.create(
         model=served.name, messages=conversation(json.dumps, reasoning=True)[:-1],
-        tools=TOOLS,
-        tool_choice='none', max_tokens=6, temperature=0, extra_body={'ignore_eos': True})
+        tools=TOOLS, tool_choice='none', max_tokens=6, temperature=0,
+        extra_body={'ignore_eos': True})
   finally:
     server.stop()
     engine.shutdown()
   text = _reference(name, ref, conversation(reasoning=True)[:-1], tools=TOOLS,
                     add_generation_prompt=True)
-  assert ('Two cities' in text) == (name == 'qwen2')
+  assert ('Two cities' in text) == (name == 'qwen')
   want = ref.encode(text, add_special_tokens=False)
   assert seen == [want]
   assert want.count(ref.bos_token_id) == (1 if name == 'mistral' else 0)
