@@ -448,12 +448,16 @@ def served_dir(style, tmp_path_factory):
   return path, hf
 
 
+SPELLED = '東京: 🌤️ 23°C'
+
+
 def test_chat_completions_run_the_templates_prompt(style, served_dir):
   """A served directory (tokenizer.json and the template as save_pretrained writes them):
   the ids the engine is given for a tool conversation, ending with the tool results, are
   transformers' encoding of apply_chat_template's text (the template's own <s>, none
   added), and the greedy answer is transformers' generate from them, decoded as
-  transformers decodes it."""
+  transformers decodes it; streamed, the same text, and an answer of characters outside
+  the vocabulary (held to them by guided_regex) in whole characters."""
   from serve.config import ServeConfig   # pylint: disable=import-outside-toplevel
   from serve.engine.core import Engine   # pylint: disable=import-outside-toplevel
   name, _, ref = style
@@ -474,6 +478,14 @@ def test_chat_completions_run_the_templates_prompt(style, served_dir):
         model=served.name, messages=conversation(json.dumps, reasoning=True)[:-1],
         tools=TOOLS, tool_choice='none', max_tokens=6, temperature=0,
         extra_body={'ignore_eos': True})
+    deltas = [c.choices[0].delta.content or '' for c in client.chat.completions.create(
+        model=served.name, messages=conversation(json.dumps, reasoning=True)[:-1],
+        tools=TOOLS, tool_choice='none', max_tokens=6, temperature=0, stream=True,
+        extra_body={'ignore_eos': True}) if c.choices]
+    # An answer held to characters outside the vocabulary, byte tokens under byte fallback.
+    spelled = [c.choices[0].delta.content or '' for c in client.chat.completions.create(
+        model=served.name, messages=[{'role': 'user', 'content': 'Weather?'}], stream=True,
+        temperature=0, extra_body={'guided_regex': SPELLED}) if c.choices]
   finally:
     server.stop()
     engine.shutdown()
@@ -481,7 +493,7 @@ def test_chat_completions_run_the_templates_prompt(style, served_dir):
                     add_generation_prompt=True)
   assert ('Two cities' in text) == (name == 'qwen')
   want = ref.encode(text, add_special_tokens=False)
-  assert seen == [want]
+  assert seen[0] == want and len(seen) == 3
   assert want.count(ref.bos_token_id) == (1 if name == 'mistral' else 0)
   hf.generation_config.eos_token_id = None
   with torch.no_grad():
@@ -489,6 +501,9 @@ def test_chat_completions_run_the_templates_prompt(style, served_dir):
                       pad_token_id=0)[0, len(want):].tolist()
   assert reply.choices[0].message.content == ref.decode(out, skip_special_tokens=True)
   assert reply.usage.prompt_tokens == len(want)
+  assert ''.join(deltas) == reply.choices[0].message.content   # streamed: the same text
+  assert seen[1] == want
+  assert ''.join(spelled) == SPELLED and not any(REPLACEMENT in d for d in spelled), spelled
   np.testing.assert_array_equal(served.tokenizer.encode(text), want)
 
 
