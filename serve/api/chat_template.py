@@ -4,7 +4,9 @@ Rendered the way transformers' `apply_chat_template(..., tokenize=False)` does: 
 sandboxed environment (templates come from downloaded models), trim_blocks and
 lstrip_blocks, the `raise_exception` and `strftime_now` globals, a `tojson` filter that
 keeps non-ASCII text, and the tokenizer's special tokens (bos_token, eos_token, ...) as
-variables. A model without a template gets a plain "role: content" one.
+variables; an assistant's reasoning, under any of transformers' names for it, is given
+under all of them (Qwen3's template reads reasoning_content). A model without a template
+gets a plain "role: content" one.
 """
 
 import datetime
@@ -22,6 +24,12 @@ DEFAULT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 
 ROLES = ('system', 'user', 'assistant', 'tool', 'developer')
+# What a template is given beside the special tokens (the names transformers gives).
+PROVIDED = ('messages', 'tools', 'documents', 'add_generation_prompt', 'raise_exception',
+            'strftime_now', 'tojson', 'namespace')
+# A message's reasoning (thinking) text, under the names transformers accepts; templates
+# read the first (Qwen3) or `thinking` (gpt-oss).
+REASONING_FIELDS = ('reasoning_content', 'thinking', 'reasoning')
 
 
 def _raise_exception(message):
@@ -81,8 +89,20 @@ def validate_messages(messages) -> list[dict]:
     if not isinstance(m.get('content'), str):
       raise ValueError(f'messages[{i}].content must be a string (content parts are not '
                        f'supported), got {type(m.get("content")).__name__}.')
-    out.append(dict(m))
+    out.append(_with_reasoning(i, m))
   return out
+
+
+def _with_reasoning(i: int, message: dict) -> dict:
+  """A copy of message with its reasoning under every name, as transformers gives it."""
+  given = [k for k in REASONING_FIELDS if message.get(k) is not None]
+  for k in given:
+    if not isinstance(message[k], str):
+      raise ValueError(f'messages[{i}].{k} must be a string (the reasoning text), got '
+                       f'{type(message[k]).__name__}.')
+  if not given:
+    return dict(message)
+  return {'thinking': message[given[0]], **message, 'reasoning_content': message[given[0]]}
 
 
 def render_chat(model, messages: list[dict], add_generation_prompt: bool = True,
@@ -96,6 +116,19 @@ def render_chat(model, messages: list[dict], add_generation_prompt: bool = True,
     return template.render(messages=validate_messages(messages), tools=tools, documents=None,
                            add_generation_prompt=add_generation_prompt,
                            **{**model.special_tokens, **variables})
+  except jinja2.exceptions.SecurityError as e:
+    raise ValueError(f'the chat template does what its sandbox forbids ({e}), as '
+                     'transformers\' does too: fix the template.') from e
+  except jinja2.exceptions.UndefinedError as e:
+    # A field the messages lack, a helper some other renderer gives, or a variable of
+    # the template's own.
+    raise ValueError(f'the chat template reads something undefined here ({e}): a field '
+                     'these messages lack, or a name it is not given (it is given '
+                     f'{", ".join(PROVIDED)} and the special tokens; give a variable of '
+                     'its own in chat_template_kwargs).') from e
   except jinja2.TemplateError as e:
     # raise_exception in a template: the template refused these messages.
     raise ValueError(f'the chat template rejected the messages: {e}') from e
+  except (TypeError, AttributeError) as e:
+    raise ValueError(f'the chat template failed on these messages ({type(e).__name__}: '
+                     f'{e}): check the fields it reads (content, tool_calls, ...).') from e

@@ -11,6 +11,11 @@ from serve.api.protocol import (MAX_N, STREAM_OPTIONS, ApiError, Body, ChatBody,
                                 TokenizeBody, short)
 from serve.api.state import ServerState
 
+# What of a chat message, beside role and content, the chat template sees (reasoning under
+# transformers' names, vLLM's `reasoning` among them).
+MESSAGE_FIELDS = ('tool_calls', 'tool_call_id', 'name', 'reasoning_content', 'reasoning',
+                  'thinking')
+
 
 def check_model(state: ServerState, model: str | None) -> None:
   if model is not None and model != state.model_name:
@@ -106,8 +111,8 @@ def chat_text(state: ServerState, body: ChatBody | TokenizeBody, tools=None) -> 
                    '(messages, tools, add_generation_prompt); give them there.',
                    param='chat_template_kwargs')
   plain = [{'role': m.role, 'content': _message_text(m.content),
-            **{k: getattr(m, k) for k in ('tool_calls', 'tool_call_id', 'name')
-               if getattr(m, k) is not None}} for m in body.messages]
+            **{k: getattr(m, k, None) for k in MESSAGE_FIELDS
+               if getattr(m, k, None) is not None}} for m in body.messages]
   try:
     messages = tools_lib.template_messages(plain)
   except ValueError as e:

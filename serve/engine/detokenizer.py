@@ -8,7 +8,10 @@ step decodes a short window twice, as vLLM does:
     emit  decode(ids[prefix:end]) minus decode(ids[prefix:read])
 
 and waits while the window's text ends in U+FFFD (an incomplete character). The first
-window starts a few prompt tokens back, so the first output token's spacing is right.
+window starts a few prompt tokens back, so the first output token's spacing is right, and
+at the first byte of a character: a byte-fallback decoder (Mistral, Llama-2, Gemma) turns
+a whole run of byte tokens into U+FFFD when the run begins inside a character, and the
+output's first characters would go with it.
 
 Stop strings: text that could still become a stop string is held back; when one completes,
 the text before it (with it, if include_stop) is the last piece. The stop that completes
@@ -25,6 +28,7 @@ non-streamed answer always agree.
 """
 
 PROMPT_CONTEXT = 5      # prompt tokens decoded ahead of the output (vLLM uses 5 too)
+UTF8_MAX_BYTES = 4      # so a character's first byte is at most 3 byte tokens back
 REPLACEMENT = '\ufffd'  # what decoders put for bytes that are not (yet) a whole character
 
 
@@ -36,7 +40,7 @@ class IncrementalDetokenizer:
     self._tokenizer = tokenizer
     self._skip_special = skip_special_tokens
     self._unchecked = min_tokens        # tokens still to come whose text no stop may end
-    self._ids = [int(t) for t in list(prompt_ids)[-PROMPT_CONTEXT:]]
+    self._ids = _prompt_context(tokenizer, prompt_ids, skip_special_tokens)
     self._prefix, self._read = 0, len(self._ids)
     self._stop = list(stop)
     self._include_stop = include_stop
@@ -94,6 +98,17 @@ class IncrementalDetokenizer:
   def _emit(self, piece: str) -> str:
     self.text += piece
     return piece
+
+
+def _prompt_context(tokenizer, prompt_ids, skip_special_tokens: bool) -> list[int]:
+  """The prompt's last PROMPT_CONTEXT ids, or up to 3 more where those begin inside a
+  character (their text starts with U+FFFD)."""
+  tail = [int(t) for t in list(prompt_ids)[-(PROMPT_CONTEXT + UTF8_MAX_BYTES - 1):]]
+  first = max(len(tail) - PROMPT_CONTEXT, 0)
+  for start in range(first, -1, -1):
+    if not tokenizer.decode(tail[start:], skip_special_tokens).startswith(REPLACEMENT):
+      return tail[start:]
+  return tail[first:]    # no character starts there (ids that are not text): as given
 
 
 def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
