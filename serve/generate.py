@@ -119,11 +119,15 @@ def _prompt_ids(body: dict, served) -> list[int]:
       raise ValueError('must be a list of integer token ids.')
     return ids
   if 'messages' in body:
-    from serve.api.chat_template import render_chat  # pylint: disable=import-outside-toplevel
+    # pylint: disable=import-outside-toplevel
+    from serve.api.chat_template import render_chat
+    from serve.api.tools import template_messages
     if not isinstance(body['messages'], list):
       raise ValueError('must be a list of {"role": ..., "content": ...} objects.')
+    # Past tool calls' arguments as objects, as the server gives them to the template.
+    messages = template_messages(body['messages'])
     # No special tokens added: the chat template writes them (vLLM's chat default).
-    return served.tokenizer.encode(render_chat(served, body['messages'])).tolist()
+    return served.tokenizer.encode(render_chat(served, messages)).tolist()
   if not isinstance(body['prompt'], str):
     raise ValueError('must be a string (use prompt_token_ids for token ids).')
   # A text prompt gets the tokenizer's special tokens (a Llama's BOS), as vLLM adds them.

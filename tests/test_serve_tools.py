@@ -486,6 +486,28 @@ def test_the_batch_cli_refuses_tools_and_says_where_they_are_served(tmp_path, fi
     generate.read_jobs(str(path))
 
 
+def test_the_batch_cli_gives_the_template_past_tool_calls_as_the_server_does():
+  """A conversation with an assistant's earlier tool call: the batch CLI renders the
+  arguments as an object (the template's tojson writes them once), as the server does."""
+  import types  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from serve import generate  # pylint: disable=import-outside-toplevel
+  template = ('{% for m in messages %}{{ m.role }}:{{ m.content }}'
+              '{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}'
+              '{% endfor %};{% endfor %}')
+  seen = []
+  encode = lambda text, **kw: seen.append(text) or np.zeros(1, np.int32)
+  served = types.SimpleNamespace(chat_template=template, special_tokens={},
+                                 tokenizer=types.SimpleNamespace(encode=encode))
+  call = {'id': 'c1', 'type': 'function',
+          'function': {'name': 'weather', 'arguments': '{"city": "Rome"}'}}
+  generate._prompt_ids({'messages': [  # pylint: disable=protected-access
+      {'role': 'user', 'content': 'Rome?'},
+      {'role': 'assistant', 'content': '', 'tool_calls': [call]},
+      {'role': 'tool', 'content': '21C', 'tool_call_id': 'c1'}]}, served)
+  assert seen == ['user:Rome?;assistant:{"city": "Rome"};tool:21C;']
+
+
 def test_serve_cli_needs_a_parser_for_auto():
   from serve.__main__ import parse_args  # pylint: disable=import-outside-toplevel
   with pytest.raises(SystemExit):
