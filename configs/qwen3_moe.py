@@ -5,8 +5,9 @@ RMSNorm on each query and key head (model.qk_norm); every layer's MLP is 128 rou
 of width 768, the top 8 by a softmax router, their weights renormalized
 (model.router_norm_topk), no shared experts; RoPE base 1e6, untied embeddings of a
 151,936-token vocabulary. Exports as Qwen3MoeForCausalLM (`python -m serve.hf_export`);
-fine-tune the released weights with --config.init_from_hf=DIR. Launch on 16 GPUs: experts
-split 8 ways over mesh.expert, ZeRO-3 over fsdp=2 (`--check` sizes it per device).
+fine-tune the released weights with --config.init_from_hf=DIR. Launch on 8 H200s: experts
+split 8 ways over mesh.expert (77 GiB of fp32 weights, gradients and Adam state a device
+before activations, per `--check`); on 16 GPUs add --config.mesh.fsdp=2 (ZeRO-3 halves it).
 
 Variants: '' (the real run, GPU), 'smoke' (same structure, tiny sizes, runs on CPU).
 """
@@ -29,7 +30,7 @@ def get_config(variant: str = '') -> Config:
   m.max_seq_len, m.rope_theta, m.norm_eps = 4096, 1_000_000.0, 1e-6
   m.tie_embeddings, m.remat, m.attention_impl = False, 'full', 'cudnn'
   m.dtype, m.param_dtype, m.loss_chunk = 'bfloat16', 'float32', 1024
-  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert = 1, 2, 8
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert = 1, 1, 8
   cfg.parallel.zero_stage = 3
   cfg.data.seq_len, cfg.data.batch_size = 4096, 64
   cfg.optim.learning_rate, cfg.optim.warmup_steps = 3e-4, 1000
