@@ -15,10 +15,19 @@ time to first token (TTFT), time per output token after the first (TPOT), the ga
 streamed chunks (ITL) and end-to-end latency. --launch starts `python -m serve` on a free
 127.0.0.1 port (the tiny config trained for a few seconds if no model is given) and stops it
 after. Results: benchmarks/results/serve_load_<platform>.json.
+
+The probe runs in its own process (--probe-from process, the default), so the load
+generator's own event loop, busy parsing 64 streams, does not delay the probe's answers;
+--probe-from loop probes from the load generator's loop as earlier results did. --control
+also starts a trivial FastAPI server in a process of its own, answering GET /v1/models
+with the same kind of body, and probes it beside the real one: its answer times are what an
+HTTP process that does not share a GIL with the engine gets on the same loaded machine (the
+lower bound of moving the engine core into its own process, as vLLM v1 does).
 """
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,6 +36,10 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import http.client
+import multiprocessing
+import urllib.parse
 
 import httpx
 import numpy as np
@@ -100,11 +113,99 @@ async def probe(client: httpx.AsyncClient, url: str, interval_s: float, done: as
     await asyncio.sleep(interval_s)
 
 
+def _probe_process(url: str, interval_s: float, stop, out) -> None:
+  """Blocking GET /v1/models every interval_s on one kept-alive connection until `stop`
+  is set; puts the list of answer seconds on `out`. Runs in a spawned process."""
+  parts = urllib.parse.urlsplit(url)
+  conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+  latencies = []
+  while not stop.is_set():
+    start = time.perf_counter()
+    conn.request('GET', '/v1/models')
+    resp = conn.getresponse()
+    resp.read()
+    if resp.status == 200:
+      latencies.append(time.perf_counter() - start)
+    time.sleep(interval_s)
+  conn.close()
+  out.put(latencies)
+
+
+class ProbeProcesses:
+  """One probe process per url, started on enter; `.results()` after exit: seconds per url."""
+
+  def __init__(self, urls: list[str], interval_s: float):
+    ctx = multiprocessing.get_context('spawn')   # no fork of a process that may hold jax
+    self._stop, self._queues = ctx.Event(), [ctx.Queue() for _ in urls]
+    self._procs = [ctx.Process(target=_probe_process, args=(u, interval_s, self._stop, q),
+                               daemon=True) for u, q in zip(urls, self._queues)]
+    self._results = None
+
+  def __enter__(self):
+    for proc in self._procs:
+      proc.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._results = [q.get(timeout=600) for q in self._queues]
+    for proc in self._procs:
+      proc.join(60)
+
+  def results(self) -> list[list[float]]:
+    return self._results
+
+
+def _control_server(port: int) -> None:
+  """A FastAPI app with only GET /v1/models, served by uvicorn (spawned process)."""
+  # pylint: disable=import-outside-toplevel
+  import fastapi
+  import uvicorn
+  app = fastapi.FastAPI()
+
+  @app.get('/v1/models')
+  def models():
+    return {'object': 'list', 'data': [{'id': 'control', 'object': 'model', 'created': 0,
+                                        'owned_by': 'meshlm'}]}
+
+  @app.get('/health')
+  def health():
+    return {}
+
+  uvicorn.run(app, host='127.0.0.1', port=port, log_level='warning')
+
+
+class ControlServer:
+  """_control_server on a free 127.0.0.1 port, terminated on exit."""
+
+  def __init__(self):
+    self.url = f'http://127.0.0.1:{_free_port()}'
+    ctx = multiprocessing.get_context('spawn')
+    self.proc = ctx.Process(target=_control_server, args=(int(self.url.rsplit(':', 1)[1]),),
+                            daemon=True)
+
+  def __enter__(self):
+    self.proc.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+      try:
+        if httpx.get(self.url + '/health', timeout=2).status_code == 200:
+          return self
+      except httpx.TransportError:
+        time.sleep(0.1)
+    self.__exit__()
+    raise RuntimeError('the control server did not come up')
+
+  def __exit__(self, *exc):
+    self.proc.terminate()
+    self.proc.join(30)
+
+
 async def run_load(url: str, prompts, output_len: int, rate: float, max_concurrency: int,
                    model: str | None = None, api_key: str | None = None, seed: int = 0,
                    probe_interval_s: float = 0.0):
   """Sends every prompt on its arrival schedule; (results, wall seconds, probe answer
-  seconds)."""
+  seconds). The probe here runs on this loop (--probe-from loop)."""
   headers = {'Authorization': f'Bearer {api_key}'} if api_key else {}
   limit = asyncio.Semaphore(max_concurrency)
   delays = arrival_delays(len(prompts), rate, seed)
@@ -131,7 +232,7 @@ async def run_load(url: str, prompts, output_len: int, rate: float, max_concurre
     return results, wall, latencies
 
 
-def summarize(results: list[Result], wall_s: float, probes=()) -> dict:
+def summarize(results: list[Result], wall_s: float, probes=(), control=None) -> dict:
   ok = [r for r in results if r.ok]
   tokens = sum(r.output_tokens for r in ok)
 
@@ -151,6 +252,8 @@ def summarize(results: list[Result], wall_s: float, probes=()) -> dict:
       'ttft_ms': pct([r.ttft for r in ok]), 'tpot_ms': pct([r.tpot for r in ok]),
       'itl_ms': pct([g for r in ok for g in r.itls]), 'e2e_ms': pct([r.e2e for r in ok]),
       'models_probe_ms': pct(list(probes)), 'models_probes': len(probes),
+      **({'control_probe_ms': pct(list(control)), 'control_probes': len(control)}
+         if control is not None else {}),
   }
 
 
@@ -158,8 +261,8 @@ def print_table(summary: dict) -> None:
   print(f"completed {summary['completed']}, failed {summary['failed']}, "
         f"{summary['wall_s']:.2f} s, {summary['output_tokens_per_s']:.1f} output tokens/s, "
         f"{summary['requests_per_s']:.2f} requests/s")
-  for key in ('ttft_ms', 'tpot_ms', 'itl_ms', 'e2e_ms', 'models_probe_ms'):
-    values = summary[key]
+  for key in ('ttft_ms', 'tpot_ms', 'itl_ms', 'e2e_ms', 'models_probe_ms', 'control_probe_ms'):
+    values = summary.get(key)
     if values:
       print(f"  {key:8s} " + '  '.join(f'{k} {v:9.2f}' for k, v in values.items()))
   for error in summary['errors']:
@@ -247,6 +350,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                  'and decodes in many combinations)')
   p.add_argument('--probe-interval-ms', type=float, default=20.0,
                  help='GET /v1/models this often during the timed load (0: never)')
+  p.add_argument('--probe-from', choices=('process', 'loop'), default='process',
+                 help="probe from a process of its own (default) or from the load "
+                 "generator's event loop (as results before 2026-11-28 did)")
+  p.add_argument('--control', action='store_true',
+                 help='also probe a trivial FastAPI server in its own process on the same '
+                 'machine (what an HTTP process without the engine answers under this load)')
   p.add_argument('--server-checkout', default=None,
                  help='with --launch: start the server from this checkout of meshlm (to '
                  'measure another revision with the same benchmark)')
@@ -284,10 +393,19 @@ def benchmark(url: str, args: argparse.Namespace) -> dict:
               model=args.model, api_key=args.api_key, seed=args.seed)
   warm_up(url, args, load)
   prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
-  results, wall, probes = asyncio.run(run_load(
-      url, prompts, rate=args.request_rate, probe_interval_s=args.probe_interval_ms / 1000,
-      **load))
-  return summarize(results, wall, probes)
+  interval = args.probe_interval_ms / 1000
+  if args.probe_from == 'loop' or not interval:
+    results, wall, probes = asyncio.run(run_load(
+        url, prompts, rate=args.request_rate, probe_interval_s=interval, **load))
+    return summarize(results, wall, probes)
+  with contextlib.ExitStack() as stack:
+    control = stack.enter_context(ControlServer()) if args.control else None
+    probing = stack.enter_context(
+        ProbeProcesses([url] + ([control.url] if control else []), interval))
+    time.sleep(0.5)   # the probe processes import and connect before the load starts
+    results, wall, _ = asyncio.run(run_load(url, prompts, rate=args.request_rate, **load))
+  probes = probing.results()
+  return summarize(results, wall, probes[0], probes[1] if control else None)
 
 
 def main(argv=None) -> int:
@@ -307,7 +425,8 @@ def main(argv=None) -> int:
   if not args.smoke:
     import jax  # pylint: disable=import-outside-toplevel
     shapes = {k: getattr(args, k) for k in ('num_prompts', 'input_len', 'output_len',
-                                            'request_rate', 'max_concurrency', 'warmup')}
+                                            'request_rate', 'max_concurrency', 'warmup',
+                                            'probe_from', 'control')}
     payload = {'shapes': {**shapes, 'request_rate': str(args.request_rate)},
                'server': {'launched': args.launch, 'model_args': model_args,
                           'server_args': args.server_args,
