@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -364,6 +365,8 @@ def cli(*args):
     (['--devices', '1', '--zero', '3'], 'no layout tried has fsdp > 1: add ZeRO stage 0'),
     (['--devices', '1', '--batch-size', '-2'], '--batch-size -2: give a positive count'),
     (['--devices', '1', '--max-compiles', '-1'], '--max-compiles -1: give a count >= 0'),
+    (['--devices', '1', '--max-seconds', '-5'], '--max-seconds -5.0: give a count >= 0'),
+    (['--devices', '1', '--jobs', '0'], '--jobs 0: give at least 1'),
 ])
 def test_cli_rejects_impossible_requests(args, message):
   result = cli('--config=default.py:tiny', *args)
@@ -374,8 +377,8 @@ def test_cli_rejects_impossible_requests(args, message):
 def test_cli_ranks_and_writes_json_and_csv(tmp_path):
   """--batch-size 4 (the tiny config has 8): planned at 4 sequences of 32 tokens a step
   (each row's tokens/s is 4 x 32 over its step time), and every train.py command sets it.
-  Progress names each compile, how many may follow and, after the first, the best row so
-  far; a second run reads every layout's numbers from the first's cache and compiles
+  Progress names each compile, how many may follow and, once one has finished, the best
+  row so far; a second run reads every layout's numbers from the first's cache and compiles
   nothing."""
   args = ['--config=default.py:tiny', '--devices', '2', '--zero', '0', '--remat', 'full',
           '--batch-size', '4', '--cache-dir', str(tmp_path / 'cache')]
@@ -383,7 +386,9 @@ def test_cli_ranks_and_writes_json_and_csv(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   progress = re.findall(r'compiling (\d+)/(\d+): (.+) \((\d+) left\)', result.stderr)
   lines = [l for l in result.stderr.splitlines() if l.startswith('compiling')]
-  assert 'best so far' not in lines[0] and all('; best so far: ' in l for l in lines[1:])
+  # Two compiles run at once (--jobs: the CPU count): the best so far shows from the
+  # first compile to finish on.
+  assert 'best so far' not in lines[0] and '; best so far: ' in lines[-1], lines
   assert [int(k) for k, _, _, _ in progress] == list(range(1, len(progress) + 1))
   assert all(int(k) + int(left) == int(n) for k, n, _, left in progress), progress
   # data2 and fsdp2 at ZeRO-0 are one program (plan.program_key): one compile for both.
@@ -708,3 +713,40 @@ def test_search_compiles_by_bound_until_no_layout_left_can_reach_the_top_rows(
   capped = plan.search(cfg, 8, top=2, layouts=lays, max_compiles=2)
   assert [by_layout[r['layout'].name()] for r in capped.rows] == ['zero3_fsdp8', 'dp8']
   assert capped.exact == 1
+
+
+def test_search_in_worker_processes_equals_one_at_a_time(tmp_path):
+  """jobs=2 compiles in two spawned processes (each with this process's 8 CPU devices
+  and XLA_FLAGS): the same rows, numbers and predictions as compiling here one at a
+  time, and the workers' compiles land in the cache the next search reads."""
+  cfg = planner_config()
+  lays = [layout(data=8), layout(fsdp=8, zero=3), layout(data=4, tensor=2),
+          layout(fsdp=4, tensor=2, zero=1)]
+  here = plan.search(cfg, 8, 'h100', layouts=lays)
+  cache = plan_cache.MeasureCache(str(tmp_path))
+  pooled = plan.search(cfg, 8, 'h100', layouts=lays, jobs=2, cache=cache)
+  assert pooled.compiled == here.compiled == 4
+  assert [r['layout'] for r in pooled.rows] == [r['layout'] for r in here.rows]
+  for a, b in zip(pooled.rows, here.rows):
+    assert a['measured'] == b['measured'] and a['prediction'] == b['prediction']
+  again = plan.search(cfg, 8, 'h100', layouts=lays, cache=cache)
+  assert (again.compiled, again.cached) == (0, 4)
+
+
+def test_search_stops_at_its_time_budget_and_vouches_only_for_what_it_proved(monkeypatch):
+  """max_seconds: the first compile always runs; once the budget is spent no new one
+  starts, the layouts left are listed as not compiled and `exact` counts only the rows
+  no uncompiled layout's bound could beat."""
+  cfg = planner_config()
+  lays = [layout(data=8), layout(fsdp=8, zero=3), layout(data=4, tensor=2)]
+  real, calls = plan.compile_alike, []
+  def slow(cfg, group, layers=None, devices=None):
+    calls.append(group)
+    out = real(cfg, group, layers, devices)
+    time.sleep(0.2)
+    return out
+  monkeypatch.setattr(plan, 'compile_alike', slow)
+  found = plan.search(cfg, 8, 'h100', layouts=lays, max_seconds=0.1)
+  assert found.compiled == len(calls) == 1 and len(found.pruned) == 2
+  least = min(planner.rank_key(b) for _, b in found.pruned)
+  assert found.exact == sum(planner.rank_key(r['prediction']) < least for r in found.rows)

@@ -12,9 +12,14 @@ reach the rows asked for, compiling layouts that are one program (program_key) o
 reading and keeping each compile's numbers in a cache (plan_cache.py) when given one.
 """
 
+import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import math
+import multiprocessing
+import os
+import time
 
 import jax
 
@@ -282,20 +287,25 @@ class Search:
 
 
 def search(cfg: config_lib.Config, devices: int, device: str = 'h100', *, top: int = 0,
-           max_compiles: int = 0, cache=None, layers=None, progress=None, layouts=None,
-           compile_on=None, alike=True, **candidate_args) -> Search:
+           max_compiles: int = 0, max_seconds: float = 0.0, jobs: int = 1, cache=None,
+           layers=None, progress=None, layouts=None, compile_on=None, alike=True,
+           **candidate_args) -> Search:
   """Ranks the layouts (plan_layouts' rows) compiling only those that could be among the
   `top` best (0: all): every layout gets a lower bound from analytic floors
   (training/plan_bound.py), layouts are compiled in order of it, and the search stops
   when the next one's bound is above the top-th best compiled, since no layout left can
   then be among the top rows. So the first `top` rows are the full search's, in its order.
-  max_compiles (0: no cap) stops sooner; then `exact` says how many rows are proven.
+  max_compiles (0: no cap) and max_seconds (0: no limit; compiles under way finish, and
+  the first always runs) stop sooner; then `exact` says how many rows are proven.
   Layouts that share a program_key are compiled once, together (alike=False: each
-  apart). cache: a plan_cache.MeasureCache, read first and written after each compile.
-  progress: called before each compile, (k, n, layout, left, best): the k-th compile of
-  at most n, left = n - k the compiles after it that could still be needed, best the
-  best row so far (None before the first), which the table's first row is unless a
-  compile left beats it."""
+  apart). jobs > 1 compiles that many programs at once, each in a process of its own
+  (XLA's compile holds the GIL: threads would take turns); the cut is then taken over the
+  compiles finished, so a few more may compile than one at a time would, and the rows
+  are the same. cache: a plan_cache.MeasureCache, read first and written after each
+  compile. progress: called before each compile, (k, n, layout, left, best): the k-th
+  compile of at most n, left = n - k the compiles after it that could still be needed,
+  best the best row so far (None before the first), which the table's first row is
+  unless a compile left beats it."""
   hw = planner.hardware(device)
   layouts, rejected = _layouts(cfg, devices, layouts, candidate_args)
   tokens = cfg.data.batch_size * cfg.data.seq_len
@@ -315,30 +325,94 @@ def search(cfg: config_lib.Config, devices: int, device: str = 'h100', *, top: i
                   bounds[i]) for i in measured}
   program = {i: program_key(l) if alike else i for i, l in enumerate(layouts)}
   compiled = shared = 0
-  for position, i in enumerate(order):
-    if i in rows:
-      continue   # read off an earlier compile of its program
-    cut = _cut(rows, top)
-    if keys[i] > cut or (max_compiles and compiled >= max_compiles):
-      break
-    left = len({program[j] for j in order[position + 1:]
-                if j not in rows and keys[j] <= cut} - {program[i]})
-    if max_compiles:
-      left = min(left, max_compiles - compiled - 1)
-    if progress:
-      best = min(rows.values(), key=lambda r: planner.rank_key(r['prediction']), default=None)
-      progress(compiled + 1, compiled + 1 + left, layouts[i], left, best)
-    alike_i = [j for j in order[position:] if program[j] == program[i] and j not in rows]
-    found = measure_alike(cfg, [layouts[j] for j in alike_i], layers, compile_on, cache)
-    compiled, shared = compiled + 1, shared + len(alike_i) - 1
-    for j, m in zip(alike_i, found):
-      rows[j] = _row(cfg, layouts[j], m, hw, model_flops, tokens, devices, sizes, bounds[j])
+  started, running = time.monotonic(), {}   # future -> the layouts' indices
+  spent = lambda: ((max_compiles and compiled >= max_compiles) or
+                   (max_seconds and compiled and time.monotonic() - started > max_seconds))
+
+  def finish(wait_for_all=False):
+    nonlocal shared
+    done, _ = concurrent.futures.wait(
+        running, return_when=(concurrent.futures.ALL_COMPLETED if wait_for_all else
+                              concurrent.futures.FIRST_COMPLETED))
+    for future in done:
+      group = running.pop(future)
+      shared += len(group) - 1
+      for j, m in zip(group, future.result()):
+        rows[j] = _row(cfg, layouts[j], m, hw, model_flops, tokens, devices, sizes,
+                       bounds[j])
+
+  with _compiler(jobs, compile_on, cache) as compile_group:
+    busy = lambda j: j in rows or any(j in g for g in running.values())
+    position = 0
+    while position < len(order):
+      i = order[position]
+      if busy(i):
+        position += 1
+        continue
+      cut = _cut(rows, top)
+      if keys[i] > cut or spent():
+        if running:   # a compile under way may lower the cut: wait for it, look again
+          finish()
+          continue
+        break
+      left = len({program[j] for j in order[position + 1:]
+                  if not busy(j) and keys[j] <= cut} - {program[i]})
+      if max_compiles:
+        left = min(left, max_compiles - compiled - 1)
+      if progress:
+        best = min(rows.values(), key=lambda r: planner.rank_key(r['prediction']),
+                   default=None)
+        progress(compiled + 1, compiled + 1 + left, layouts[i], left, best)
+      group = [j for j in order[position:] if program[j] == program[i] and not busy(j)]
+      running[compile_group(cfg, [layouts[j] for j in group], layers)] = group
+      compiled += 1
+      if len(running) >= max(jobs, 1):
+        finish()
+    if running:
+      finish(wait_for_all=True)
   # Enumeration order before ranking: ties fall as in a full search.
   ranked = planner.rank([rows[i] for i in sorted(rows)])
   pruned = [(layouts[i], bounds[i]) for i in order if i not in rows]
   least = min((keys[i] for i in order if i not in rows), default=None)
   exact = sum(least is None or planner.rank_key(r['prediction']) < least for r in ranked)
   return Search(ranked, rejected, pruned, compiled, cached, exact, shared)
+
+
+@contextlib.contextmanager
+def _compiler(jobs: int, compile_on, cache):
+  """A function (cfg, layouts, layers) -> future of measure_alike's list: run here and
+  now (jobs <= 1, or given devices, which cannot leave this process), else in a pool of
+  `jobs` processes, each with this process's device count and XLA_FLAGS."""
+  if jobs <= 1 or compile_on is not None:
+    def inline(cfg, group, layers):
+      future = concurrent.futures.Future()
+      future.set_result(measure_alike(cfg, group, layers, compile_on, cache))
+      return future
+    yield inline
+    return
+  directory = None if cache is None else str(cache.directory)
+  pool = concurrent.futures.ProcessPoolExecutor(
+      jobs, mp_context=multiprocessing.get_context('spawn'), initializer=_worker_setup,
+      initargs=(jax.device_count(), os.environ.get('XLA_FLAGS', '')))
+  try:
+    yield lambda cfg, group, layers: pool.submit(_worker_measure, cfg, group, layers,
+                                                 directory)
+  finally:
+    pool.shutdown(cancel_futures=True)
+
+
+def _worker_setup(device_count: int, xla_flags: str) -> None:
+  """A compile worker's jax: CPU, with the parent's device count and flags (the cache
+  keys both, so the worker's entries are the parent's)."""
+  os.environ['XLA_FLAGS'] = xla_flags
+  jax.config.update('jax_platforms', 'cpu')
+  jax.config.update('jax_num_cpu_devices', device_count)
+
+
+def _worker_measure(cfg, group, layers, directory):
+  from training import plan_cache   # pylint: disable=import-outside-toplevel
+  cache = None if directory is None else plan_cache.MeasureCache(directory)
+  return measure_alike(cfg, group, layers, None, cache)
 
 
 def _cut(rows: dict, top: int):

@@ -36,6 +36,13 @@ def parse_args(argv=None):
   p.add_argument('--max-compiles', type=int, default=0, metavar='K',
                  help='compile at most K layouts, best lower bound first (0: as many as '
                       'the --top rows need); the rows past what K proves are marked')
+  p.add_argument('--max-seconds', type=float, default=60.0, metavar='S',
+                 help='start no compile after S seconds (those under way finish); the rows '
+                      'past what the compiles so far prove are marked, and a second run '
+                      'goes on from the cache (0: no limit, the full proof)')
+  p.add_argument('--jobs', type=int, default=min(4, os.cpu_count() or 1), metavar='N',
+                 help='compiles at once, each in a process of its own (default: the CPU '
+                      'count, at most 4)')
   p.add_argument('--cache-dir', default='~/.cache/meshlm/plan',
                  help="where each compile's numbers are kept for later runs ('none': "
                       'off)')
@@ -94,10 +101,12 @@ def main(argv=None) -> int:
     layers = ints(args.layers) or None
     if layers is not None and len(layers) != 2:
       raise ValueError(f'--layers {args.layers!r}: give two layer counts, A,B.')
-    for flag in ('top', 'max_compiles'):
+    for flag in ('top', 'max_compiles', 'max_seconds'):
       if getattr(args, flag) < 0:
         raise ValueError(f'--{flag.replace("_", "-")} {getattr(args, flag)}: give a count '
                          '>= 0 (0: no limit).')
+    if args.jobs < 1:
+      raise ValueError(f'--jobs {args.jobs}: give at least 1.')
     off = args.cache_dir.strip().lower() in ('', 'none')
     cache = None if off else plan_cache.MeasureCache(args.cache_dir)
     progress = lambda k, n, layout, left, best: print(
@@ -105,7 +114,7 @@ def main(argv=None) -> int:
         file=sys.stderr, flush=True)
     found = plan_lib.search(
         cfg, args.devices, hw.name, top=args.top, max_compiles=args.max_compiles,
-        cache=cache, layers=layers, progress=progress,
+        max_seconds=args.max_seconds, jobs=args.jobs, cache=cache, layers=layers, progress=progress,
         zero_stages=ints(args.zero), remats=tuple(args.remat.split(',')),
         grad_accums=ints(args.grad_accum), microbatches=ints(args.microbatches))
   except (ValueError, FileNotFoundError) as e:
@@ -134,9 +143,15 @@ def _print(args, found, hw, extra) -> None:
         f'{len(found.pruned)} not compiled, {len(found.rejected)} rejected by validate')
   from sharding import planner   # pylint: disable=import-outside-toplevel
   print(planner.table(rows, args.top))
-  if found.exact < min(len(rows), args.top or len(rows)):
-    print(f'rows from #{found.exact + 1} on may differ from a full search: '
-          f'--max-compiles {args.max_compiles} left layouts uncompiled that could rank there')
+  shown = rows[:args.top] if args.top else rows
+  if found.exact < len(shown):
+    could = sum(1 for _, b in found.pruned
+                if planner.rank_key(b) < planner.rank_key(shown[-1]['prediction']))
+    stop = (f'--max-compiles {args.max_compiles}' if args.max_compiles
+            and found.compiled >= args.max_compiles else f'--max-seconds {args.max_seconds:g}')
+    print(f'rows from #{found.exact + 1} on are not proven: {stop} left {could} layouts '
+          'uncompiled that could rank among them. Run the same command again to go on '
+          '(what compiled is cached), or give --max-seconds 0 for the full search.')
   if rows and rows[0]['prediction'].fits:
     print('run the best with: python train.py --config=' + args.config + ' '
           + ' '.join(extra + rows[0]['layout'].overrides()))
