@@ -153,7 +153,8 @@ def _print(args, found, hw, extra) -> None:
           'uncompiled that could rank among them. Run the same command again to go on '
           '(what compiled is cached), or give --max-seconds 0 for the full search.')
   if rows and rows[0]['prediction'].fits:
-    print('run the best with: python train.py --config=' + args.config + ' '
+    best = 'the best' if found.exact else 'the best found so far'
+    print(f'run {best} with: python train.py --config=' + args.config + ' '
           + ' '.join(extra + rows[0]['layout'].overrides()))
 
 
