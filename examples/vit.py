@@ -1,6 +1,6 @@
 """A small vision transformer in Flax NNX, trained by meshlm on synthetic images.
 
-Every parameter names its logical axes (`sharding=`); the config's rules map the one
+Every parameter names its logical axes (`out_sharding=`); the config's rules map the one
 name of its own, 'classes', onto the built-in 'vocab' (split over mesh.tensor). The
 layer norms' scales and biases are left unannotated: replicated, and listed at start.
 """
@@ -16,7 +16,7 @@ init = nnx.initializers.normal(0.02)
 
 
 def param(rngs, shape, axes):
-  return nnx.Param(init(rngs.params(), shape), sharding=axes)
+  return nnx.Param(init(rngs.params(), shape), out_sharding=axes)
 
 
 class Block(nnx.Module):
