@@ -159,3 +159,20 @@ def test_bad_rules_and_paths_say_what_to_fix():
   with pytest.raises(ValueError, match="model.module='examples.vit:Nope': examples.vit has "
                      "no 'Nope'"):
     user_model.load('examples.vit:Nope', 'model.module')
+
+
+def test_the_docs_page_walks_through_the_example_in_under_60_lines():
+  """docs/own_model.md's code is examples/vit.py's: same parameters, same loss."""
+  import pathlib, re   # pylint: disable=import-outside-toplevel,multiple-imports
+  page = (pathlib.Path(__file__).parent.parent / 'docs' / 'own_model.md').read_text()
+  blocks = re.findall(r'```python\n(.*?)```', page, re.S)
+  assert sum(1 for b in blocks for line in b.splitlines() if line.strip()) < 60
+  shown = {}
+  exec(blocks[0] + blocks[1], shown)   # pylint: disable=exec-used
+  with nnx.use_eager_sharding(False):   # annotations only: no mesh outside the trainer
+    ours, theirs = shown['ViT'](rngs=nnx.Rngs(0)), vit.ViT(rngs=nnx.Rngs(0))
+  shapes = lambda m: jax.tree.map(lambda x: x.shape, nnx.to_pure_dict(nnx.state(m, nnx.Param)))
+  assert shapes(ours) == shapes(theirs)
+  batch = vit.synthetic_batch(0, 3, 4)
+  np.testing.assert_array_equal(shown['synthetic_batch'](0, 3, 4)['images'], batch['images'])
+  np.testing.assert_allclose(shown['loss'](ours, batch), vit.loss(theirs, batch), rtol=1e-6)

@@ -102,7 +102,7 @@ class UserModel:
   unannotated: tuple  # flat keys of parameters without a sharding annotation
 
   def abstract_params(self) -> dict:
-    return {k: jax.ShapeDtypeStruct(v.value.shape, v.value.dtype)
+    return {k: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype)
             for k, v in self.variables.items()}
 
   def logical_axes(self) -> dict:
@@ -112,7 +112,7 @@ class UserModel:
     with nnx.use_eager_sharding(False):
       module = self.make(key)
     _, params = nnx.split(module, nnx.Param)
-    return {_key(path): var.value for path, var in nnx.to_flat_state(params)}
+    return {_key(path): var.get_value() for path, var in nnx.to_flat_state(params)}
 
   def module(self, params: dict):
     """The module with `params` (arrays or tracers) as its parameters."""
@@ -124,7 +124,7 @@ class UserModel:
     return self.loss_fn(self.module(params), batch)
 
   def count_params(self) -> int:
-    return sum(math.prod(v.value.shape) for v in self.variables.values())
+    return sum(math.prod(v.get_value().shape) for v in self.variables.values())
 
   def flops_per_token(self, seq_len: int) -> float:
     del seq_len
@@ -134,8 +134,8 @@ class UserModel:
     """One line naming the replicated, unannotated parameters and their bytes ('' if none)."""
     if not self.unannotated:
       return ''
-    sizes = {k: math.prod(self.variables[k].value.shape) * self.variables[k].value.dtype.itemsize
-             for k in self.unannotated}
+    values = {k: self.variables[k].get_value() for k in self.unannotated}
+    sizes = {k: math.prod(v.shape) * v.dtype.itemsize for k, v in values.items()}
     listed = ', '.join(f'{k} ({n:,} B)' for k, n in sizes.items())
     return (f'{len(sizes)} parameters have no sharding annotation and are replicated on '
             f'every device ({sum(sizes.values()):,} bytes): {listed}')
@@ -179,7 +179,7 @@ def _build(module: str, kwargs: str, loss: str, user_rules: str, remat: str) -> 
     key, names = _key(path), _annotation(var)
     if names is None:
       unannotated.append(key)
-      names = (None,) * var.value.ndim
+      names = (None,) * var.get_value().ndim
     bad = [n for n in names if n is not None and n not in known]
     if bad:
       raise ValueError(
