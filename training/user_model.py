@@ -23,7 +23,6 @@ import json
 import math
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from sharding import rules as rules_lib
@@ -156,7 +155,7 @@ def _build(module: str, kwargs: str, loss: str, user_rules: str, remat: str) -> 
   cls = load(module, 'model.module')
   loss_fn = load(loss, 'model.loss')
   kwargs = json.loads(kwargs)
-  params = inspect.signature(cls).parameters
+  params = inspect.signature(cls.__init__).parameters
   if 'remat' in params:
     kwargs['remat'] = remat
   elif remat != 'none':
