@@ -160,6 +160,10 @@ def test_bad_rules_and_paths_say_what_to_fix():
   with pytest.raises(ValueError, match="model.module='examples.vit:Nope': examples.vit has "
                      "no 'Nope'"):
     user_model.load('examples.vit:Nope', 'model.module')
+  cfg = vit_cfg()
+  cfg.model.kwargs = {'depht': 3}
+  with pytest.raises(ValueError, match=r"model.kwargs=\{\"depht\": 3\}: .*unexpected keyword"):
+    family.of(cfg)
 
 
 def test_the_docs_page_walks_through_the_example_in_under_60_lines():

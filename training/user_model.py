@@ -152,29 +152,43 @@ def build(model_cfg, user_rules: dict) -> UserModel:
 
 @functools.lru_cache(maxsize=16)
 def _build(module: str, kwargs: str, loss: str, user_rules: str, remat: str) -> UserModel:
-  cls = load(module, 'model.module')
+  make = _constructor(module, json.loads(kwargs), remat)
   loss_fn = load(loss, 'model.loss')
-  kwargs = json.loads(kwargs)
-  params = inspect.signature(cls.__init__).parameters
-  if 'remat' in params:
-    kwargs['remat'] = remat
-  elif remat != 'none':
-    raise ValueError(f'model.remat={remat!r}: {module} takes no `remat` argument to pass it '
-                     'to; add one (and wrap its blocks in nnx.remat), or set model.remat=none.')
-  make = lambda key: cls(**kwargs, rngs=nnx.Rngs(key))
-  with nnx.use_eager_sharding(False):
-    abstract = nnx.eval_shape(lambda: make(jax.random.key(0)))
-  graphdef, params_state, rest = nnx.split(abstract, nnx.Param, ...)
+  try:
+    with nnx.use_eager_sharding(False):
+      abstract = nnx.eval_shape(lambda: make(jax.random.key(0)))
+  except TypeError as e:
+    raise ValueError(f'model.kwargs={kwargs}: {module}(**model.kwargs, rngs=...) fails: '
+                     f'{e}. Fix model.kwargs in the config.') from e
+  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   others = [_key(p) for p, _ in nnx.to_flat_state(rest)]
   if others:
     raise ValueError(f'model.module={module}: the trainer trains nnx.Param state only, and '
                      f'this module also holds {others[:4]}{" ..." if len(others) > 4 else ""} '
                      '(e.g. BatchNorm statistics, Dropout rngs): make those plain constants '
                      'or pass the randomness in the batch.')
-  aliases, fixed = resolve_rules(json.loads(user_rules))
+  return UserModel(make, loss_fn, graphdef, *_named_axes(params, json.loads(user_rules)))
+
+
+def _constructor(module: str, kwargs: dict, remat_name: str):
+  """key -> the module; model.remat goes to a `remat` argument where there is one."""
+  cls = load(module, 'model.module')
+  if 'remat' in inspect.signature(cls.__init__).parameters:
+    kwargs = {**kwargs, 'remat': remat_name}
+  elif remat_name != 'none':
+    raise ValueError(f'model.remat={remat_name!r}: {module} takes no `remat` argument to '
+                     'pass it to; add one (and wrap its blocks in nnx.remat), or set '
+                     'model.remat=none.')
+  return lambda key: cls(**kwargs, rngs=nnx.Rngs(key))
+
+
+def _named_axes(params, user_rules: dict) -> tuple[dict, dict, dict, tuple]:
+  """(paths, variables, logical axes, unannotated keys) of the Params, by flat key; an
+  axis name the rules do not know is refused."""
+  aliases, fixed = resolve_rules(user_rules)
   known = set(BUILTIN_AXES) | set(aliases) | set(fixed)
   paths, variables, axes, unannotated = {}, {}, {}, []
-  for path, var in nnx.to_flat_state(params_state):
+  for path, var in nnx.to_flat_state(params):
     key, names = _key(path), _annotation(var)
     if names is None:
       unannotated.append(key)
@@ -187,4 +201,4 @@ def _build(module: str, kwargs: str, loss: str, user_rules: str, remat: str) -> 
           'shard them like it, or mesh axes), or rename them.')
     paths[key], variables[key] = path, var
     axes[key] = tuple(aliases.get(n, n) for n in names)
-  return UserModel(make, loss_fn, graphdef, paths, variables, axes, tuple(unannotated))
+  return paths, variables, axes, tuple(unannotated)
