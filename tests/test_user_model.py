@@ -10,9 +10,10 @@ import pytest
 from flax import nnx
 
 from examples import nnx_lm_config, vit, vit_config
-from sharding.mesh import MeshConfig
+from sharding import planner
+from sharding.mesh import MESH_AXES, MeshConfig
 from tests.test_parallel import random_batch, rel_err
-from training import family, state, trainer, user_model
+from training import describe, family, plan, state, trainer, user_model
 
 # (mesh, zero stage, grad_accum): DP, ZeRO-3 over fsdp, FSDP x TP, DP x ZeRO-3 accumulating
 LAYOUTS = {
@@ -181,3 +182,18 @@ def test_the_docs_page_walks_through_the_example_in_under_60_lines():
   batch = vit.synthetic_batch(0, 3, 4)
   np.testing.assert_array_equal(shown['synthetic_batch'](0, 3, 4)['images'], batch['images'])
   np.testing.assert_allclose(shown['loss'](ours, batch), vit.loss(theirs, batch), rtol=1e-6)
+
+
+def test_check_and_the_planner_take_a_user_model():
+  """--check sizes it and names the unannotated parameters; the planner compiles and
+  ranks its layouts, refusing one its parameters do not split over."""
+  cfg = vit_cfg(fsdp=2, tensor=4)
+  cfg.parallel.zero_stage = 3
+  report = describe.check_report(cfg, 8)
+  assert 'parameters    70,784' in report and '10 parameters have no sharding' in report
+  layouts = [planner.Layout({**{a: 1 for a in MESH_AXES}, **mesh}, zero, 'none', 1, 0)
+             for mesh, zero in (({'fsdp': 2, 'tensor': 4}, 3), ({'data': 8}, 0),
+                                ({'tensor': 8}, 0))]
+  rows, rejected = plan.plan_layouts(cfg, 8, layouts=layouts)
+  assert sorted(r['layout'].name() for r in rows) == sorted(l.name() for l in layouts[:2])
+  assert "'heads' dimension (4) does not split over mesh axes 'tensor'" in rejected[0][1]
