@@ -197,3 +197,27 @@ def test_check_and_the_planner_take_a_user_model():
   rows, rejected = plan.plan_layouts(cfg, 8, layouts=layouts)
   assert sorted(r['layout'].name() for r in rows) == sorted(l.name() for l in layouts[:2])
   assert "'heads' dimension (4) does not split over mesh axes 'tensor'" in rejected[0][1]
+
+
+def poisoned_batch(seed, index, batch_size):
+  """examples/vit.py's batches, batch 2 (step 3) with a NaN pixel."""
+  batch = vit.synthetic_batch(seed, index, batch_size)
+  if index == 2:
+    batch['images'][0, 0, 0, 0] = np.nan
+  return batch
+
+
+def test_a_non_finite_step_of_a_user_model_is_skipped(tmp_path, monkeypatch):
+  """Fault tolerance is the trainer's: the poisoned step is skipped and the run goes on;
+  the steps before it are a clean run's."""
+  monkeypatch.setattr(vit, 'poisoned_batch', poisoned_batch, raising=False)
+  cfg = vit_cfg(tmp_path / 'poisoned', data=8)
+  cfg.data.source, cfg.steps = 'examples.vit:poisoned_batch', 4
+  cfg.optim.warmup_steps, cfg.optim.decay_steps = 1, 4
+  history = trainer.train(cfg)
+  assert [r['skipped'] for r in history] == [None, None, 'non-finite loss', None]
+  assert np.isfinite(history[3]['loss'])
+  clean = vit_cfg(tmp_path / 'clean', data=8)
+  clean.steps, clean.optim.warmup_steps, clean.optim.decay_steps = 2, 1, 4
+  np.testing.assert_allclose([r['loss'] for r in history[:2]],
+                             [r['loss'] for r in trainer.train(clean)], rtol=1e-6)
