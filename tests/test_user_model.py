@@ -3,17 +3,20 @@ train, layouts equal one device, checkpoints resume exactly onto another mesh, a
 annotations the rules do not know are refused."""
 
 import dataclasses
+import os
+import sys
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from examples import nnx_lm_config, vit, vit_config
+from examples import vit
 from sharding import planner
 from sharding.mesh import MESH_AXES, MeshConfig
 from tests.test_parallel import random_batch, rel_err
 from training import describe, family, plan, state, trainer, user_model
+from training.cli import load_config_file
 
 # (mesh, zero stage, grad_accum): DP, ZeRO-3 over fsdp, FSDP x TP, DP x ZeRO-3 accumulating
 LAYOUTS = {
@@ -25,7 +28,7 @@ LAYOUTS = {
 
 
 def vit_cfg(tmp_path=None, **mesh):
-  cfg = vit_config.get_config()
+  cfg = load_config_file('vit.py')
   cfg.data.batch_size = 16
   cfg.mesh = MeshConfig(**mesh) if mesh else MeshConfig(data=1)
   cfg.metrics.progress_bar = cfg.metrics.tensorboard = False
@@ -36,7 +39,7 @@ def vit_cfg(tmp_path=None, **mesh):
 
 
 def lm_cfg(tmp_path, cache_dir, **mesh):
-  cfg = nnx_lm_config.get_config()
+  cfg = load_config_file('nnx_lm.py')
   cfg.model.kwargs = {'vocab': 320, 'dim': 64, 'depth': 2, 'heads': 4, 'mlp': 128,
                       'max_len': 32}
   cfg.data.seq_len, cfg.data.batch_size = 32, 8
@@ -221,3 +224,14 @@ def test_a_non_finite_step_of_a_user_model_is_skipped(tmp_path, monkeypatch):
   clean.steps, clean.optim.warmup_steps, clean.optim.decay_steps = 2, 1, 4
   np.testing.assert_allclose([r['loss'] for r in history[:2]],
                              [r['loss'] for r in trainer.train(clean)], rtol=1e-6)
+
+
+def test_the_bundled_examples_import_from_any_directory(tmp_path, monkeypatch):
+  """`python -m training.plan_cli --config=vit.py` from anywhere: examples/ is in the
+  checkout, not installed."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, 'path', [p for p in sys.path if os.path.abspath(p or '.') != root])
+  for name in [m for m in sys.modules if m.partition('.')[0] == 'examples']:
+    monkeypatch.delitem(sys.modules, name)
+  assert user_model.load('examples.vit:ViT', 'model.module').__name__ == 'ViT'

@@ -347,10 +347,6 @@ def _validate_user_model(cfg: Config, sizes: dict[str, int]) -> None:
   if cfg.model.remat not in user_remat:
     raise ValueError(f'model.remat={cfg.model.remat!r} with model.module: choose one of '
                      f'{user_remat}.')
-  if cfg.sample.num_tokens:
-    raise ValueError(f'sample.num_tokens={cfg.sample.num_tokens}: the sample after training '
-                     'runs the built-in model; set --config.sample.num_tokens=0 with '
-                     'model.module.')
   if cfg.data.source and cfg.eval.every_steps:
     raise ValueError(f'eval.every_steps={cfg.eval.every_steps} with data.source: evaluation '
                      'reads token files; set --config.eval.every_steps=0.')

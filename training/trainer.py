@@ -475,7 +475,10 @@ def train(cfg: config_lib.Config) -> list[dict]:
     raise
   if history and t.is_main:
     console.print(json.dumps({k: history[-1][k] for k in ('step', 'loss')}))
-  if cfg.sample.num_tokens > 0:
+  if cfg.sample.num_tokens > 0 and family.is_user(cfg):
+    console.print(f'no sample (sample.num_tokens={cfg.sample.num_tokens}): the sampler runs '
+                  'the built-in model, not a model.module', highlight=False)
+  elif cfg.sample.num_tokens > 0:
     print_sample(t, train_state.params)
   t.events('finished', step=t.step, newest_checkpoint=max(t.ckpt.steps(), default=None))
   t.ckpt.close()

@@ -21,6 +21,8 @@ import importlib
 import inspect
 import json
 import math
+import os
+import sys
 
 import jax
 from flax import nnx
@@ -37,7 +39,7 @@ def load(path: str, field: str):
   if not module_name or not attr:
     raise ValueError(f"{field}={path!r}: give an import path 'package.module:Name'.")
   try:
-    module = importlib.import_module(module_name)
+    module = _import(module_name)
   except ImportError as e:
     raise ValueError(f'{field}={path!r}: cannot import {module_name!r} ({e}); run from the '
                      'directory holding it or put it on PYTHONPATH.') from e
@@ -60,6 +62,23 @@ def remat(name: str):
                      f'{tuple(REMAT_POLICIES)}.')
   policy = REMAT_POLICIES[name]
   return (lambda f: f) if policy is None else (lambda f: nnx.remat(f, policy=policy))
+
+
+# The checkout holding training/: meshlm's own examples/ sit beside it.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _import(name: str):
+  """importlib.import_module; a top-level package of meshlm's checkout that is not
+  installed (examples/) is found there from any working directory."""
+  try:
+    return importlib.import_module(name)
+  except ModuleNotFoundError as e:
+    top = name.partition('.')[0]
+    if e.name != top or not os.path.isdir(os.path.join(_CHECKOUT, top)):
+      raise
+  sys.path.append(_CHECKOUT)
+  return importlib.import_module(name)
 
 
 def resolve_rules(user_rules: dict) -> tuple[dict, dict]:

@@ -1,10 +1,14 @@
-"""examples/nnx_lm.py on the default corpus: `python train.py --config=examples/nnx_lm_config.py`."""
+"""examples/nnx_lm.py, a decoder LM written in Flax NNX, on the default corpus:
+`python train.py --config=nnx_lm.py` (docs/own_model.md)."""
 
 from training.config import Config
 
+VARIANTS = ('',)
+
 
 def get_config(variant: str = '') -> Config:
-  del variant
+  if variant:
+    raise ValueError(f'configs/nnx_lm.py has the variant "", not {variant!r}.')
   cfg = Config(steps=200, workdir='runs/nnx_lm', seed=0)
   cfg.model.module, cfg.model.loss = 'examples.nnx_lm:DecoderLM', 'examples.nnx_lm:loss'
   cfg.model.kwargs = {'vocab': 320, 'dim': 128, 'depth': 2, 'heads': 4, 'mlp': 512,

@@ -1,10 +1,14 @@
-"""examples/vit.py on synthetic images: `python train.py --config=examples/vit_config.py`."""
+"""examples/vit.py, a Flax NNX vision transformer, on synthetic images:
+`python train.py --config=vit.py` (docs/own_model.md)."""
 
 from training.config import Config
 
+VARIANTS = ('',)
+
 
 def get_config(variant: str = '') -> Config:
-  del variant
+  if variant:
+    raise ValueError(f'configs/vit.py has the variant "", not {variant!r}.')
   cfg = Config(steps=60, workdir='runs/vit', seed=0)
   cfg.model.module, cfg.model.loss = 'examples.vit:ViT', 'examples.vit:loss'
   cfg.model.kwargs = {'image': 16, 'patch': 4, 'dim': 64, 'depth': 2, 'heads': 4,
