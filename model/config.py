@@ -109,6 +109,14 @@ class ModelConfig:
   moe_dispatch: str = 'capacity'
   """'capacity' (fixed-size expert buffers, all-to-all over mesh.expert, overflow dropped)
   or 'dropless' (tokens sorted by expert, grouped matmul jax.lax.ragged_dot)."""
+  module: str = ''
+  """A Flax NNX module to train instead of the built-in transformer, as an import path
+  'package.module:Class' (docs/own_model.md); its fields above are then unused but remat."""
+  kwargs: dict = dataclasses.field(default_factory=dict)
+  """With module: the constructor's keyword arguments (besides rngs, and remat if it takes it)."""
+  loss: str = ''
+  """With module: 'package.module:function', (module, batch) -> the batch's loss summed over
+  its examples (the trainer divides by the sum of batch['weights'])."""
 
   @property
   def resolved_head_dim(self) -> int:

@@ -13,7 +13,7 @@ import pytest
 
 from sharding.mesh import MeshConfig
 from tests.test_train import ROOT, tiny
-from training import config as config_lib, describe, optimizer, state, trainer
+from training import config as config_lib, describe, family, optimizer, state, trainer
 from training.cli import load_config_file
 from sharding.mesh import make_mesh
 from sharding.rules import make_plan
@@ -105,7 +105,7 @@ def test_check_matches_the_bytes_a_real_state_holds(tmp_path, mesh, zero):
   assert size['param_bytes'] == on_device(real.params)
   assert size['opt_state_bytes'] == on_device(real.opt_state)
   grads = jax.tree.map(lambda p, sh: jax.device_put(np.zeros(p.shape, p.dtype), sh),
-                       real.params, plan.tree(plan.grads, trainer.model.logical_axes(cfg.model)))
+                       real.params, plan.tree(plan.grads, family.of(cfg).logical_axes()))
   assert size['grad_bytes'] == on_device(grads)
 
 

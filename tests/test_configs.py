@@ -8,7 +8,7 @@ import pytest
 import model
 from sharding.mesh import make_mesh
 from sharding.rules import check_divisible, make_plan
-from training import config as config_lib, trainer
+from training import config as config_lib, family, trainer
 from training.cli import CONFIGS_DIR, load_config_file, load_config_module
 
 CASES = [(name, variant)
@@ -22,7 +22,8 @@ def test_config_builds_on_eight_devices(name, variant):
   assert isinstance(cfg, config_lib.Config)
   config_lib.validate(cfg, num_devices=8)
   plan = make_plan(make_mesh(cfg.mesh), cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
-  shapes, axes = model.abstract_params(cfg.model), model.logical_axes(cfg.model)
+  fam = family.of(cfg)   # the built-in model, or a model.module (configs/vit.py)
+  shapes, axes = fam.abstract_params(), fam.logical_axes()
   for rules in (plan.params, plan.grads, plan.opt_state):
     check_divisible(plan, rules, shapes, axes)
   assert jax.tree.structure(shapes) == jax.tree.structure(

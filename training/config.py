@@ -64,6 +64,10 @@ class DataConfig:
   """Where the default corpus is built once."""
   corpus_max_mb: int = 8
   """Size cap of the default corpus, in MB of source text."""
+  source: str = ''
+  """'': token files; else 'package.module:function', (seed, index, batch_size) -> batch
+  `index` as a dict of numpy arrays with a leading batch axis (synthetic or in-memory data
+  for a model.module; batch['weights'] weighs each example)."""
 
 
 @dataclasses.dataclass
@@ -179,6 +183,10 @@ class Config:
   architecture replaces model's shape fields and its tokenizer.json is data.tokenizer
   unless that names another (training/pretrained.py); read at every start, its weights
   only when workdir has no checkpoint to resume."""
+  rules: dict = dataclasses.field(default_factory=dict)
+  """With model.module: the module's own logical axis names -> a built-in one (sharded as
+  it, ZeRO included: 'embed', 'mlp', 'heads', 'kv_heads', 'head_dim', 'vocab', 'experts',
+  'layers') or mesh axes (e.g. 'tensor'; None replicates); built-in names need no entry."""
   compilation_cache_dir: str = compile_cache.DEFAULT_DIR
   """jax's persistent compilation cache: a rerun reads the compiled steps from here
   instead of compiling them again; 'none' turns it off (sharding/compile_cache.py)."""
@@ -260,8 +268,11 @@ def validate(cfg: Config, num_devices: int, platform: str | None = None) -> None
   An axis of size 1 is always valid: ZeRO over fsdp=1 shards nothing and runs as DP.
   `platform` (jax.default_backend()) also checks that the attention runs there.
   """
-  cfg.model.validate()
   sizes = mesh_shape(cfg.mesh, num_devices)
+  if cfg.model.module:
+    _validate_user_model(cfg, sizes)
+  else:
+    cfg.model.validate()
   if cfg.parallel.zero_stage not in (0, 1, 2, 3):
     raise ValueError(f'parallel.zero_stage={cfg.parallel.zero_stage}: choose 0, 1, 2 or 3.')
   if platform not in (None, 'gpu') and cfg.model.attention_impl == 'cudnn':
@@ -286,7 +297,7 @@ def validate(cfg: Config, num_devices: int, platform: str | None = None) -> None
         f'multiple of {seq_shards}.')
   if cfg.steps < 0:
     raise ValueError(f'steps={cfg.steps} must be >= 0.')
-  for name in ('num_heads', 'num_kv_heads'):
+  for name in ('num_heads', 'num_kv_heads') if not cfg.model.module else ():
     if getattr(cfg.model, name) % sizes['tensor']:
       raise ValueError(f'model.{name}={getattr(cfg.model, name)} is not divisible by '
                        f'mesh.tensor={sizes["tensor"]}: pick a tensor size that divides it.')
@@ -319,6 +330,26 @@ def validate(cfg: Config, num_devices: int, platform: str | None = None) -> None
   if cfg.eval.every_steps < 0 or cfg.eval.batches < 1:
     raise ValueError(f'eval.every_steps={cfg.eval.every_steps} must be >= 0 (0: no '
                      f'evaluation) and eval.batches={cfg.eval.batches} >= 1.')
+
+
+def _validate_user_model(cfg: Config, sizes: dict[str, int]) -> None:
+  """A model.module trains on data, fsdp and tensor (and ZeRO over fsdp); the built-in
+  model's other seams (pipeline stages, context-parallel attention, expert dispatch) and
+  its sampler are its own."""
+  if not cfg.model.loss:
+    raise ValueError(f"model.module={cfg.model.module!r} needs model.loss: "
+                     "'package.module:function' taking (module, batch).")
+  others = {a: sizes[a] for a in ('stage', 'context', 'expert') if sizes[a] > 1}
+  if others:
+    raise ValueError(f'mesh {others} with model.module: a user model trains on mesh.data, '
+                     'mesh.fsdp and mesh.tensor; set the others to 1.')
+  user_remat = ('none', 'full', 'save_matmuls')   # training/user_model.py's REMAT_POLICIES
+  if cfg.model.remat not in user_remat:
+    raise ValueError(f'model.remat={cfg.model.remat!r} with model.module: choose one of '
+                     f'{user_remat}.')
+  if cfg.data.source and cfg.eval.every_steps:
+    raise ValueError(f'eval.every_steps={cfg.eval.every_steps} with data.source: evaluation '
+                     'reads token files; set --config.eval.every_steps=0.')
 
 
 def _validate_experts(cfg: Config, sizes: dict[str, int]) -> None:

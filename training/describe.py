@@ -14,10 +14,9 @@ import textwrap
 import jax
 from jax.sharding import AbstractMesh, AxisType
 
-import model
 from sharding.mesh import MESH_AXES, mesh_devices, mesh_shape
 from sharding.rules import check_divisible, make_plan
-from training import config as config_lib, optimizer, state
+from training import config as config_lib, family, optimizer, state
 
 
 @functools.cache
@@ -63,6 +62,19 @@ def help_text(cfg: config_lib.Config, config_path: str, variants) -> str:
 def run_size(cfg: config_lib.Config, available_devices: int) -> dict:
   """Validates cfg for the devices its mesh needs; sizes the train state per device."""
   devices = mesh_devices(cfg.mesh, available_devices)
+  plan, fam, shapes, axes = checked_plan(cfg, devices)
+  train_state = state.abstract_state(cfg, plan, optimizer.make_optimizer(cfg.optim, cfg.steps))
+  grads = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                       shapes, plan.tree(plan.grads, axes))
+  return {'parameters': fam.count_params(), 'mesh': dict(plan.mesh.shape), 'devices': devices,
+          'param_bytes': _bytes(train_state.params), 'grad_bytes': _bytes(grads),
+          'opt_state_bytes': _bytes(train_state.opt_state),
+          'batch_tokens': cfg.data.batch_size * cfg.data.seq_len}
+
+
+def checked_plan(cfg: config_lib.Config, devices: int):
+  """(plan on an abstract mesh, model family, parameter shapes, logical axes), after the
+  config's checks and every parameter's divisibility on the mesh."""
   config_lib.validate(cfg, devices)
   sizes = mesh_shape(cfg.mesh, devices)
   mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
@@ -71,16 +83,12 @@ def run_size(cfg: config_lib.Config, available_devices: int) -> dict:
                      cfg.parallel.context_strategy, cfg.parallel.context_load_balance,
                      config_lib.pipeline_microbatches(cfg, sizes['stage']),
                      cfg.parallel.pipeline_repeats)
-  shapes, axes = model.abstract_params(cfg.model), model.logical_axes(cfg.model)
+  plan = family.with_user_rules(plan, cfg)
+  fam = family.of(cfg)
+  shapes, axes = fam.abstract_params(), fam.logical_axes()
   for rules in (plan.params, plan.grads, plan.opt_state):
     check_divisible(plan, rules, shapes, axes)
-  train_state = state.abstract_state(cfg, plan, optimizer.make_optimizer(cfg.optim, cfg.steps))
-  grads = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       shapes, plan.tree(plan.grads, axes))
-  return {'parameters': model.count_params(cfg.model), 'mesh': sizes, 'devices': devices,
-          'param_bytes': _bytes(train_state.params), 'grad_bytes': _bytes(grads),
-          'opt_state_bytes': _bytes(train_state.opt_state),
-          'batch_tokens': cfg.data.batch_size * cfg.data.seq_len}
+  return plan, fam, shapes, axes
 
 
 def check_report(cfg: config_lib.Config, available_devices: int) -> str:
@@ -97,9 +105,17 @@ def check_report(cfg: config_lib.Config, available_devices: int) -> str:
       f'per device    {", ".join(f"{k} {_gib(v)}" for k, v in memory.items())}; '
       f'{_gib(sum(memory.values()))} before activations (ZeRO-{cfg.parallel.zero_stage})'
       f'{host}',
-      f'global batch  {cfg.data.batch_size} x {cfg.data.seq_len} = '
-      f'{size["batch_tokens"]:,} tokens per step, in {cfg.optim.grad_accum} microbatch(es)',
+      _batch_line(cfg, size),
+      *filter(None, [family.of(cfg).unannotated_notice()]),
   ])
+
+
+def _batch_line(cfg: config_lib.Config, size: dict) -> str:
+  if cfg.data.source:
+    return (f'global batch  {cfg.data.batch_size} examples per step (data.source), in '
+            f'{cfg.optim.grad_accum} microbatch(es)')
+  return (f'global batch  {cfg.data.batch_size} x {cfg.data.seq_len} = '
+          f'{size["batch_tokens"]:,} tokens per step, in {cfg.optim.grad_accum} microbatch(es)')
 
 
 def _bytes(tree) -> int:

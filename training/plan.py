@@ -23,11 +23,11 @@ import time
 
 import jax
 
-import model
 from sharding import hlo, planner
 from sharding.mesh import MESH_AXES, MeshConfig, make_mesh
 from sharding.rules import make_plan
-from training import config as config_lib, describe, optimizer, plan_bound, state
+from training import (config as config_lib, describe, family, optimizer, plan_bound,
+                      source_data, state, trainer)
 
 REMAT = ('none', 'full')
 
@@ -39,6 +39,8 @@ def candidates(cfg: config_lib.Config, devices: int, *, axes=None, zero_stages=(
   if its layers split) x ZeRO stage x remat x grad_accum x pipeline microbatches (for
   layouts with stage > 1; 0: the config's parallel.microbatches, else one per stage),
   pruned by config.validate."""
+  if axes is None and family.is_user(cfg):
+    axes = ['data', 'fsdp', 'tensor']   # the axes a user model trains on
   if axes is None:
     axes = [a for a in MESH_AXES if a != 'expert' or cfg.model.num_experts]
   valid, rejected = [], []
@@ -54,12 +56,20 @@ def candidates(cfg: config_lib.Config, devices: int, *, axes=None, zero_stages=(
           for micro in micros:
             layout = planner.Layout(mesh, zero, remat, accum, micro)
             try:
-              config_lib.validate(configure(cfg, layout), devices)
+              _validate(configure(cfg, layout), devices)
             except ValueError as e:
               rejected.append((layout, str(e)))
               continue
             valid.append(layout)
   return valid, rejected
+
+
+def _validate(cfg: config_lib.Config, devices: int) -> None:
+  """config.validate; for a user model also its parameters' divisibility on the mesh
+  (the built-in model's is implied by validate's checks of its fields)."""
+  config_lib.validate(cfg, devices)
+  if family.is_user(cfg):
+    describe.checked_plan(cfg, devices)
 
 
 def program_key(layout: planner.Layout) -> tuple:
@@ -120,8 +130,11 @@ def build_layout(cfg: config_lib.Config, layout: planner.Layout, layers: int | N
                    cfg.parallel.context_strategy, cfg.parallel.context_load_balance,
                    config_lib.pipeline_microbatches(cfg, mesh.shape['stage']),
                    cfg.parallel.pipeline_repeats)
+  plan = family.with_user_rules(plan, cfg)
   tx = optimizer.make_optimizer(cfg.optim, max(cfg.steps, 1))
   step = state.make_train_step(cfg, plan, tx, optimizer.lr_schedule(cfg.optim, cfg.steps))
+  if cfg.data.source:
+    return Built(cfg, mesh, plan, tx, step, _source_batch(cfg, plan))
   shape = (cfg.data.batch_size, cfg.data.seq_len)
   names = [('inputs', 'int32'), ('targets', 'int32'), ('positions', 'int32'),
            ('weights', 'float32')] + ([('segment_ids', 'int32')] if cfg.data.pack_documents
@@ -129,6 +142,15 @@ def build_layout(cfg: config_lib.Config, layout: planner.Layout, layers: int | N
   batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=plan.batch_sharding())
            for k, dtype in names}
   return Built(cfg, mesh, plan, tx, step, batch)
+
+
+def _source_batch(cfg: config_lib.Config, plan) -> dict:
+  """A data.source's batch as sharded shapes (its first batch made once, on the host)."""
+  first = source_data.SourceIterator(cfg.data.source, seed=cfg.seed,
+                                     batch_size=cfg.data.batch_size)
+  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                  sharding=trainer.source_batch_sharding(plan, v.ndim))
+          for k, v in next(first).items()}
 
 
 # Matmuls of one call of each flash kernel, in units of the forward's two (QK^T, PV): the
@@ -231,6 +253,10 @@ def measure_alike(cfg, layouts, layers=None, devices=None, cache=None) -> list:
   """measure of each of `layouts`, which share one program_key, compiling it once."""
   if layers is None:
     return _compiled(cfg, layouts, None, devices, cache)
+  if family.is_user(cfg):
+    raise ValueError(f'--layers {layers}: extrapolating over the layer count needs the '
+                     'built-in model; a model.module is compiled at its own size (drop '
+                     '--layers).')
   la, lb = layers
   return [extrapolate(a, b, la, lb, cfg.model.num_layers)
           for a, b in zip(_compiled(cfg, layouts, la, devices, cache),
@@ -309,7 +335,7 @@ def search(cfg: config_lib.Config, devices: int, device: str = 'h100', *, top: i
   hw = planner.hardware(device)
   layouts, rejected = _layouts(cfg, devices, layouts, candidate_args)
   tokens = cfg.data.batch_size * cfg.data.seq_len
-  model_flops = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+  model_flops = family.of(cfg).flops_per_token(cfg.data.seq_len) * tokens
   sizes, bounds = {}, []
   for layout in layouts:
     size = _run_size(cfg, layout, devices, sizes)
@@ -459,7 +485,7 @@ def _validated(cfg, layouts, devices):
   valid, rejected = [], []
   for layout in layouts:
     try:
-      config_lib.validate(configure(cfg, layout), devices)
+      _validate(configure(cfg, layout), devices)
       valid.append(layout)
     except ValueError as e:
       rejected.append((layout, str(e)))

@@ -38,15 +38,19 @@ import math
 
 import model
 from sharding import planner
-from training import config as config_lib
+from training import config as config_lib, family
 
 
 def floor(cfg: config_lib.Config, layout: planner.Layout, size: dict) -> planner.Floor:
-  """cfg: the config with the layout applied; size: describe.run_size's for it."""
+  """cfg: the config with the layout applied; size: describe.run_size's for it. A user
+  model's (model.module) matmuls and collectives are unknown until compiled: its floor
+  is the optimizer's traffic and the state's bytes alone."""
   offloaded = cfg.parallel.offload_optimizer
   opt = 0 if offloaded else size['opt_state_bytes']
-  return planner.Floor(dot_flops=dot_flops(cfg, layout), other_bytes=2 * opt,
-                       memory_bytes=size['param_bytes'] + opt, exposed=exposed(cfg, layout))
+  user = family.is_user(cfg)
+  return planner.Floor(dot_flops=0.0 if user else dot_flops(cfg, layout), other_bytes=2 * opt,
+                       memory_bytes=size['param_bytes'] + opt,
+                       exposed={} if user else exposed(cfg, layout))
 
 
 def dot_flops(cfg: config_lib.Config, layout: planner.Layout) -> float:

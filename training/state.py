@@ -14,6 +14,7 @@ import model
 from model import moe
 from sharding import context, offload
 from sharding.rules import BATCH_AXES, ShardingPlan
+from training import family
 from training.config import Config
 
 
@@ -26,8 +27,9 @@ class TrainState:
 
 def state_shardings(cfg: Config, plan: ShardingPlan, tx) -> TrainState:
   """Where each leaf of the train state lives: params, then optimizer copies of them."""
-  axes = model.logical_axes(cfg.model)
-  abstract = jax.eval_shape(tx.init, model.abstract_params(cfg.model))
+  fam = family.of(cfg)
+  axes = fam.logical_axes()
+  abstract = jax.eval_shape(tx.init, fam.abstract_params())
   opt_shardings = plan.tree(plan.opt_state, axes)
   opt_state = optax.tree_map_params(
       tx, lambda _, s: s, abstract, opt_shardings,
@@ -47,7 +49,7 @@ def abstract_state(cfg: Config, plan: ShardingPlan, tx) -> TrainState:
 
 
 def _new_state(cfg: Config, tx, key) -> TrainState:
-  return _state_around(model.init_params(cfg.model, key), tx)
+  return _state_around(family.of(cfg).init_params(key), tx)
 
 
 def _state_around(params, tx) -> TrainState:
@@ -89,7 +91,7 @@ def loss_and_grads(params, batch: dict, cfg: Config, plan: ShardingPlan | None,
   if cfg.model.num_experts:
     total, grads, aux = _moe_loss_and_grads(params, batch, cfg, plan, weight)
   elif accum == 1:
-    total, grads = jax.value_and_grad(model.summed_nll)(params, batch, cfg.model, plan)
+    total, grads = jax.value_and_grad(family.of(cfg).summed_nll)(params, batch, plan)
   else:
     micro = _microbatches(batch, accum)
     accumulate = _accumulate_per_shard if _grads_replicated(plan) else _accumulate_sharded
@@ -143,11 +145,12 @@ def _grads_replicated(plan: ShardingPlan | None) -> bool:
 
 def _accumulate_sharded(params, micro, cfg: Config, plan):
   """ZeRO-2/3 (or no plan): each microbatch's gradient is reduce-scattered as it comes."""
-  grad_fn = jax.value_and_grad(model.summed_nll)
-  grad_sh = None if plan is None else plan.tree(plan.grads, model.logical_axes(cfg.model))
+  fam = family.of(cfg)
+  grad_fn = jax.value_and_grad(fam.summed_nll)
+  grad_sh = None if plan is None else plan.tree(plan.grads, fam.logical_axes())
 
   def body(carry, mb):
-    total, grads = grad_fn(params, mb, cfg.model, plan)
+    total, grads = grad_fn(params, mb, plan)
     acc = jax.tree.map(jnp.add, carry[1], grads)
     if grad_sh is not None:
       acc = jax.lax.with_sharding_constraint(acc, grad_sh)
@@ -167,10 +170,11 @@ def _accumulate_per_shard(params, micro, cfg: Config, plan: ShardingPlan):
   shards = plan.mesh.shape['data'] * plan.mesh.shape['fsdp']
   local = dataclasses.replace(
       plan, activations=plan.activations.with_overrides('per_shard', batch=None))
-  grad_fn = jax.vmap(lambda p, mb: jax.value_and_grad(model.summed_nll)(p, mb, cfg.model, local),
+  fam = family.of(cfg)
+  grad_fn = jax.vmap(lambda p, mb: jax.value_and_grad(fam.summed_nll)(p, mb, local),
                      in_axes=(None, 0), spmd_axis_name=BATCH_AXES)
   carry_sh = plan.tree(plan.grads.with_overrides('per_shard', shard=BATCH_AXES),
-                       jax.tree.map(lambda a: ('shard', *a), model.logical_axes(cfg.model),
+                       jax.tree.map(lambda a: ('shard', *a), fam.logical_axes(),
                                     is_leaf=lambda x: isinstance(x, tuple)))
 
   def body(carry, mb):
@@ -201,7 +205,7 @@ def make_eval_step(cfg: Config, plan: ShardingPlan):
   loss's forward, no gradients, in the same grad_accum microbatches (so it fits wherever
   the train step does)."""
   def summed(params, batch):
-    return model.summed_nll(params, context.reorder_batch(batch, plan), cfg.model, plan)
+    return family.of(cfg).summed_nll(params, context.reorder_batch(batch, plan), plan)
 
   def step(params, batch: dict):
     weight = jnp.sum(batch['weights'].astype(jnp.float32))
@@ -212,8 +216,8 @@ def make_eval_step(cfg: Config, plan: ShardingPlan):
                             _microbatches(batch, cfg.optim.grad_accum))
     return total, weight
 
-  params_sh = plan.tree(plan.params, model.logical_axes(cfg.model))
-  return jax.jit(step, in_shardings=(params_sh, plan.batch_sharding()),
+  params_sh = plan.tree(plan.params, family.of(cfg).logical_axes())
+  return jax.jit(step, in_shardings=(params_sh, batch_shardings(cfg, plan)),
                  out_shardings=plan.replicated())
 
 
@@ -241,10 +245,16 @@ def compiler_options(cfg: Config) -> dict[str, str]:
   return {'xla_disable_hlo_passes': ','.join(dict.fromkeys([*users, *passes]))}
 
 
+def batch_shardings(cfg: Config, plan: ShardingPlan):
+  """The batch's layout: token batches one sharding for every array; a data.source's
+  arrays each their own (training/trainer.py assembles them), so it is left to them."""
+  return None if cfg.data.source else plan.batch_sharding()
+
+
 def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
   """jit(state, batch) -> (state, metrics); the state buffer is donated."""
   shardings = state_shardings(cfg, plan, tx)
-  grad_shardings = plan.tree(plan.grads, model.logical_axes(cfg.model))
+  grad_shardings = plan.tree(plan.grads, family.of(cfg).logical_axes())
   device_opt_shardings = offload.with_memory_kind(shardings.opt_state,
                                                   offload.default_kind(plan.mesh))
 
@@ -268,7 +278,7 @@ def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
       metrics.update(aux)
     return new, metrics
 
-  batch_sh = plan.batch_sharding()
+  batch_sh = batch_shardings(cfg, plan)
   return jax.jit(step, in_shardings=(shardings, batch_sh),
                  out_shardings=(shardings, plan.replicated()), donate_argnums=0,
                  compiler_options=compiler_options(cfg))

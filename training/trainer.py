@@ -7,15 +7,15 @@ import time
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 
-import model
 from model import moe
 from sharding import compile_cache
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingPlan, check_divisible, make_plan
-from training import (checkpoint, config as config_lib, data, metrics, optimizer, pretrained,
-                      processes, resilience, sample, state)
+from training import (checkpoint, config as config_lib, data, family, metrics, optimizer,
+                      pretrained, processes, resilience, sample, source_data, state)
 
 console = Console(stderr=True)
 
@@ -55,24 +55,27 @@ def setup(cfg: config_lib.Config) -> Trainer:
     cfg, from_hf = pretrained.with_pretrained(cfg)
     processes.check_agree(cfg)
     config_lib.validate(cfg, jax.device_count(), jax.default_backend())
-    info = data.data_info(cfg.data)
-    if info.vocab_size > cfg.model.vocab_size:
+    info = _data_info(cfg)
+    if not family.is_user(cfg) and info.vocab_size > cfg.model.vocab_size:
       raise ValueError(f'model.vocab_size={cfg.model.vocab_size} is smaller than the '
                        f'tokenizer vocabulary ({info.vocab_size}): raise it.')
     plan = build_plan(cfg)
-    shapes, axes = model.abstract_params(cfg.model), model.logical_axes(cfg.model)
+    fam = family.of(cfg)
+    shapes, axes = fam.abstract_params(), fam.logical_axes()
     for rules in (plan.params, plan.grads, plan.opt_state):
-      check_divisible(plan, rules, shapes, axes, _FIELD_OF_AXIS)
+      check_divisible(plan, rules, shapes, axes,
+                      None if family.is_user(cfg) else _FIELD_OF_AXIS)
     # the rows this process's devices hold: all of them when a model axis spans processes
     rows = plan.process_rows(cfg.data.batch_size, cfg.data.seq_len)[jax.process_index()]
     eval_batches = data.make_eval_batches(cfg, rows=rows) if cfg.eval.every_steps else None
-    data_iter = data.make_train_iterator(cfg.data, seed=cfg.seed, rows=rows,
-                                         held_out=config_lib.held_out_windows(cfg))
+    data_iter = _train_iterator(cfg, rows)
   except (ValueError, FileNotFoundError) as e:
     hint = (f' (the model\'s shape comes from init_from_hf={cfg.init_from_hf!r}: change '
             'the mesh or the data, not model.*)' if from_hf and 'model.' in str(e) else '')
     raise ConfigError(f'{e}{hint}') from e
   is_main = jax.process_index() == 0
+  if is_main and fam.unannotated_notice():
+    console.print(fam.unannotated_notice(), markup=False, highlight=False, soft_wrap=True)
   if from_hf and is_main:
     console.print(f'init_from_hf sets {", ".join(from_hf)}', highlight=False)
     if cfg.model.num_experts and cfg.model.moe_dispatch == 'capacity':
@@ -95,9 +98,28 @@ def setup(cfg: config_lib.Config) -> Trainer:
                  eval_batches=eval_batches)
 
 
+def _data_info(cfg: config_lib.Config) -> data.DataInfo:
+  """data.source has no tokenizer (nor token files to read one from)."""
+  if cfg.data.source:
+    return data.DataInfo(tokenizer=None, vocab_size=0, eos_id=-1)
+  return data.data_info(cfg.data)
+
+
+def _train_iterator(cfg: config_lib.Config, rows: tuple[int, int]):
+  if cfg.data.source:
+    return source_data.SourceIterator(cfg.data.source, seed=cfg.seed,
+                                      batch_size=cfg.data.batch_size, rows=rows)
+  return data.make_train_iterator(cfg.data, seed=cfg.seed, rows=rows,
+                                  held_out=config_lib.held_out_windows(cfg))
+
+
 def build_plan(cfg: config_lib.Config, devices=None) -> ShardingPlan:
   """The mesh over `devices` (default: all) and the config's sharding plan on it."""
   mesh = make_mesh(cfg.mesh, devices)
+  return family.with_user_rules(_make_plan(cfg, mesh), cfg)
+
+
+def _make_plan(cfg: config_lib.Config, mesh) -> ShardingPlan:
   return make_plan(mesh, cfg.parallel.zero_stage, cfg.parallel.sequence_parallel,
                    cfg.parallel.context_strategy, cfg.parallel.context_load_balance,
                    config_lib.pipeline_microbatches(cfg, mesh.shape['stage']),
@@ -162,10 +184,21 @@ def global_batch(t: Trainer, local: dict) -> dict:
 def assemble_batch(plan: ShardingPlan, data_cfg: config_lib.DataConfig, local: dict) -> dict:
   """The global batch from this process's rows (ShardingPlan.process_rows). The global
   shape is given: guessed from the local rows, it is wrong whenever a model axis spans
-  processes (PITFALLS.md)."""
+  processes (PITFALLS.md). Token batches are [batch_size, seq_len]; a data.source's
+  arrays keep their own trailing shapes, split on the batch axis only."""
+  if data_cfg.source:
+    return {k: jax.make_array_from_process_local_data(
+        source_batch_sharding(plan, np.ndim(v)), np.asarray(v),
+        (data_cfg.batch_size, *np.shape(v)[1:])) for k, v in local.items()}
   sharding, shape = plan.batch_sharding(), (data_cfg.batch_size, data_cfg.seq_len)
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), shape)
           for k, v in local.items()}
+
+
+def source_batch_sharding(plan: ShardingPlan, ndim: int):
+  """A data.source array's layout: rows over the batch axes, the rest whole."""
+  return NamedSharding(plan.mesh, PartitionSpec(plan.activations.table['batch'],
+                                                *(None,) * (ndim - 1)))
 
 
 def compile_step(t: Trainer, train_state, batch):
@@ -192,7 +225,7 @@ class _Records:
     cfg = t.cfg
     self._t, self._logger, self.history, self._skips, self._last_done = t, logger, [], 0, 0.0
     self._tokens = cfg.data.batch_size * cfg.data.seq_len
-    self._flops = model.flops_per_token(cfg.model, cfg.data.seq_len) * self._tokens
+    self._flops = family.of(cfg).flops_per_token(cfg.data.seq_len) * self._tokens
     self._peak = metrics.peak_flops_per_device(cfg.metrics)
     self._pending = []   # (step, metrics on the device, when its batch was taken)
 
@@ -385,7 +418,7 @@ def _save_failed(t: Trainer, step: int | None, error: Exception) -> None:
 
 def _record(step, out, elapsed, tokens_per_step, flops_per_step, peak) -> dict:
   mfu = None
-  if peak:
+  if peak and flops_per_step:
     mfu = flops_per_step / elapsed / (peak * jax.device_count())
   skipped = None
   if out['skipped']:
@@ -403,7 +436,7 @@ def startup_line(t: Trainer, start: int) -> str:
     zero += ' (fsdp=1: nothing to shard, so data parallel)'
   if cfg.parallel.offload_optimizer:
     zero += ', optimizer state in host memory'
-  notes = [f'{model.count_params(cfg.model) / 1e6:.2f}M parameters on mesh {shape}, {zero}',
+  notes = [f'{family.of(cfg).count_params() / 1e6:.2f}M parameters on mesh {shape}, {zero}',
            f'steps {start} -> {cfg.steps}', f'workdir {os.path.abspath(cfg.workdir)}',
            metrics.mfu_note(cfg.metrics)]
   return '; '.join(filter(None, notes))
@@ -442,7 +475,10 @@ def train(cfg: config_lib.Config) -> list[dict]:
     raise
   if history and t.is_main:
     console.print(json.dumps({k: history[-1][k] for k in ('step', 'loss')}))
-  if cfg.sample.num_tokens > 0:
+  if cfg.sample.num_tokens > 0 and family.is_user(cfg):
+    console.print(f'no sample (sample.num_tokens={cfg.sample.num_tokens}): the sampler runs '
+                  'the built-in model, not a model.module', highlight=False)
+  elif cfg.sample.num_tokens > 0:
     print_sample(t, train_state.params)
   t.events('finished', step=t.step, newest_checkpoint=max(t.ckpt.steps(), default=None))
   t.ckpt.close()

@@ -1,0 +1,1 @@
+"""User models trained by meshlm's trainer through model.module (docs/own_model.md)."""
