@@ -72,9 +72,11 @@ _MIN_DOT_ROWS = 16       # Triton's tl.dot needs M, N and K >= 16
 
 def paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                               num_seqs, *, sm_scale=None, num_kv_splits=None,
-                              pages_per_block=None, interpret=None, sliding_window=0):
+                              pages_per_block=None, interpret=None, sliding_window=0,
+                              softcap=0.0):
   """Float32 jnp version of `paged_attention` (splits/blocks/interpret are ignored);
-  sliding_window > 0: each row sees only its last sliding_window positions.
+  sliding_window > 0: each row sees only its last sliding_window positions; softcap > 0:
+  scores soft-capped, softcap * tanh(scores / softcap), before the mask.
 
   Gathers every token's whole sequence of K/V from the pages, so it needs
   O(T * pages_per_seq * page_size) memory: for tests and small batches only.
@@ -94,13 +96,17 @@ def paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_l
   v = jnp.where(in_seq[..., None, None], keys_of(v_pages).astype(jnp.float32), 0)[seq]
   qg = q.astype(jnp.float32).reshape(t, hkv, hq // hkv, d)
   hi = jax.lax.Precision.HIGHEST   # no TF32 on GPU: this is the reference
-  scores = jnp.einsum('tkgd,tskd->tkgs', qg, k, precision=hi) * scale
+  scores = _cap(jnp.einsum('tkgd,tskd->tkgs', qg, k, precision=hi) * scale, softcap)
   visible = (key_pos[None, :] <= pos[:, None]) & live[:, None]          # [T, L]
   visible &= _in_window(key_pos[None, :], pos[:, None], sliding_window)
   scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum('tkgs,tskd->tkgd', probs, v, precision=hi).reshape(t, hq, d)
   return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
+
+
+def _cap(scores, cap):
+  return cap * jnp.tanh(scores / cap) if cap else scores
 
 
 def _in_window(k_pos, q_pos, sliding_window):
@@ -132,7 +138,7 @@ _XLA_WINDOW = 32   # query rows per work item of the by-sequence path
 
 def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                         sm_scale=None, block_k=None, window=None, row_tokens=0,
-                        step_dense=False, sliding_window=0):
+                        step_dense=False, sliding_window=0, softcap=0.0):
   """Ragged paged attention in plain jnp for serving without the kernel (CPU default).
 
   Flash-style (online softmax over key blocks of `block_k` tokens), so no step ever
@@ -158,12 +164,14 @@ def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
   chunked-prefill continuations or prefix hits. Memory O(T * T * Hq): the caller enables
   it for small T only.
   sliding_window > 0: each row sees only its last sliding_window positions (the keys
-  before are still read, then masked).
+  before are still read, then masked). softcap > 0: scores soft-capped (Gemma 2), as in
+  paged_attention_reference.
   """
   _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
   page_size = k_pages.shape[1]
   ppb = max(1, min((block_k or _BLOCK_K_TOKENS) // page_size, page_indices.shape[1]))
   scale = 1.0 / math.sqrt(q.shape[2]) if sm_scale is None else sm_scale
+  scale = (scale, softcap)   # what every path's _softmax_step takes
   kv_lens, cu_q_lens, page_indices = (
       jnp.asarray(x, jnp.int32) for x in (kv_lens, cu_q_lens, page_indices))
   num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
@@ -312,10 +320,13 @@ def _softmax_init(rows_shape, d):
 
 
 def _softmax_step(carry, q, k, v, visible, scale, qk, pv):
-  """One online-softmax update; q [..., Hkv, G, D], scores [..., Hkv, G, block_k]."""
+  """One online-softmax update; q [..., Hkv, G, D], scores [..., Hkv, G, block_k];
+  scale: (the scores' scale, their soft cap or 0)."""
   m_prev, l_prev, acc_prev = carry
   hi = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  scale, cap = scale
   scores = jnp.einsum(qk, q, k, precision=hi, preferred_element_type=jnp.float32) * scale
+  scores = _cap(scores, cap)
   scores = jnp.where(visible, scores, _MASK_VALUE)
   m = jnp.maximum(m_prev, scores.max(axis=-1))
   p = jnp.where(visible, jnp.exp(scores - m[..., None]), 0.0)
