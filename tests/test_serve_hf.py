@@ -120,6 +120,7 @@ CASES = {
     'llama3_rope': dict(rope_theta=10000.0, rope_scaling={
         'rope_type': 'llama3', 'factor': 4.0, 'low_freq_factor': 1.0,
         'high_freq_factor': 4.0, 'original_max_position_embeddings': 16}),
+    'linear_rope': dict(rope_scaling={'rope_type': 'linear', 'factor': 4.0}),
     # Every MLP routed over 4 experts, 2 a token (the router's weights renormalized).
     'mixtral_sharded': dict(family='mixtral', shard=True, num_local_experts=4,
                             num_experts_per_tok=2),
@@ -355,8 +356,8 @@ QWEN3_MOE = {'architectures': ['Qwen3MoeForCausalLM'], 'model_type': 'qwen3_moe'
     ({'hidden_act': 'gelu'}, "hidden_act='gelu' is not supported"),
     ({'rope_parameters': {'rope_type': 'yarn', 'factor': 2.0, 'rope_theta': 1e4}},
      "rope_type='yarn' is not supported"),
-    ({'rope_parameters': None, 'rope_scaling': {'type': 'linear', 'factor': 2.0}},
-     "rope_type='linear' is not supported"),
+    ({'rope_parameters': None, 'rope_scaling': {'type': 'dynamic', 'factor': 2.0}},
+     "rope_type='dynamic' is not supported"),
     ({**MIXTRAL, 'num_experts_per_tok': 1}, 'num_experts_per_tok=1 is not supported'),
     ({**MIXTRAL, 'model_type': 'llama'}, "model_type='llama' is not supported"),
     (MIXTRAL, "no 'model.layers.0.block_sparse_moe.gate.weight': not a complete Mixtral"),
@@ -461,9 +462,13 @@ def test_fields_config_json_leaves_out_take_transformers_defaults(arch):
                num_attention_heads=32)   # Qwen's default kv heads: 32
   name = f'{FAMILIES[arch]}ForCausalLM'
   ours = model_config({'architectures': [name], 'model_type': arch, **sizes})
-  theirs = getattr(transformers, f'{FAMILIES[arch]}Config')(**sizes)
+  theirs = config_class(arch)(**sizes)
   model = getattr(transformers, name)
-  assert ours.rope_theta == theirs.rope_parameters['rope_theta']
+  rope = theirs.rope_parameters
+  if arch == 'gemma3_text':   # two sliding layers: the local base is every layer's
+    assert theirs.layer_types == ['sliding_attention'] * 2
+    rope = rope['sliding_attention']
+  assert ours.rope_theta == rope['rope_theta']
   assert (ours.norm_eps, ours.max_seq_len, ours.num_kv_heads) == (
       theirs.rms_norm_eps, theirs.max_position_embeddings, theirs.num_key_value_heads)
   assert ours.tie_embeddings == theirs.tie_word_embeddings
