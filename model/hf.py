@@ -94,7 +94,8 @@ FAMILIES = {
 # Refused in every family (the docs' table): other activations, RoPE scalings and windows.
 REFUSED_EVERYWHERE = ('an activation other than the family\'s (silu; Gemma: gelu_pytorch_tanh)',
                       "rope scaling other than 'llama3' or 'linear'",
-                      'a sliding window in some layers only (max_window_layers, layer_types)')
+                      'a sliding window in some layers only (max_window_layers, layer_types), '
+                      'but Gemma\'s every N-th layer global')
 # ModelConfig fields a family may fix (Family.fields); the others' are at their defaults.
 _FAMILY_FIELDS = ('qkv_bias', 'qk_norm', 'mlp_activation', 'norm_plus_one', 'embed_scale',
                   'sandwich_norms')
