@@ -125,3 +125,45 @@ def test_soft_capping_is_refused_where_it_is_not_computed():
   args = serve_config.add_engine_args(argparse.ArgumentParser()).parse_args(
       ['--hf-model', 'unused'])
   assert serve_config.resolve_attention(args, ModelConfig(attn_softcap=50.0)) == 'xla'
+
+
+GEMMA3_JSON = {'architectures': ['Gemma3ForCausalLM'], 'model_type': 'gemma3_text',
+               'vocab_size': 300, 'hidden_size': 64, 'intermediate_size': 128,
+               'num_hidden_layers': 6, 'num_attention_heads': 4, 'head_dim': 16}
+
+
+@pytest.mark.parametrize('edit, message', [
+    ({'layer_types': ['sliding_attention', 'full_attention', 'full_attention'] * 2},
+     "layer_types=.* is not supported: only every N-th layer global"),
+    ({'hidden_activation': 'gelu'}, "hidden_activation='gelu' is not supported"),
+    ({'use_bidirectional_attention': True}, 'use_bidirectional_attention=True is not '
+                                            'supported'),
+    ({'rope_parameters': {'full_attention': {'rope_type': 'yarn', 'factor': 2.0,
+                                             'rope_theta': 1e6},
+                          'sliding_attention': {'rope_type': 'default', 'rope_theta': 1e4}}},
+     "rope_type='yarn' of full_attention layers is not supported"),
+    ({'architectures': ['Gemma3ForConditionalGeneration'], 'model_type': 'gemma3'},
+     'Gemma3ForConditionalGeneration.* is not supported'),
+])
+def test_what_gemma_config_json_holds_that_ours_cannot_compute_is_refused(edit, message):
+  """One line naming config.json's field, from model_config: before any weight."""
+  from model.hf import model_config   # pylint: disable=import-outside-toplevel
+  model_config(GEMMA3_JSON)   # the unedited one reads
+  with pytest.raises(ValueError, match=message):
+    model_config({**GEMMA3_JSON, **edit})
+
+
+def test_a_gemma_model_is_exported_only_as_a_gemma():
+  """Llama has no (1 + w) norms or soft caps, Gemma 2 no second RoPE base: refused by
+  the field, before anything is written."""
+  from model.hf import export_architecture   # pylint: disable=import-outside-toplevel
+  gemma2 = ModelConfig(**GEMMA2)
+  assert export_architecture(gemma2) == 'Gemma2ForCausalLM'
+  assert export_architecture(dataclasses.replace(gemma2, qk_norm=True)) == 'Gemma3ForCausalLM'
+  with pytest.raises(ValueError, match="model.mlp_activation='gelu_tanh': LlamaForCausalLM "
+                                       "has mlp_activation='silu'"):
+    export_architecture(dataclasses.replace(gemma2, hf_architecture='LlamaForCausalLM'))
+  with pytest.raises(ValueError, match='model.attn_softcap=1.5: LlamaForCausalLM has none'):
+    export_architecture(ModelConfig(attn_softcap=1.5))
+  with pytest.raises(ValueError, match='rope_local_theta=100.0: Gemma 2 has one RoPE base'):
+    export_architecture(dataclasses.replace(gemma2, rope_local_theta=100.0))
