@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import numpy as np
+
 ATTENTION_IMPLS = ('xla', 'cudnn', 'pallas')
 # The flash kernels attention_impl='pallas' runs (pallas_kernels.flash_attention's backend).
 PALLAS_BACKENDS = ('auto', 'triton', 'mosaic_gpu', 'mosaic_gpu_fused')
@@ -167,7 +169,6 @@ class ModelConfig:
     global_every; else every layer alike, None)."""
     if not self.global_every:
       return None
-    import numpy as np  # pylint: disable=import-outside-toplevel
     return (np.arange(self.num_layers) + 1) % self.global_every != 0
 
   @property

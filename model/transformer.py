@@ -234,8 +234,7 @@ def attention_mask(segment_ids: jax.Array | None, t: int, window: int = 0) -> ja
   one packed document."""
   causal = jnp.tril(jnp.ones((t, t), dtype=bool))
   if window:
-    pos = jnp.arange(t)
-    causal &= pos[None, :] > pos[:, None] - window
+    causal &= ~jnp.tril(jnp.ones((t, t), dtype=bool), -window)
   if segment_ids is None:
     return causal[None]
   same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]

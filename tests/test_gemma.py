@@ -167,3 +167,17 @@ def test_a_gemma_model_is_exported_only_as_a_gemma():
     export_architecture(ModelConfig(attn_softcap=1.5))
   with pytest.raises(ValueError, match='rope_local_theta=100.0: Gemma 2 has one RoPE base'):
     export_architecture(dataclasses.replace(gemma2, rope_local_theta=100.0))
+
+
+def test_embeddings_are_scaled_in_the_compute_dtype_as_transformers_does():
+  """sqrt(3072) = 55.43 is 55.5 in bfloat16: transformers' Gemma multiplies the bfloat16
+  embeddings by that rounded factor, in bfloat16, and so does embed_scaled."""
+  import torch  # pylint: disable=import-outside-toplevel
+  cfg = ModelConfig(embed_dim=3072, num_heads=24, dtype='bfloat16', embed_scale=True)
+  x = np.random.default_rng(0).standard_normal((4, 3072)).astype(np.float32)
+  got = np.asarray(model.transformer.embed_scaled(jnp.asarray(x), cfg), np.float32)
+  rows = torch.as_tensor(x).to(torch.bfloat16)
+  want = (rows * torch.tensor(3072 ** 0.5).to(torch.bfloat16)).float().numpy()
+  np.testing.assert_array_equal(got, want)
+  f32 = (rows.float() * 3072 ** 0.5).to(torch.bfloat16).float().numpy()
+  assert np.any(want != f32)   # the unrounded factor would give other embeddings
