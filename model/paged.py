@@ -98,17 +98,14 @@ def check_impl(cfg: ModelConfig, impl: str) -> None:
   if cfg.sliding_window and impl != 'xla':
     raise ValueError(f'model.sliding_window={cfg.sliding_window}: the {impl!r} paged '
                      "attention sees the whole context; serve this model with --attention xla.")
-  if cfg.attn_softcap and impl != 'xla':
-    raise ValueError(f'model.attn_softcap={cfg.attn_softcap}: the {impl!r} paged attention '
-                     'does not soft-cap; serve this model with --attention xla.')
 
 
 def paged_attend(q, k_pages, v_pages, meta, impl: str, plan, sliding_window: int = 0,
                  sm_scale: float | None = None, softcap: float = 0.0):
   """q [T, Hq, D] over pages [..., page, Hkv, D] (layer_pages' form); with a plan, each
   tensor shard attends its own kv heads and their q heads (the kernel is opaque to the
-  partitioner). sliding_window: model.sliding_window, softcap: model.attn_softcap (xla
-  only); sm_scale: the scores' scale (None: 1/sqrt(D))."""
+  partitioner). sliding_window: model.sliding_window (xla only); softcap:
+  model.attn_softcap; sm_scale: the scores' scale (None: 1/sqrt(D))."""
   fn = functools.partial(PAGED_ATTENTION[impl], sm_scale=sm_scale)
   if sliding_window:
     fn = functools.partial(fn, sliding_window=sliding_window)

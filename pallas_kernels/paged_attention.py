@@ -347,7 +347,7 @@ def _paged_attention_kernel(
     k_ref,           # [L, P, page_size, D]: this kv head of every page of every layer
     v_ref,           # [L, P, page_size, D]
     *out_refs,       # (aliased inputs, only when poisoned), o [T, G, D] f32, lse [T, G] f32
-    block_q, pages_per_block, num_kv_splits, sm_scale):
+    block_q, pages_per_block, num_kv_splits, sm_scale, softcap):
   o_ref, lse_ref = out_refs[-2:]
   # Program ids are read here, outside any control flow: interpret mode resolves them
   # only at the kernel's top level.
@@ -363,7 +363,7 @@ def _paged_attention_kernel(
     lo, hi = _split_range(seq, split, num_kv_splits)
     attend = functools.partial(_attend_q_block, seq=seq, block_lo=lo, block_hi=hi,
                                refs=(page_row_ref, q_ref, k_ref, v_ref, o_ref, lse_ref),
-                               block_q=block_q, sm_scale=sm_scale)
+                               block_q=block_q, sm_scale=(sm_scale, softcap))
     # Every q block is visited even when the split holds no keys for it: that writes
     # o = 0 and lse = -inf, which the merge needs.
     def q_block(i, carry):
@@ -392,7 +392,8 @@ def _split_range(seq, split, num_kv_splits):
 
 
 def _attend_q_block(qb, *, seq, block_lo, block_hi, refs, block_q, sm_scale):
-  """Online softmax of one block of query tokens (all G heads) over the split's keys."""
+  """Online softmax of one block of query tokens (all G heads) over the split's keys;
+  sm_scale: (the scores' scale, their soft cap or 0)."""
   page_row_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
   _, groups, d = q_ref.shape
   rows = block_q * groups
@@ -441,8 +442,9 @@ def _attend_page_block(blk, carry, *, q, q_pos, seq, refs, sm_scale):
   # by the mask below, but p = 0 times a NaN value is NaN in p @ v: zero those values.
   v = jnp.where(k_ok[:, None], v, jnp.zeros_like(v))
   precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # no TF32
-  scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32) * sm_scale
+  scale, cap = sm_scale
+  scores = _cap(lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32) * scale, cap)
   visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
   scores = jnp.where(visible, scores, _MASK_VALUE)
   m = jnp.maximum(m_prev, scores.max(axis=1))
@@ -457,8 +459,8 @@ def _attend_page_block(blk, carry, *, q, q_pos, seq, refs, sm_scale):
 
 def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                     layer=None, sm_scale=None, num_kv_splits=None, pages_per_block=None,
-                    num_warps=None, num_stages=None, interpret=None, _block_q=None,
-                    _poison=None):
+                    num_warps=None, num_stages=None, interpret=None, softcap=0.0,
+                    _block_q=None, _poison=None):
   """Ragged paged attention; returns out [T, Hq, D] in q's dtype.
 
   q [T, Hq, D]; k_pages, v_pages [P, page_size, Hkv, D], or every layer's cache
@@ -473,7 +475,8 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   num_seqs [1] or [].
   num_kv_splits, pages_per_block: default from the shapes; num_warps, num_stages: Triton
   launch parameters on GPU (default 4 and 2; `benchmarks.paged_decode --tiles` times
-  alternatives), ignored when interpreted.
+  alternatives), ignored when interpreted. softcap > 0: scores soft-capped (Gemma 2), as
+  in paged_attention_reference.
   Rows at or past cu_q_lens[num_seqs] are padding: their output is exactly 0 (even if
   their q is NaN). `_block_q` and `_poison` (a fill value for the per-split outputs before
   the kernel runs, to prove every live element gets written) are for tests.
@@ -508,7 +511,8 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   _check_tiling(splits, ppb, block_q, interpret, padded_groups, d, page_size)
   kernel = functools.partial(
       _paged_attention_kernel, block_q=block_q, pages_per_block=ppb, num_kv_splits=splits,
-      sm_scale=1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale))
+      sm_scale=1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale),
+      softcap=float(softcap or 0.0))
   args = (num_seqs, layer, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages)
   o, lse = _call_kernel(kernel, args, grid=(max_seqs, hkv, splits), poison=_poison,
                         interpret=interpret, gpu_params=(num_warps or 4, num_stages or 2))

@@ -95,11 +95,11 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 def resolve_attention(cfg, model_cfg=None) -> str:
   """The paged attention of --attention (cfg.attention): 'auto' is the Pallas kernel on a
-  GPU and XLA's elsewhere, and XLA's for a model with a sliding window or soft-capped
-  attention (the one that computes them)."""
+  GPU and XLA's elsewhere, and XLA's for a model with a sliding window (the one that
+  computes it)."""
   if cfg.attention != 'auto':
     return cfg.attention
-  if model_cfg is not None and (model_cfg.sliding_window or model_cfg.attn_softcap):
+  if model_cfg is not None and model_cfg.sliding_window:
     return 'xla'
   import jax  # pylint: disable=import-outside-toplevel
   return 'pallas' if jax.default_backend() == 'gpu' else 'xla'

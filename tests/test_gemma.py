@@ -104,27 +104,42 @@ def test_the_scanned_paged_forward_equals_the_unrolled_one():
       params, cache), scanned) > 1e-4
 
 
+def test_the_pallas_paged_kernel_soft_caps_as_xla():
+  """A soft-capped model without windows (Gemma 2's attention, every layer global)
+  served through the Pallas paged kernel (interpreted) gives XLA's paged logits."""
+  cfg = ModelConfig(vocab_size=64, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
+                    max_seq_len=64, init_std=0.3, **{**GEMMA2, 'global_every': 0,
+                                                     'sliding_window': 0})
+  params = random_norms(model.init_params(cfg, jax.random.key(0)))
+  n = 12
+  batch = paged.PagedBatch(
+      tokens=jnp.arange(n, dtype=jnp.int32) * 5 % 64, positions=jnp.arange(n, dtype=jnp.int32),
+      slots=jnp.arange(n, dtype=jnp.int32), kv_lens=jnp.asarray([n], jnp.int32),
+      page_indices=jnp.arange(4, dtype=jnp.int32)[None],
+      cu_q_lens=jnp.asarray([0, n], jnp.int32), num_seqs=jnp.asarray([1], jnp.int32),
+      sample_rows=jnp.arange(n, dtype=jnp.int32))
+  run = lambda impl, c: jax.jit(lambda p, k: paged.sampled_logits(p, k, batch, c, impl=impl)[0])(
+      params, paged.init_kv_cache(c, 4, 4))
+  want = run('xla', cfg)
+  assert rel_err(run('pallas', cfg), want) < 1e-5
+  assert rel_err(run('xla', dataclasses.replace(cfg, attn_softcap=0.0)), want) > 1e-4
+
+
 def test_soft_capping_is_refused_where_it_is_not_computed():
-  """cuDNN, the Mosaic kernels, the Pallas paged kernel and context parallelism do not
-  soft-cap attention: refused at start, by name; --attention auto serves with XLA."""
+  """cuDNN, the Mosaic kernels and context parallelism do not soft-cap attention:
+  refused at start, by name; both paged attentions do."""
   with pytest.raises(ValueError, match=r"attn_softcap=50.0 runs with attention_impl xla or "
                                        r"pallas \(it is 'cudnn'\)"):
     ModelConfig(attn_softcap=50.0, attention_impl='cudnn').validate()
   with pytest.raises(ValueError, match='the Mosaic GPU kernels do not soft-cap'):
     ModelConfig(attn_softcap=50.0, attention_impl='pallas', pallas_backend='mosaic_gpu',
                 dtype='bfloat16').validate()
-  with pytest.raises(ValueError, match="the 'pallas' paged attention does not soft-cap; "
-                                       'serve this model with --attention xla'):
-    paged.check_impl(ModelConfig(attn_softcap=50.0), 'pallas')
+  for impl in ('xla', 'pallas'):
+    paged.check_impl(ModelConfig(attn_softcap=50.0), impl)
   cfg = train_config.Config()
   cfg.model.attn_softcap, cfg.mesh.context, cfg.mesh.data = 50.0, 2, 4
   with pytest.raises(ValueError, match='mesh.context=2 with model.attn_softcap=50.0'):
     train_config.validate(cfg, 8)
-  import argparse  # pylint: disable=import-outside-toplevel
-  from serve import config as serve_config  # pylint: disable=import-outside-toplevel
-  args = serve_config.add_engine_args(argparse.ArgumentParser()).parse_args(
-      ['--hf-model', 'unused'])
-  assert serve_config.resolve_attention(args, ModelConfig(attn_softcap=50.0)) == 'xla'
 
 
 GEMMA3_JSON = {'architectures': ['Gemma3ForCausalLM'], 'model_type': 'gemma3_text',
