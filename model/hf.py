@@ -88,7 +88,7 @@ FAMILIES = {
                                 activation=('hidden_activation', 'gelu_pytorch_tanh')),
     'Gemma3ForCausalLM': Family('gemma3_text', hf_gemma.GEMMA3_DEFAULTS,
                                 fields={**hf_gemma.FIELDS, 'qk_norm': True},
-                                required=hf_gemma.REQUIRED, refused=hf_gemma.REFUSED,
+                                required=hf_gemma.REQUIRED, refused=hf_gemma.REFUSED_GEMMA3,
                                 activation=('hidden_activation', 'gelu_pytorch_tanh')),
 }
 # Refused in every family (the docs' table): other activations, RoPE scalings and windows.
@@ -204,13 +204,12 @@ def model_config(hf: dict, dtype: str = 'float32') -> ModelConfig:
   check_supported(hf)
   arch = _architecture(hf)
   family, heads = FAMILIES[arch], hf['num_attention_heads']
-  theta, scaling = _rope(hf) if not family.gemma else (0.0, {})
-  experts = _experts(hf, family)
-  if family.gemma:   # its own fields, the RoPE bases included
-    experts = hf_gemma.model_fields(hf, lambda key: _get(hf, key),
-                                    arch == 'Gemma3ForCausalLM')
-    theta = experts.pop('rope_theta')
-  fields = {'sliding_window': _sliding_window(hf)[0], **family.fields, **experts}
+  if family.gemma:   # its own fields, the RoPE bases and the layers' windows included
+    extra = hf_gemma.model_fields(hf, lambda key: _get(hf, key), arch == 'Gemma3ForCausalLM')
+    theta, scaling = extra.pop('rope_theta'), {}
+  else:
+    extra, (theta, scaling) = _experts(hf, family), _rope(hf)
+  fields = {'sliding_window': _sliding_window(hf)[0], **family.fields, **extra}
   cfg = ModelConfig(
       vocab_size=hf['vocab_size'], num_layers=hf['num_hidden_layers'],
       embed_dim=hf['hidden_size'], mlp_dim=hf['intermediate_size'], num_heads=heads,

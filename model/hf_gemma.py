@@ -30,7 +30,9 @@ GEMMA3_DEFAULTS = {'rms_norm_eps': 1e-6, 'num_key_value_heads': 4, 'head_dim': 2
 # config.json field -> the only value read (the docs' refused column).
 REQUIRED = {'hidden_activation': 'gelu_pytorch_tanh', 'attention_bias': False,
             'use_bidirectional_attention': False}
-REFUSED = 'layer_types other than every N-th layer global; Gemma 3 multimodal (Gemma3ForConditionalGeneration)'
+REFUSED = 'layer_types other than every N-th layer global'
+REFUSED_GEMMA3 = (f'{REFUSED}; a full_attention rope_type other than linear; the multimodal '
+                  'Gemma3ForConditionalGeneration')
 
 # Each layer's four norms, by Gemma's names (input_layernorm and pre_feedforward_layernorm
 # before the attention and the MLP, the post_ ones on their outputs).
