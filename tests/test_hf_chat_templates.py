@@ -339,7 +339,8 @@ def test_chat_completions_run_the_templates_prompt(style, served_dir):
   with torch.no_grad():
     out = hf.generate(torch.as_tensor([want]), max_new_tokens=6, do_sample=False,
                       pad_token_id=0)[0, len(want):].tolist()
-  assert reply.choices[0].message.content == ref.decode(out, skip_special_tokens=True)
+  assert reply.choices[0].message.content == ref.decode(out, skip_special_tokens=True), (
+      out, reply.choices[0].logprobs)
   assert reply.usage.prompt_tokens == len(want)
   assert ''.join(deltas) == reply.choices[0].message.content   # streamed: the same text
   assert seen[1] == want
@@ -442,7 +443,7 @@ def test_a_served_gemma_answers_its_templates_prompt(gemma, tmp_path):
     client = openai.OpenAI(base_url=server.url + '/v1', api_key='none', max_retries=0,
                            timeout=120)
     reply = client.chat.completions.create(model=served.name, messages=messages,
-                                           max_tokens=6, temperature=0,
+                                           max_tokens=6, temperature=0, logprobs=True,
                                            extra_body={'ignore_eos': True})
   finally:
     server.stop()
@@ -454,4 +455,5 @@ def test_a_served_gemma_answers_its_templates_prompt(gemma, tmp_path):
   with torch.no_grad():
     out = hf.generate(torch.as_tensor([want]), max_new_tokens=6, do_sample=False,
                       pad_token_id=0)[0, len(want):].tolist()
-  assert reply.choices[0].message.content == ref.decode(out, skip_special_tokens=True)
+  assert reply.choices[0].message.content == ref.decode(out, skip_special_tokens=True), (
+      out, reply.choices[0].logprobs)
