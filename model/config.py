@@ -2,12 +2,16 @@
 
 import dataclasses
 
+import numpy as np
+
 ATTENTION_IMPLS = ('xla', 'cudnn', 'pallas')
 # The flash kernels attention_impl='pallas' runs (pallas_kernels.flash_attention's backend).
 PALLAS_BACKENDS = ('auto', 'triton', 'mosaic_gpu', 'mosaic_gpu_fused')
 REMAT_POLICIES = ('none', 'full', 'save_attention', 'save_matmuls', 'offload')
 ROUTERS = ('softmax', 'sigmoid')
 MOE_DISPATCH = ('capacity', 'dropless')
+MLP_ACTIVATIONS = ('silu', 'gelu_tanh')
+ROPE_SCALINGS = ('llama3', 'linear')
 
 
 @dataclasses.dataclass
@@ -41,6 +45,13 @@ class ModelConfig:
   """Llama-3 RoPE scaling: wavelengths above original_max_len / this are scaled fully."""
   rope_high_freq_factor: float = 4.0
   """Llama-3 RoPE scaling: wavelengths below original_max_len / this are kept."""
+  rope_scaling_type: str = 'llama3'
+  """How rope_scaling_factor scales: 'llama3' (the band above), or 'linear' (every
+  frequency divided by it: Gemma 3's global layers)."""
+  rope_local_theta: float = 0.0
+  """>0: the RoPE base of the sliding-window layers when global_every alternates them
+  (Gemma 3's rope_local_base_freq, unscaled); rope_theta (scaled) stays the global
+  layers'. 0: rope_theta in every layer."""
   norm_eps: float = 1e-5
   """RMSNorm epsilon."""
   qkv_bias: bool = False
@@ -48,11 +59,35 @@ class ModelConfig:
   qk_norm: bool = False
   """RMSNorm (norm_eps, a learned scale of head_dim) on each query and key head before RoPE
   (Qwen3)."""
+  global_every: int = 0
+  """>0: layers alternate, every global_every-th (layers global_every-1, 2*global_every-1,
+  ...) attending the whole context and the others the sliding_window (Gemma 2: 2, Gemma 3:
+  6); the per-layer choice travels through the layer scan as an array. 0: every layer
+  alike."""
   sliding_window: int = 0
   """>0: each query attends only the last sliding_window positions, itself included
   (Mistral, Mixtral, Qwen's use_sliding_window); attention_impl xla or pallas, no context
   parallelism; serving's paged attention xla, its cache keeping the keys outside the
   window, masked. 0: the whole context."""
+  mlp_activation: str = 'silu'
+  """The gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU with the tanh
+  approximation: Gemma)."""
+  norm_plus_one: bool = False
+  """RMSNorm scales x by (1 + w), the weights stored around 0 (Gemma); False: by w."""
+  embed_scale: bool = False
+  """Embeddings multiplied by sqrt(embed_dim), in the compute dtype (Gemma)."""
+  sandwich_norms: bool = False
+  """An RMSNorm also on the attention's and the MLP's outputs before each residual add
+  (Gemma 2/3's post_attention and post_feedforward norms)."""
+  query_pre_attn_scalar: float = 0.0
+  """>0: attention scores scaled by query_pre_attn_scalar**-0.5 (Gemma); 0:
+  head_dim**-0.5."""
+  attn_softcap: float = 0.0
+  """>0: attention scores soft-capped, cap * tanh(scores / cap), before the mask and
+  softmax (Gemma 2's attn_logit_softcapping); attention_impl xla or pallas (triton)."""
+  final_softcap: float = 0.0
+  """>0: output logits soft-capped, cap * tanh(logits / cap) (Gemma 2's
+  final_logit_softcapping), in the loss and in serving."""
   hf_architecture: str = ''
   """The Hugging Face architecture `python -m serve.hf_export` writes (init_from_hf sets the
   directory's: model/hf.py's FAMILIES); '': the one the fields give (LlamaForCausalLM;
@@ -134,6 +169,17 @@ class ModelConfig:
     return self.moe_mlp_dim or self.resolved_mlp_dim
 
   @property
+  def attention_scale(self) -> float:
+    return (self.query_pre_attn_scalar or self.resolved_head_dim) ** -0.5
+
+  def layer_is_local(self):
+    """[num_layers] bool numpy array: which layers keep to the sliding window (with
+    global_every; else every layer alike, None)."""
+    if not self.global_every:
+      return None
+    return (np.arange(self.num_layers) + 1) % self.global_every != 0
+
+  @property
   def num_moe_layers(self) -> int:
     return self.num_layers // self.moe_every if self.num_experts else 0
 
@@ -155,6 +201,7 @@ class ModelConfig:
     need(not self.sliding_window or self.attention_impl in ('xla', 'pallas'),
          f'model.sliding_window={self.sliding_window} runs with attention_impl xla or pallas '
          f'(it is {self.attention_impl!r}): set model.attention_impl to one of them.')
+    self._validate_gemma(need)
     need(self.remat in REMAT_POLICIES,
          f'model.remat={self.remat!r}: choose one of {REMAT_POLICIES}.')
     need(self.remat != 'save_attention' or self.attention_impl in ('pallas', 'cudnn'),
@@ -179,6 +226,27 @@ class ModelConfig:
       need(getattr(self, name) in ('float32', 'bfloat16', 'float16'),
            f'model.{name}={getattr(self, name)!r}: choose float32, bfloat16 or float16.')
     self._validate_moe(need)
+
+  def _validate_gemma(self, need) -> None:
+    need(self.mlp_activation in MLP_ACTIVATIONS,
+         f'model.mlp_activation={self.mlp_activation!r}: choose one of {MLP_ACTIVATIONS}.')
+    need(self.rope_scaling_type in ROPE_SCALINGS,
+         f'model.rope_scaling_type={self.rope_scaling_type!r}: choose one of {ROPE_SCALINGS}.')
+    for name in ('global_every', 'rope_local_theta', 'query_pre_attn_scalar', 'attn_softcap',
+                 'final_softcap'):
+      need(getattr(self, name) >= 0, f'model.{name}={getattr(self, name)} must be >= 0.')
+    need(not self.rope_local_theta or self.global_every,
+         f'model.rope_local_theta={self.rope_local_theta} is the base of the local layers '
+         'global_every alternates: set model.global_every too, or rope_local_theta=0.')
+    need(not self.global_every or not self.num_experts,
+         f'model.global_every={self.global_every} alternates dense layers only: set '
+         'model.num_experts=0 or model.global_every=0.')
+    need(not self.attn_softcap or self.attention_impl in ('xla', 'pallas'),
+         f'model.attn_softcap={self.attn_softcap} runs with attention_impl xla or pallas (it '
+         f'is {self.attention_impl!r}): set model.attention_impl to one of them.')
+    need(not self.attn_softcap or not self.pallas_backend.startswith('mosaic_gpu'),
+         f'model.attn_softcap={self.attn_softcap}: the Mosaic GPU kernels do not soft-cap; '
+         "set model.pallas_backend='triton'.")
 
   def _validate_moe(self, need) -> None:
     need(self.num_experts >= 0, f'model.num_experts={self.num_experts} must be >= 0 (0: dense).')

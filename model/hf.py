@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from model import hf_gemma
 from model.config import ModelConfig
 from model.transformer import abstract_params
 
@@ -47,6 +48,11 @@ class Family:
   required: dict = dataclasses.field(default_factory=dict)   # config.json field -> the
   # only value read (its config class has the field; other classes ignore it)
   refused: str = ''     # what else of the family is refused (the docs' table)
+  activation: tuple = ('hidden_act', 'silu')   # its config's activation field, the value read
+
+  @property
+  def gemma(self) -> bool:
+    return self.model_type in ('gemma2', 'gemma3_text')
 
 
 FAMILIES = {
@@ -77,16 +83,22 @@ FAMILIES = {
         fields={'qk_norm': True}, experts='qwen3_moe', required={'attention_bias': False},
         refused='mlp_only_layers; a decoder_sparse_step not dividing num_hidden_layers; '
                 'num_experts_per_tok=1 with norm_topk_prob; experts fused in one tensor'),
+    'Gemma2ForCausalLM': Family('gemma2', hf_gemma.GEMMA2_DEFAULTS, fields=hf_gemma.FIELDS,
+                                required=hf_gemma.REQUIRED, refused=hf_gemma.REFUSED,
+                                activation=('hidden_activation', 'gelu_pytorch_tanh')),
+    'Gemma3ForCausalLM': Family('gemma3_text', hf_gemma.GEMMA3_DEFAULTS,
+                                fields={**hf_gemma.FIELDS, 'qk_norm': True},
+                                required=hf_gemma.REQUIRED, refused=hf_gemma.REFUSED_GEMMA3,
+                                activation=('hidden_activation', 'gelu_pytorch_tanh')),
 }
-# HF config field -> the value it must have in every family for our model to compute the
-# same thing.
-_REQUIRED = {'hidden_act': 'silu'}
 # Refused in every family (the docs' table): other activations, RoPE scalings and windows.
-REFUSED_EVERYWHERE = (*(f'{k} other than {v}' for k, v in _REQUIRED.items()),
-                      "rope scaling other than 'llama3'",
-                      'a sliding window in some layers only (max_window_layers, layer_types)')
-# ModelConfig fields a family may fix (Family.fields); the others' are off.
-_FAMILY_FIELDS = ('qkv_bias', 'qk_norm')
+REFUSED_EVERYWHERE = ('an activation other than the family\'s (silu; Gemma: gelu_pytorch_tanh)',
+                      "rope scaling other than 'llama3' or 'linear'",
+                      'a sliding window in some layers only (max_window_layers, layer_types), '
+                      'but Gemma\'s every N-th layer global')
+# ModelConfig fields a family may fix (Family.fields); the others' are at their defaults.
+_FAMILY_FIELDS = ('qkv_bias', 'qk_norm', 'mlp_activation', 'norm_plus_one', 'embed_scale',
+                  'sandwich_norms')
 
 
 def _architecture(hf: dict) -> str:
@@ -107,8 +119,13 @@ def check_supported(hf: dict) -> None:
     raise ValueError(f'config.json architectures={archs} is not supported: only '
                      f'{", ".join(FAMILIES)} can be read.')
   family = FAMILIES[archs[0]]
-  for key, want in {'model_type': family.model_type, **_REQUIRED, **family.required}.items():
+  if family.gemma:
+    hf_gemma.check(hf, lambda key: _get(hf, key))
+  activation = dict([family.activation])
+  for key, want in {'model_type': family.model_type, **activation, **family.required}.items():
     got = hf.get(key, want)
+    if got is None and family.gemma:   # transformers' Gemma configs save None for False
+      continue
     if got != want:
       raise ValueError(f'config.json {key}={got!r} is not supported: only {archs[0]} '
                        f'models with {key}={want!r} can be read.')
@@ -153,7 +170,8 @@ def _sliding_window(hf: dict) -> tuple[int, bool]:
   """(the window of the layers that slide, whether every layer does), as transformers
   reads config.json; (0, True) where none does, or the window spans the context."""
   defaults = FAMILIES[_architecture(hf)].defaults
-  if 'sliding_window' not in defaults:   # Llama has no sliding window
+  if 'sliding_window' not in defaults or FAMILIES[_architecture(hf)].gemma:
+    # Llama has no sliding window; Gemma's alternates (hf_gemma.layer_pattern)
     return 0, True
   window = _get(hf, 'sliding_window')
   if 'use_sliding_window' in defaults and not _get(hf, 'use_sliding_window'):   # Qwen
@@ -175,19 +193,23 @@ def _rope(hf: dict) -> tuple[float, dict]:
   params = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
   theta = float(params.get('rope_theta', _get(hf, 'rope_theta')))
   kind = params.get('rope_type', params.get('type', 'default'))
-  if kind not in ('default', 'llama3'):
+  if kind not in ('default', 'llama3', 'linear'):
     raise ValueError(f"config.json rope scaling rope_type={kind!r} is not supported: only "
-                     "'llama3' scaling (or none) can be read.")
-  return theta, (params if kind == 'llama3' else {})
+                     "'llama3' or 'linear' scaling (or none) can be read.")
+  return theta, (params if kind != 'default' else {})
 
 
 def model_config(hf: dict, dtype: str = 'float32') -> ModelConfig:
   """Our ModelConfig for a config.json dict of one of FAMILIES."""
   check_supported(hf)
-  theta, scaling = _rope(hf)
   arch = _architecture(hf)
   family, heads = FAMILIES[arch], hf['num_attention_heads']
-  experts = _experts(hf, family)
+  if family.gemma:   # its own fields, the RoPE bases and the layers' windows included
+    extra = hf_gemma.model_fields(hf, lambda key: _get(hf, key), arch == 'Gemma3ForCausalLM')
+    theta, scaling = extra.pop('rope_theta'), {}
+  else:
+    extra, (theta, scaling) = _experts(hf, family), _rope(hf)
+  fields = {'sliding_window': _sliding_window(hf)[0], **family.fields, **extra}
   cfg = ModelConfig(
       vocab_size=hf['vocab_size'], num_layers=hf['num_hidden_layers'],
       embed_dim=hf['hidden_size'], mlp_dim=hf['intermediate_size'], num_heads=heads,
@@ -195,9 +217,10 @@ def model_config(hf: dict, dtype: str = 'float32') -> ModelConfig:
       head_dim=_get(hf, 'head_dim') or hf['hidden_size'] // heads,
       max_seq_len=_get(hf, 'max_position_embeddings'), rope_theta=theta,
       norm_eps=_get(hf, 'rms_norm_eps'), tie_embeddings=bool(_get(hf, 'tie_word_embeddings')),
-      sliding_window=_sliding_window(hf)[0], dtype=dtype, param_dtype=dtype,
-      hf_architecture=arch, **family.fields, **experts)
-  if scaling:
+      dtype=dtype, param_dtype=dtype, hf_architecture=arch, **fields)
+  if scaling.get('rope_type', scaling.get('type')) == 'linear':
+    cfg.rope_scaling_type, cfg.rope_scaling_factor = 'linear', float(scaling['factor'])
+  elif scaling:
     cfg.rope_scaling_factor = float(scaling['factor'])
     cfg.rope_original_max_len = int(scaling['original_max_position_embeddings'])
     cfg.rope_low_freq_factor = float(scaling.get('low_freq_factor', 1.0))
@@ -231,10 +254,18 @@ def export_architecture(cfg: ModelConfig) -> str:
                      f'of {", ".join(FAMILIES)}, or leave it empty.')
   family = FAMILIES[arch]
   for field in _FAMILY_FIELDS:
-    want = family.fields.get(field, False)
+    want = family.fields.get(field, ModelConfig.__dataclass_fields__[field].default)
     if getattr(cfg, field) != want:
-      raise ValueError(f'model.{field}={getattr(cfg, field)}: {arch} has '
-                       f'{field}={want}; this model has no {arch} form to export to.')
+      raise ValueError(f'model.{field}={getattr(cfg, field)!r}: {arch} has '
+                       f'{field}={want!r}; this model has no {arch} form to export to.')
+  if family.gemma:
+    hf_gemma.check_export(cfg, arch)
+    return arch
+  for field in ('global_every', 'rope_local_theta', 'query_pre_attn_scalar', 'attn_softcap',
+                'final_softcap'):
+    if getattr(cfg, field):
+      raise ValueError(f'model.{field}={getattr(cfg, field)}: {arch} has none (Gemma 2 and 3 '
+                       f'do); this model has no {arch} form to export to.')
   if cfg.sliding_window and 'sliding_window' not in family.defaults:
     raise ValueError(f'model.sliding_window={cfg.sliding_window}: {arch} has no sliding '
                      f'window; this model has no {arch} form to export to.')
@@ -252,6 +283,8 @@ def _architecture_of(cfg: ModelConfig) -> str:
     return cfg.hf_architecture
   if cfg.num_experts:
     return 'Qwen3MoeForCausalLM' if cfg.qk_norm else 'MixtralForCausalLM'
+  if cfg.sandwich_norms:
+    return 'Gemma3ForCausalLM' if cfg.qk_norm else 'Gemma2ForCausalLM'
   return ('Qwen2ForCausalLM' if cfg.qkv_bias else 'Qwen3ForCausalLM' if cfg.qk_norm
           else 'MistralForCausalLM' if cfg.sliding_window else 'LlamaForCausalLM')
 
@@ -297,7 +330,8 @@ def hf_config(cfg: ModelConfig, dtype: str, eos_id: int, bos_id: int | None = No
   family = FAMILIES[arch]
   out = {
       'architectures': [arch], 'model_type': family.model_type,
-      **_EXPORT_FIELDS[family.model_type], 'hidden_act': 'silu', 'vocab_size': cfg.vocab_size,
+      **_EXPORT_FIELDS.get(family.model_type, {}), 'hidden_act': 'silu',
+      'vocab_size': cfg.vocab_size,
       'num_hidden_layers': cfg.num_layers, 'hidden_size': cfg.embed_dim,
       'intermediate_size': (cfg.resolved_moe_mlp_dim if family.experts == 'mixtral'
                             else cfg.resolved_mlp_dim), 'num_attention_heads': cfg.num_heads,
@@ -306,6 +340,9 @@ def hf_config(cfg: ModelConfig, dtype: str, eos_id: int, bos_id: int | None = No
       'rms_norm_eps': cfg.norm_eps, 'tie_word_embeddings': cfg.tie_embeddings,
       'torch_dtype': dtype, 'eos_token_id': eos_id, 'bos_token_id': bos_id,
       'initializer_range': cfg.init_std}
+  if family.gemma:
+    del out['hidden_act'], out['rope_theta']
+    return {**out, **hf_gemma.hf_fields(cfg, arch)}
   if family.experts == 'mixtral':
     out.update({'num_local_experts': cfg.num_experts})
   elif family.experts == 'qwen3_moe':
@@ -321,7 +358,9 @@ def hf_config(cfg: ModelConfig, dtype: str, eos_id: int, bos_id: int | None = No
       out['use_sliding_window'] = True
     if 'max_window_layers' in family.defaults:   # Qwen2, Qwen3: from the first layer on
       out['max_window_layers'] = 0
-  if cfg.rope_scaling_factor != 1.0:
+  if cfg.rope_scaling_factor != 1.0 and cfg.rope_scaling_type == 'linear':
+    out['rope_scaling'] = {'rope_type': 'linear', 'factor': cfg.rope_scaling_factor}
+  elif cfg.rope_scaling_factor != 1.0:
     out['rope_scaling'] = {
         'rope_type': 'llama3', 'factor': cfg.rope_scaling_factor,
         'original_max_position_embeddings': cfg.rope_original_max_len,
@@ -406,6 +445,9 @@ def _layer_groups(cfg: ModelConfig) -> list[tuple[str, list[int], tuple, tuple]]
   table, its per-expert table) for each group cfg has: 'layers' the dense layers,
   'moe_layers' every moe_every-th (model.transformer's groups), after _check_experts."""
   extras = (_QKV_BIAS if cfg.qkv_bias else ()) + (_QK_NORM if cfg.qk_norm else ())
+  if cfg.sandwich_norms:   # Gemma: its four norms in place of Llama's two
+    table = tuple(t for t in _LAYER if t[1] not in ('attn_norm', 'mlp_norm'))
+    return [('layers', list(range(cfg.num_layers)), hf_gemma.NORMS + table + extras, ())]
   if not cfg.num_experts:
     return [('layers', list(range(cfg.num_layers)), _LAYER + extras, ())]
   arch = export_architecture(cfg)

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
-from model.transformer import (RESIDUAL, Params, Rope, logits, output_projection,
-                               project_qkv, residual_block, rms_norm, rope_inv_freq,
-                               rope_tables)
+from model.transformer import (RESIDUAL, Params, Rope, Ropes, by_layer_window,
+                               embed_scaled, logits, model_rope, norm, output_projection,
+                               project_qkv, residual_block, with_layer_kinds)
 from pallas_kernels.paged_attention import paged_attention, paged_attention_xla
 from sharding.rules import ShardingPlan, constrain
 
@@ -100,13 +100,17 @@ def check_impl(cfg: ModelConfig, impl: str) -> None:
                      "attention sees the whole context; serve this model with --attention xla.")
 
 
-def paged_attend(q, k_pages, v_pages, meta, impl: str, plan, sliding_window: int = 0):
+def paged_attend(q, k_pages, v_pages, meta, impl: str, plan, sliding_window: int = 0,
+                 sm_scale: float | None = None, softcap: float = 0.0):
   """q [T, Hq, D] over pages [..., page, Hkv, D] (layer_pages' form); with a plan, each
   tensor shard attends its own kv heads and their q heads (the kernel is opaque to the
-  partitioner). sliding_window: model.sliding_window (xla only)."""
-  fn = PAGED_ATTENTION[impl]
+  partitioner). sliding_window: model.sliding_window (xla only); softcap:
+  model.attn_softcap; sm_scale: the scores' scale (None: 1/sqrt(D))."""
+  fn = functools.partial(PAGED_ATTENTION[impl], sm_scale=sm_scale)
   if sliding_window:
     fn = functools.partial(fn, sliding_window=sliding_window)
+  if softcap:
+    fn = functools.partial(fn, softcap=softcap)
   if impl == 'xla' and q.shape[0] <= SMALL_STEP:
     fn = functools.partial(fn, block_k=SMALL_STEP_BLOCK_K, row_tokens=SMALL_STEP)
   if impl == 'xla' and q.shape[0] ** 2 * q.shape[1] <= STEP_DENSE_MAX_SCORES:
@@ -145,33 +149,35 @@ def paged_attention_layer(x, layer, index, cache, batch, cfg, rope, impl, plan):
   q, k, v = project_qkv(x, layer, cfg, rope, plan)
   cache = write_kv(cache, index, k[0], v[0], batch.slots)
   k_pages, v_pages, meta = layer_pages(cache, index, batch, impl)
-  out = paged_attend(q[0], k_pages, v_pages, meta, impl, plan, cfg.sliding_window)
+  attend = lambda window: paged_attend(q[0], k_pages, v_pages, meta, impl, plan, window,
+                                       cfg.attention_scale, cfg.attn_softcap)
+  out = by_layer_window(layer.get('local'), attend, cfg.sliding_window)
   return output_projection(out[None], layer), cache
 
 
 # -------------------------------------------------------------------------------- forward
 
-def rope_table(cfg: ModelConfig, max_len: int) -> Rope:
+def rope_table(cfg: ModelConfig, max_len: int) -> Rope | Ropes:
   """sin/cos of every position below max_len ([1, max_len, 1, e/2] each), for
   paged_forward's `rope`: computed by rope_tables itself, so the rows are the values a
   step would compute (bitwise; checked). A step then gathers its rows: XLA:CPU otherwise
   fuses a sin and a cos per element into every layer's q and k, a few percent of a step
   (benchmarks/results/serving_model_cpu.md)."""
-  tables = jax.jit(functools.partial(rope_tables, inv_freq=rope_inv_freq(cfg)))
+  tables = jax.jit(functools.partial(model_rope, cfg=cfg))
   return tables(jnp.arange(max_len, dtype=jnp.int32)[None])
 
 
 def paged_forward(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelConfig, *,
                   impl: str = 'xla', plan: ShardingPlan | None = None,
-                  rope: Rope | None = None):
+                  rope: Rope | Ropes | None = None):
   """Final hidden states [1, T, d] of the batch's tokens, and the updated cache. rope:
   rope_table's output covering every position in the batch (else computed here)."""
   check_impl(cfg, impl)
   if rope is None:
-    rope = rope_tables(batch.positions[None], rope_inv_freq(cfg))
+    rope = model_rope(batch.positions[None], cfg)
   else:
-    rope = Rope(*(x[:, batch.positions] for x in rope))
-  x = params['embed'][batch.tokens[None]].astype(cfg.dtype)
+    rope = jax.tree.map(lambda x: x[:, batch.positions], rope)
+  x = embed_scaled(params['embed'][batch.tokens[None]], cfg)
   x = constrain(x, RESIDUAL, plan)
 
   def body(carry, layer_and_index):
@@ -181,15 +187,18 @@ def paged_forward(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelC
                                              plan)
     return residual_block(x, layer, cfg, plan, attend), None
 
+  kinds = cfg.layer_is_local()
   if isinstance(params.get('layers'), (list, tuple)):   # unstack_layers' form
     for index, layer in enumerate(params['layers']):
+      if kinds is not None:   # a Python bool: this layer's attention alone is traced
+        layer = {**layer, 'local': bool(kinds[index])}
       (x, cache), _ = body((x, cache), (layer, index))
   elif cfg.num_experts:
     x, cache = _moe_groups(body, (x, cache), params, cfg)
   else:
-    layers = (params['layers'], jnp.arange(cfg.num_layers))
+    layers = (with_layer_kinds(params['layers'], cfg), jnp.arange(cfg.num_layers))
     (x, cache), _ = jax.lax.scan(body, (x, cache), layers)
-  return rms_norm(x, params['final_norm'], cfg.norm_eps), cache
+  return norm(x, params['final_norm'], cfg), cache
 
 
 def unstack_layers(params: Params, cfg: ModelConfig) -> Params:
@@ -235,7 +244,7 @@ def _moe_groups(body, carry, params: Params, cfg: ModelConfig):
 
 def sampled_logits(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelConfig, *,
                    impl: str = 'xla', plan: ShardingPlan | None = None,
-                   rope: Rope | None = None):
+                   rope: Rope | Ropes | None = None):
   """float32 logits [R, vocab] of the batch's sample rows (only those reach the head),
   and the updated cache."""
   hidden, cache = paged_forward(params, cache, batch, cfg, impl=impl, plan=plan, rope=rope)

@@ -45,12 +45,12 @@ def param_specs(cfg: ModelConfig) -> Params:
   L, D, F, V = cfg.num_layers, cfg.embed_dim, cfg.resolved_mlp_dim, cfg.vocab_size
   H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
   layers = {
-      'attn_norm': ParamSpec((L, D), ('layers', 'embed'), 'ones'),
+      'attn_norm': ParamSpec((L, D), ('layers', 'embed'), _norm_init(cfg)),
       'wq': ParamSpec((L, D, H, E), ('layers', 'embed', 'heads', 'head_dim'), 'normal'),
       'wk': ParamSpec((L, D, K, E), ('layers', 'embed', 'kv_heads', 'head_dim'), 'normal'),
       'wv': ParamSpec((L, D, K, E), ('layers', 'embed', 'kv_heads', 'head_dim'), 'normal'),
       'wo': ParamSpec((L, H, E, D), ('layers', 'heads', 'head_dim', 'embed'), 'residual'),
-      'mlp_norm': ParamSpec((L, D), ('layers', 'embed'), 'ones'),
+      'mlp_norm': ParamSpec((L, D), ('layers', 'embed'), _norm_init(cfg)),
       'w_gate': ParamSpec((L, D, F), ('layers', 'embed', 'mlp'), 'normal'),
       'w_up': ParamSpec((L, D, F), ('layers', 'embed', 'mlp'), 'normal'),
       'w_down': ParamSpec((L, F, D), ('layers', 'mlp', 'embed'), 'residual'),
@@ -59,7 +59,7 @@ def param_specs(cfg: ModelConfig) -> Params:
   specs = {
       'embed': ParamSpec((V, D), ('vocab', 'embed'), 'normal'),
       'layers': layers,
-      'final_norm': ParamSpec((D,), ('embed',), 'ones'),
+      'final_norm': ParamSpec((D,), ('embed',), _norm_init(cfg)),
   }
   if not cfg.tie_embeddings:
     specs['lm_head'] = ParamSpec((D, V), ('embed', 'vocab'), 'normal')
@@ -71,15 +71,24 @@ def param_specs(cfg: ModelConfig) -> Params:
 def _attention_extras(cfg: ModelConfig) -> Params:
   """Per-layer q/k/v biases (qkv_bias) and q/k head norms (qk_norm)."""
   L, H, K, E = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+  norm_init = _norm_init(cfg)
   extras = {}
   if cfg.qkv_bias:
     extras['bq'] = ParamSpec((L, H, E), ('layers', 'heads', 'head_dim'), 'zeros')
     extras['bk'] = ParamSpec((L, K, E), ('layers', 'kv_heads', 'head_dim'), 'zeros')
     extras['bv'] = ParamSpec((L, K, E), ('layers', 'kv_heads', 'head_dim'), 'zeros')
   if cfg.qk_norm:
-    extras['q_norm'] = ParamSpec((L, E), ('layers', 'head_dim'), 'ones')
-    extras['k_norm'] = ParamSpec((L, E), ('layers', 'head_dim'), 'ones')
+    extras['q_norm'] = ParamSpec((L, E), ('layers', 'head_dim'), norm_init)
+    extras['k_norm'] = ParamSpec((L, E), ('layers', 'head_dim'), norm_init)
+  if cfg.sandwich_norms:
+    extras['post_attn_norm'] = ParamSpec((L, cfg.embed_dim), ('layers', 'embed'), norm_init)
+    extras['post_mlp_norm'] = ParamSpec((L, cfg.embed_dim), ('layers', 'embed'), norm_init)
   return extras
+
+
+def _norm_init(cfg: ModelConfig) -> str:
+  # With norm_plus_one a norm's weight w scales by 1 + w: its identity is w = 0.
+  return 'zeros' if cfg.norm_plus_one else 'ones'
 
 
 def _moe_param_specs(cfg: ModelConfig, specs: Params) -> None:
@@ -125,13 +134,17 @@ def count_params(cfg: ModelConfig) -> int:
 
 # ------------------------------------------------------------------------ rope and norm
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-  """RoPE inverse frequencies, with Llama-3 scaling for contexts past the original."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+  """RoPE inverse frequencies, with Llama-3 (or linear) scaling for contexts past the
+  original; local: the sliding-window layers' (rope_local_theta, unscaled)."""
   dim = cfg.resolved_head_dim
-  inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+  theta = cfg.rope_local_theta if local else cfg.rope_theta
+  inv_freq = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
   factor = cfg.rope_scaling_factor
-  if factor == 1.0:
+  if factor == 1.0 or local:
     return inv_freq.astype(np.float32)
+  if cfg.rope_scaling_type == 'linear':
+    return (inv_freq / factor).astype(np.float32)
   wavelen = 2 * np.pi / inv_freq
   low_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
   high_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
@@ -150,9 +163,54 @@ class Rope(NamedTuple):
   cos: jax.Array
 
 
+class Ropes(NamedTuple):
+  """Two bases (rope_local_theta): each layer takes one by its layer['local'] flag."""
+  full: Rope
+  local: Rope
+
+
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> Rope:
   angles = positions[:, :, None].astype(jnp.float32) * inv_freq   # [b, t, e/2]
   return Rope(jnp.sin(angles)[:, :, None], jnp.cos(angles)[:, :, None])
+
+
+def model_rope(positions: jax.Array, cfg: ModelConfig) -> Rope | Ropes:
+  """The tables every layer of cfg uses: one Rope, or Ropes with rope_local_theta."""
+  full = rope_tables(positions, rope_inv_freq(cfg))
+  if not cfg.rope_local_theta:
+    return full
+  return Ropes(full, rope_tables(positions, rope_inv_freq(cfg, local=True)))
+
+
+def layer_rope(rope: Rope | Ropes, layer) -> Rope:
+  """The layer's tables: its flag (layer['local'], traced in a scan) picks of Ropes."""
+  if not isinstance(rope, Ropes):
+    return rope
+  local = layer['local']
+  if isinstance(local, (bool, np.bool_)):
+    return rope.local if local else rope.full
+  return Rope(*(jnp.where(local, a, b) for a, b in zip(rope.local, rope.full)))
+
+
+def with_layer_kinds(layers, cfg: ModelConfig):
+  """The stacked layers with cfg.layer_is_local() as layers['local'] [L] (sliced by the
+  scan like the weights, no gradient), where global_every alternates them."""
+  kinds = cfg.layer_is_local()
+  if kinds is None:
+    return layers
+  return {**layers, 'local': jnp.asarray(kinds)}
+
+
+def norm(x: jax.Array, scale: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """rms_norm by the weight w, or by 1 + w with cfg.norm_plus_one (in float32)."""
+  if cfg.norm_plus_one:
+    scale = 1.0 + scale.astype(jnp.float32)
+  return rms_norm(x, scale, cfg.norm_eps)
+
+
+def softcap(x: jax.Array, cap: float) -> jax.Array:
+  """cap * tanh(x / cap) (cap 0: x)."""
+  return cap * jnp.tanh(x / cap) if cap else x
 
 
 def apply_rope(x: jax.Array, rope: Rope) -> jax.Array:
@@ -183,28 +241,31 @@ def attention_mask(segment_ids: jax.Array | None, t: int, window: int = 0) -> ja
   return causal[None] & same_doc
 
 
-def attention_xla(q, k, v, segment_ids, window: int = 0):
+def attention_xla(q, k, v, segment_ids, window: int = 0, scale: float | None = None,
+                  cap: float = 0.0):
   """Grouped-query attention without repeating K/V: q [b,t,h,e], k/v [b,s,k,e]; window:
-  model.sliding_window."""
+  model.sliding_window; scale: of the scores (None: 1/sqrt(e)); cap: attn_softcap."""
   b, t, h, e = q.shape
   mask = attention_mask(segment_ids, t, window)
   groups = h // k.shape[2]
   q = q.reshape(b, t, k.shape[2], groups, e)
   scores = jnp.einsum('btkge,bske->bkgts', q, k, preferred_element_type=jnp.float32)
-  scores = scores / math.sqrt(e)
+  scores = softcap(scores * (e ** -0.5 if scale is None else scale), cap)
   scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum('bkgts,bske->btkge', probs, v)
   return out.reshape(b, t, h, e)
 
 
-def attention_cudnn(q, k, v, segment_ids):
+def attention_cudnn(q, k, v, segment_ids, scale: float | None = None):
   # cuDNN's fused kernel on GPU; it does the grouped-query broadcast itself. Packed
   # documents need a dense [b, 1, t, s] mask: fine for short sequences only.
   if segment_ids is None:
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation='cudnn')
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                        implementation='cudnn')
   mask = attention_mask(segment_ids, q.shape[1])[:, None]
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation='cudnn')
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale,
+                                      implementation='cudnn')
 
 
 def _flash_kernels(backend: str) -> dict:
@@ -215,11 +276,14 @@ def _flash_kernels(backend: str) -> dict:
   return dict(backend=backend)
 
 
-def attention_pallas(q, k, v, segment_ids, plan, backend='auto', window: int = 0):
+def attention_pallas(q, k, v, segment_ids, plan, backend='auto', window: int = 0,
+                     scale: float | None = None, cap: float = 0.0):
   """The Pallas flash kernel, run per shard: a pallas_call is opaque to the partitioner.
   backend: model.pallas_backend ('mosaic_gpu_fused': the Mosaic GPU forward and its
-  one-kernel backward); window: model.sliding_window."""
-  kernels = {**_flash_kernels(backend), 'sliding_window': window or None}
+  one-kernel backward); window: model.sliding_window; scale, cap: attention_xla's."""
+  kernels = {**_flash_kernels(backend), 'sliding_window': window or None, 'sm_scale': scale}
+  if cap:
+    kernels['softcap'] = cap
   if plan is None:
     return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, **kernels)
   spec = plan.activations.spec
@@ -247,9 +311,10 @@ def project_qkv(x, layer, cfg: ModelConfig, rope: Rope, plan):
   if cfg.qkv_bias:
     q, k, v = (y + layer[b].astype(dtype) for y, b in ((q, 'bq'), (k, 'bk'), (v, 'bv')))
   if cfg.qk_norm:
-    q, k = rms_norm(q, layer['q_norm'], cfg.norm_eps), rms_norm(k, layer['k_norm'], cfg.norm_eps)
+    q, k = norm(q, layer['q_norm'], cfg), norm(k, layer['k_norm'], cfg)
   q_axes = ('batch', 'act_seq', 'act_heads', None)
   kv_axes = ('batch', 'act_seq', 'act_kv_heads', None)
+  rope = layer_rope(rope, layer)
   q = constrain(apply_rope(q, rope), q_axes, plan)
   k = constrain(apply_rope(k, rope), kv_axes, plan)
   v = constrain(v, kv_axes, plan)
@@ -258,14 +323,30 @@ def project_qkv(x, layer, cfg: ModelConfig, rope: Rope, plan):
 
 def attention(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan):
   q, k, v = project_qkv(x, layer, cfg, rope, plan)
-  out = attention_core(q, k, v, cfg, segment_ids, plan)
+  out = attention_core(q, k, v, cfg, segment_ids, plan, layer.get('local'))
   return output_projection(checkpoint_name(out, 'context'), layer)
 
 
-def attention_core(q, k, v, cfg: ModelConfig, segment_ids, plan):
+def by_layer_window(local, attend, window: int):
+  """attend(window) of a layer: the sliding window where `local` (global_every's flag
+  of the layer: a bool, or traced in a scan, then a cond of both), else the whole
+  context (0); local None: every layer's `window`."""
+  if local is None:
+    return attend(window)
+  if isinstance(local, (bool, np.bool_)):
+    return attend(window if local else 0)
+  return jax.lax.cond(local, lambda: attend(window), lambda: attend(0))
+
+
+def attention_core(q, k, v, cfg: ModelConfig, segment_ids, plan, local=None):
   """Attention itself, between the projections: q [b,t,h,e], k/v [b,t,k,e] -> [b,t,h,e],
   by cfg.attention_impl. The layout decides how it spans devices (ShardingPlan.attention:
-  over the context axis where the sequence is split)."""
+  over the context axis where the sequence is split). local: the layer's flag
+  (by_layer_window)."""
+  if local is not None:
+    return by_layer_window(local, lambda w: attention_core(
+        q, k, v, dataclasses.replace(cfg, sliding_window=w, global_every=0), segment_ids,
+        plan), cfg.sliding_window)
   local = functools.partial(local_attention, cfg=cfg, plan=plan)
   if plan is None:
     return local(q, k, v, segment_ids)
@@ -278,10 +359,12 @@ def attention_core(q, k, v, cfg: ModelConfig, segment_ids, plan):
 def local_attention(q, k, v, segment_ids, *, cfg: ModelConfig, plan):
   """Attention where every device holds whole sequences, by cfg.attention_impl."""
   if cfg.attention_impl == 'xla':
-    return attention_xla(q, k, v, segment_ids, cfg.sliding_window)
+    return attention_xla(q, k, v, segment_ids, cfg.sliding_window, cfg.attention_scale,
+                         cfg.attn_softcap)
   if cfg.attention_impl == 'cudnn':
-    return attention_cudnn(q, k, v, segment_ids)
-  return attention_pallas(q, k, v, segment_ids, plan, cfg.pallas_backend, cfg.sliding_window)
+    return attention_cudnn(q, k, v, segment_ids, cfg.attention_scale)
+  return attention_pallas(q, k, v, segment_ids, plan, cfg.pallas_backend, cfg.sliding_window,
+                          cfg.attention_scale, cfg.attn_softcap)
 
 
 def output_projection(out, layer):
@@ -294,11 +377,15 @@ def output_projection(out, layer):
 
 # ---------------------------------------------------------------------------- mlp, block
 
-def mlp(x, layer, plan):
+ACTIVATIONS = {'silu': jax.nn.silu, 'gelu_tanh': functools.partial(jax.nn.gelu, approximate=True)}
+
+
+def mlp(x, layer, plan, activation: str = 'silu'):
+  """The gated MLP: SwiGLU, or GeGLU with activation='gelu_tanh' (model.mlp_activation)."""
   dtype = x.dtype
   gate = checkpoint_name(jnp.einsum('btd,df->btf', x, layer['w_gate'].astype(dtype)), 'mlp_gate')
   up = checkpoint_name(jnp.einsum('btd,df->btf', x, layer['w_up'].astype(dtype)), 'mlp_up')
-  hidden = constrain(jax.nn.silu(gate) * up, ('batch', 'act_seq', 'act_mlp'), plan)
+  hidden = constrain(ACTIVATIONS[activation](gate) * up, ('batch', 'act_seq', 'act_mlp'), plan)
   return jnp.einsum('btf,fd->btd', hidden, layer['w_down'].astype(dtype))
 
 
@@ -314,9 +401,14 @@ def residual_block(x, layer, cfg: ModelConfig, plan, attend):
   """Pre-norm attention and MLP with residuals. attend(h) -> (out [b,t,d], aux): the
   serving path's attention also returns its updated KV cache as aux."""
   with jax.named_scope('attention'):
-    h, aux = attend(rms_norm(x, layer['attn_norm'], cfg.norm_eps))
-    x = _mid_residual(x, h, plan)
+    h, aux = attend(norm(x, layer['attn_norm'], cfg))
+    x = _mid_residual(x, _post_norm(h, layer, 'post_attn_norm', cfg), plan)
   return _ffn_half(x, layer, cfg, plan, _dense_ffn(cfg, plan), 'mlp')[0], aux
+
+
+def _post_norm(h, layer, name: str, cfg: ModelConfig):
+  """sandwich_norms: a block half's output normed before its residual add."""
+  return norm(h, layer[name], cfg) if name in layer else h
 
 
 def _mid_residual(x, attention_out, plan):
@@ -332,15 +424,15 @@ def _ffn_half(x, layer, cfg: ModelConfig, plan, ffn, scope):
   """A block's second half: ffn(h, layer) -> (out, aux) on the normed x, plus x.
   Returns (x, aux)."""
   with jax.named_scope(scope):
-    h, aux = ffn(rms_norm(x, layer['mlp_norm'], cfg.norm_eps), layer)
-    return constrain(x + h, RESIDUAL, plan), aux
+    h, aux = ffn(norm(x, layer['mlp_norm'], cfg), layer)
+    return constrain(x + _post_norm(h, layer, 'post_mlp_norm', cfg), RESIDUAL, plan), aux
 
 
 def feed_forward(h, layer, cfg: ModelConfig, plan):
   """The layer's MLP. A MoE layer here (serving) runs dropless without its aux values,
   with the partitioner left to split it."""
   if 'router' not in layer:
-    return mlp(h, layer, plan)
+    return mlp(h, layer, plan, cfg.mlp_activation)
   return moe.moe_mlp(h, layer, dataclasses.replace(cfg, moe_dispatch='dropless'), None)[0]
 
 
@@ -350,9 +442,9 @@ def moe_block(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan):
   if cfg.remat == 'save_attention':
     return _block_saving_attention(x, layer, cfg, rope, segment_ids, plan, ffn, 'moe')
   with jax.named_scope('attention'):
-    h = rms_norm(x, layer['attn_norm'], cfg.norm_eps)
+    h = norm(x, layer['attn_norm'], cfg)
     h = attention(h, layer, cfg, rope, segment_ids, plan)
-    x = constrain(x + h, RESIDUAL, plan)
+    x = constrain(x + _post_norm(h, layer, 'post_attn_norm', cfg), RESIDUAL, plan)
   return _ffn_half(x, layer, cfg, plan, ffn, 'moe')
 
 
@@ -367,17 +459,17 @@ def _block_saving_attention(x, layer, cfg: ModelConfig, rope: Rope, segment_ids,
   (out, aux). Returns (x, aux)."""
   def before(x, layer):
     with jax.named_scope('attention'):
-      return project_qkv(rms_norm(x, layer['attn_norm'], cfg.norm_eps), layer, cfg, rope,
-                         plan)
+      return project_qkv(norm(x, layer['attn_norm'], cfg), layer, cfg, rope, plan)
 
   def after(x, out, layer):
     with jax.named_scope('attention'):
-      x = _mid_residual(x, output_projection(out, layer), plan)
+      x = _mid_residual(x, _post_norm(output_projection(out, layer), layer, 'post_attn_norm',
+                                      cfg), plan)
     return _ffn_half(x, layer, cfg, plan, ffn, scope)
 
   q, k, v = jax.checkpoint(before)(x, layer)
   with jax.named_scope('attention'):
-    out = attention_core(q, k, v, cfg, segment_ids, plan)
+    out = attention_core(q, k, v, cfg, segment_ids, plan, layer.get('local'))
   return jax.checkpoint(after)(x, out, layer)
 
 
@@ -416,12 +508,11 @@ def forward_with_aux(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
   b, t = tokens.shape
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  inv_freq = rope_inv_freq(cfg)
   # The layout's runner of the layer stack (ShardingPlan.layer_stack: the pipeline over
   # 'stage'), or None: the scan below. MoE layers run their own scan.
   runner = None if plan is None or cfg.num_experts else plan.layer_stack()
   # Once for every layer; a runner makes its own per microbatch (layer_for).
-  rope = None if runner else rope_tables(positions, inv_freq)
+  rope = None if runner else model_rope(positions, cfg)
   table = params['embed'] if embed is None else embed
   with jax.named_scope('embed'):   # named scopes: what benchmarks/profile.py files time under
     if table.ndim == 2:
@@ -430,11 +521,11 @@ def forward_with_aux(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
       shards = table.shape[0]
       x = jax.vmap(lambda rows, tok: rows[tok])(table, tokens.reshape(shards, b // shards, t))
       x = x.reshape(b, t, -1)
-    x = constrain(x.astype(cfg.dtype), RESIDUAL, plan)
+    x = constrain(embed_scaled(x, cfg), RESIDUAL, plan)
 
   def layer_for(positions, segment_ids):
     """One layer, (x, weights) -> x, on tokens at `positions` (a runner's microbatch)."""
-    tables = rope if rope is not None else rope_tables(positions, inv_freq)
+    tables = rope if rope is not None else model_rope(positions, cfg)
     return lambda x, layer: block(x, layer, cfg, tables, segment_ids, plan)
 
   remat = functools.partial(_remat, policy=cfg.remat)
@@ -442,9 +533,19 @@ def forward_with_aux(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
     x, aux = _moe_layers(x, params, cfg, rope, segment_ids, plan)
   else:
     run = runner or scan_layers
-    x = run(layer_for, x, positions, segment_ids, params['layers'], remat)
+    x = run(layer_for, x, positions, segment_ids, with_layer_kinds(params['layers'], cfg),
+            remat)
     aux = moe.zero_aux()
-  return rms_norm(x, params['final_norm'], cfg.norm_eps), aux
+  return norm(x, params['final_norm'], cfg), aux
+
+
+def embed_scaled(x: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Looked-up embeddings in the compute dtype, times sqrt(embed_dim) there with
+  cfg.embed_scale (as transformers' Gemma: the factor rounded to that dtype)."""
+  x = x.astype(cfg.dtype)
+  if cfg.embed_scale:
+    x = x * jnp.asarray(math.sqrt(cfg.embed_dim), cfg.dtype)
+  return x
 
 
 def scan_layers(layer_for, x, positions, segment_ids, layers, remat):
@@ -486,7 +587,7 @@ def output_weights(params: Params, cfg: ModelConfig) -> jax.Array:
 def logits(params: Params, hidden: jax.Array, cfg: ModelConfig, plan=None) -> jax.Array:
   out = jnp.einsum('btd,dv->btv', hidden, output_weights(params, cfg),
                    preferred_element_type=jnp.float32)
-  return constrain(out, ('batch', 'act_seq', 'act_vocab'), plan)
+  return constrain(softcap(out, cfg.final_softcap), ('batch', 'act_seq', 'act_vocab'), plan)
 
 
 def _per_shard(w, shards, axes, plan):
@@ -581,7 +682,8 @@ def summed_nll_and_aux(params: Params, batch: dict, cfg: ModelConfig, plan=None)
 
   def chunk_nll(h, tg, wt, head):   # h [shards, b / shards, chunk, d]
     with jax.named_scope('lm_head_loss'):
-      out = constrain(head_logits(h, head), ('batch', None, 'act_seq', 'act_vocab'), plan)
+      out = softcap(head_logits(h, head), cfg.final_softcap)
+      out = constrain(out, ('batch', None, 'act_seq', 'act_vocab'), plan)
       return _weighted_nll(out, tg, wt)
 
   if chunk < t:

@@ -70,6 +70,7 @@ class _Config:
   # backward with these tiles (backend='mosaic_gpu', backend_bwd).
   mosaic_tiles: flash_attention_mgpu.MosaicTiles | None = None
   mosaic_bwd_tiles: flash_attention_mgpu.MosaicBwdTiles | None = None
+  softcap: float | None = None   # scores -> softcap * tanh(scores / softcap) (Gemma 2)
 
 
 # ---------------------------------------------------------------------------- masks, ranges
@@ -92,10 +93,22 @@ def _mask(q_pos, k_pos, q_seg, k_seg, cfg):
 
 
 def _scores(q, k, q_pos, k_pos, q_seg, k_seg, cfg):
-  """Scaled fp32 scores [bq, bk]; disallowed pairs are -inf so their p is exactly 0."""
+  """Scaled (and soft-capped) fp32 scores [bq, bk]; disallowed pairs are -inf so their
+  p is exactly 0."""
   s = _dot(q, k, trans_b=True) * cfg.scale
+  if cfg.softcap:
+    s = cfg.softcap * jnp.tanh(s / cfg.softcap)
   mask = _mask(q_pos, k_pos, q_seg, k_seg, cfg)
   return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
+def _uncap(ds, s, cfg):
+  """dS of the scores before the soft cap: d(c tanh(x / c))/dx = 1 - (s / c)^2, with s
+  the capped scores (-inf where masked, where dS is 0 already)."""
+  if not cfg.softcap:
+    return ds
+  t = jnp.where(jnp.isneginf(s), 0.0, s / cfg.softcap)
+  return ds * (1.0 - t * t)
 
 
 def _dot(a, b, trans_a=False, trans_b=False):
@@ -208,6 +221,7 @@ def _dkv_kernel(q_ref,  # [q_len_padded, groups, head_dim]  (the q heads of this
     dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
     # dS = P * (dP - delta); delta already carries -dlse, the lse cotangent's P term.
     ds = p * (_dot(do, v, trans_b=True) - delta_ref[g, rows][:, None])
+    ds = _uncap(ds, s, cfg)
     dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
     return dk, dv
 
@@ -244,7 +258,7 @@ def _dq_kernel(q_ref,  # [block_q, head_dim]
     k = k_ref[keys, :]
     s = _scores(q, k, q_pos, j * bk + jnp.arange(bk), q_seg, k_seg, cfg)
     p = jnp.exp(s - lse)
-    ds = p * (_dot(do, v_ref[keys, :], trans_b=True) - delta)
+    ds = _uncap(p * (_dot(do, v_ref[keys, :], trans_b=True) - delta), s, cfg)
     return dq + _dot(ds.astype(k.dtype), k)
 
   lo, hi = _kv_block_range(i, bq, bk, k_ref.shape[0] // bk, cfg)
@@ -385,7 +399,8 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
                     return_lse=False, sm_scale=None, block_q=None, block_k=None,
                     block_q_bwd=None, block_k_bwd=None, num_warps=None, num_stages=None,
-                    backend=None, backend_bwd=None, interpret=None, _poison_outputs=False):
+                    backend=None, backend_bwd=None, interpret=None, softcap=None,
+                    _poison_outputs=False):
   """Flash attention with grouped-query heads; differentiable in q, k, v (and lse).
 
   Args:
@@ -418,6 +433,9 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
       axis larger than 1: fold it into B). Default: `backend`,
       except that 'mosaic_gpu' at head_dim 256 takes the Triton backward.
     interpret: run the Pallas interpreter; default: when the backend is CPU.
+    softcap: > 0: scores soft-capped, softcap * tanh(scores / softcap), after sm_scale
+      and before the mask (Gemma 2), forward and backward; the portable kernels only
+      (backend 'triton', chosen by default then).
     _poison_outputs: test only; kernel outputs start as NaN so unwritten blocks show.
 
   Returns:
@@ -433,11 +451,15 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
   tiles = dict(block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd,
                block_k_bwd=block_k_bwd, num_warps=num_warps, num_stages=num_stages)
   if backend is None:
-    backend = default_backend(q, tiles, interpret)
+    backend = 'triton' if softcap else default_backend(q, tiles, interpret)
+  if softcap and (backend != 'triton' or backend_bwd not in (None, 'triton')):
+    raise ValueError(f'softcap={softcap}: the Mosaic GPU kernels do not soft-cap; use '
+                     "backend='triton' (and backend_bwd).")
   mosaic_tiles = _mosaic_tiles(backend, q, tiles)
   mosaic_bwd_tiles = _mosaic_bwd_tiles(backend, backend_bwd, q, tiles)
   cfg = _make_config(q, k, causal, sliding_window, scale, tiles, interpret, _poison_outputs,
                      mosaic_tiles, mosaic_bwd_tiles)
+  cfg = dataclasses.replace(cfg, softcap=float(softcap) if softcap else None)
   t_pad = _round_up(t, _q_multiple(cfg))
   s_pad = _round_up(s, _kv_multiple(cfg))
   if causal:  # one length for both: the kernels' causal block ranges assume T == S
@@ -671,7 +693,8 @@ def _pad(x, sizes):
 # ---------------------------------------------------------------------------- reference
 
 def flash_attention_reference(q, k, v, *, causal=True, segment_ids=None,
-                              sliding_window=None, sm_scale=None, return_lse=False):
+                              sliding_window=None, sm_scale=None, return_lse=False,
+                              softcap=None):
   """Pure jnp, fp32 math, same semantics; GQA by reshaping q to [B,T,Hkv,G,D]."""
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
@@ -679,6 +702,8 @@ def flash_attention_reference(q, k, v, *, causal=True, segment_ids=None,
   qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
   hi = lax.Precision.HIGHEST
   scores = jnp.einsum('btkgd,bskd->bkgts', qg, k.astype(jnp.float32), precision=hi) * scale
+  if softcap:
+    scores = softcap * jnp.tanh(scores / softcap)
   mask = _reference_mask(t, s, causal, sliding_window, segment_ids)
   scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
   # Softmax is shift invariant, so the max needs no gradient; a row with no key has

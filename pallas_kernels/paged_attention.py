@@ -72,9 +72,11 @@ _MIN_DOT_ROWS = 16       # Triton's tl.dot needs M, N and K >= 16
 
 def paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                               num_seqs, *, sm_scale=None, num_kv_splits=None,
-                              pages_per_block=None, interpret=None, sliding_window=0):
+                              pages_per_block=None, interpret=None, sliding_window=0,
+                              softcap=0.0):
   """Float32 jnp version of `paged_attention` (splits/blocks/interpret are ignored);
-  sliding_window > 0: each row sees only its last sliding_window positions.
+  sliding_window > 0: each row sees only its last sliding_window positions; softcap > 0:
+  scores soft-capped, softcap * tanh(scores / softcap), before the mask.
 
   Gathers every token's whole sequence of K/V from the pages, so it needs
   O(T * pages_per_seq * page_size) memory: for tests and small batches only.
@@ -94,13 +96,17 @@ def paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_l
   v = jnp.where(in_seq[..., None, None], keys_of(v_pages).astype(jnp.float32), 0)[seq]
   qg = q.astype(jnp.float32).reshape(t, hkv, hq // hkv, d)
   hi = jax.lax.Precision.HIGHEST   # no TF32 on GPU: this is the reference
-  scores = jnp.einsum('tkgd,tskd->tkgs', qg, k, precision=hi) * scale
+  scores = _cap(jnp.einsum('tkgd,tskd->tkgs', qg, k, precision=hi) * scale, softcap)
   visible = (key_pos[None, :] <= pos[:, None]) & live[:, None]          # [T, L]
   visible &= _in_window(key_pos[None, :], pos[:, None], sliding_window)
   scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum('tkgs,tskd->tkgd', probs, v, precision=hi).reshape(t, hq, d)
   return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
+
+
+def _cap(scores, cap):
+  return cap * jnp.tanh(scores / cap) if cap else scores
 
 
 def _in_window(k_pos, q_pos, sliding_window):
@@ -132,7 +138,7 @@ _XLA_WINDOW = 32   # query rows per work item of the by-sequence path
 
 def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                         sm_scale=None, block_k=None, window=None, row_tokens=0,
-                        step_dense=False, sliding_window=0):
+                        step_dense=False, sliding_window=0, softcap=0.0):
   """Ragged paged attention in plain jnp for serving without the kernel (CPU default).
 
   Flash-style (online softmax over key blocks of `block_k` tokens), so no step ever
@@ -158,7 +164,8 @@ def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
   chunked-prefill continuations or prefix hits. Memory O(T * T * Hq): the caller enables
   it for small T only.
   sliding_window > 0: each row sees only its last sliding_window positions (the keys
-  before are still read, then masked).
+  before are still read, then masked). softcap > 0: scores soft-capped (Gemma 2), as in
+  paged_attention_reference.
   """
   _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
   page_size = k_pages.shape[1]
@@ -170,17 +177,19 @@ def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
   # Whole blocks of table slots; slots past a sequence's pages read page 0 (masked).
   table = jnp.pad(page_indices, ((0, 0), (0, -page_indices.shape[1] % ppb)))
   args = (q, (k_pages, v_pages), kv_lens, table, cu_q_lens, num_seqs)
-  by_row = functools.partial(_xla_by_row, ppb=ppb, scale=scale, sliding=sliding_window)
+  by_row = functools.partial(_xla_by_row, ppb=ppb, scale=scale, sliding=sliding_window,
+                             cap=softcap)
   by_seq = functools.partial(_xla_by_sequence, ppb=ppb, scale=scale,
                              window=min(window or _XLA_WINDOW, q.shape[0]),
-                             sliding=sliding_window)
+                             sliding=sliding_window, cap=softcap)
   if q.shape[0] <= row_tokens:
     general = by_row
   else:
     general = lambda *a: lax.cond(cu_q_lens[num_seqs] == num_seqs, by_row, by_seq, *a)
   if not step_dense:
     return general(*args).astype(q.dtype)
-  split = functools.partial(_xla_step_dense, ppb=ppb, scale=scale, sliding=sliding_window)
+  split = functools.partial(_xla_step_dense, ppb=ppb, scale=scale, sliding=sliding_window,
+                            cap=softcap)
   prefix = _prefix_lens(q.shape[0], kv_lens, cu_q_lens, num_seqs)
   fits = jnp.all(prefix[min(page_indices.shape[0], q.shape[0]):] == 0)
   return lax.cond(fits, split, general, *args).astype(q.dtype)
@@ -192,7 +201,8 @@ def _prefix_lens(t, kv_lens, cu_q_lens, num_seqs):
   return jnp.where(live, kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq]), 0)
 
 
-def _xla_step_dense(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale, sliding=0):
+def _xla_step_dense(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale, sliding=0,
+                    cap=0.0):
   """The split path (see paged_attention_xla's step_dense): the step's rows among
   themselves, one dense online-softmax block, then the first S rows' cached prefixes."""
   t, hq, d = q.shape
@@ -214,12 +224,13 @@ def _xla_step_dense(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale
   to_heads = lambda x: jnp.moveaxis(x, 0, -2)                    # [T, Hkv, (G,) D] -> heads
   m, l, acc = _softmax_step(_softmax_init((hkv, hq // hkv, t), d), to_heads(qg),
                             to_heads(k), to_heads(v), visible, scale,
-                            'kgtd,kud->kgtu', 'kgtu,kud->kgtd')
+                            'kgtd,kud->kgtu', 'kgtu,kud->kgtd', cap)
   m, l, acc = (jnp.moveaxis(x, 2, 0) for x in (m, l, acc))                # rows leading
   n = min(table.shape[0], t)
   prefix = _prefix_lens(t, kv_lens, cu_q_lens, num_seqs)[:n]
   step = functools.partial(_xla_row_block, qg=qg[:n], pages=pages, table=table[seq[:n]],
-                           pos=pos[:n], row_len=prefix, ppb=ppb, scale=scale, sliding=sliding)
+                           pos=pos[:n], row_len=prefix, ppb=ppb, scale=scale, sliding=sliding,
+                           cap=cap)
   num_blocks = pl.cdiv(jnp.max(prefix), ppb * page_size)
   head = lax.fori_loop(0, num_blocks, step, (m[:n], l[:n], acc[:n]))
   l, acc = (jnp.concatenate([h, x[n:]]) for h, x in zip(head[1:], (l, acc)))
@@ -227,21 +238,23 @@ def _xla_step_dense(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale
   return jnp.where(live[:, None, None], out, 0)
 
 
-def _xla_by_row(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale, sliding=0):
+def _xla_by_row(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale, sliding=0,
+                cap=0.0):
   t, hq, d = q.shape
   hkv = pages[0].shape[2]
   seq, pos, live = _token_layout(t, kv_lens, cu_q_lens, num_seqs)
   row_len = jnp.where(live, kv_lens[seq], 0)
   step = functools.partial(_xla_row_block, qg=q.reshape(t, hkv, hq // hkv, d), pages=pages,
                            table=table[seq], pos=pos, row_len=row_len, ppb=ppb, scale=scale,
-                           sliding=sliding)
+                           sliding=sliding, cap=cap)
   num_blocks = pl.cdiv(jnp.max(row_len), ppb * pages[0].shape[1])
   _, l, acc = lax.fori_loop(0, num_blocks, step, _softmax_init((t, hkv, hq // hkv), d))
   out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(t, hq, d)
   return jnp.where(live[:, None, None], out, 0)
 
 
-def _xla_row_block(j, carry, *, qg, pages, table, pos, row_len, ppb, scale, sliding=0):
+def _xla_row_block(j, carry, *, qg, pages, table, pos, row_len, ppb, scale, sliding=0,
+                   cap=0.0):
   """Key block j of every row's own sequence: k, v [T, block_k, Hkv, D]."""
   t = qg.shape[0]
   block_k = ppb * pages[0].shape[1]
@@ -255,11 +268,12 @@ def _xla_row_block(j, carry, *, qg, pages, table, pos, row_len, ppb, scale, slid
   visible = k_ok & (k_pos[None, :] <= pos[:, None]) & _in_window(k_pos[None, :], pos[:, None],
                                                                  sliding)
   visible = visible[:, None, None]                                          # [T,1,1,bk]
-  return _softmax_step(carry, qg, k, v, visible, scale, 'tkgd,tskd->tkgs', 'tkgs,tskd->tkgd')
+  return _softmax_step(carry, qg, k, v, visible, scale, 'tkgd,tskd->tkgs', 'tkgs,tskd->tkgd',
+                       cap)
 
 
 def _xla_by_sequence(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale, window,
-                     sliding=0):
+                     sliding=0, cap=0.0):
   """fori over live sequences, then over windows of their query rows."""
   t, hq, d = q.shape
   hkv = pages[0].shape[2]
@@ -273,7 +287,7 @@ def _xla_by_sequence(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scal
     qw = lax.dynamic_slice_in_dim(q, r0, window).reshape(window, hkv, hq // hkv, d)
     step = functools.partial(_xla_seq_block, qw=qw, pages=pages, row=table[s],
                              q_pos=kv_len - q_len + rows, kv_len=kv_len, ppb=ppb, scale=scale,
-                             sliding=sliding)
+                             sliding=sliding, cap=cap)
     # Causal: keys up to the window's last live row.
     keys = kv_len - q_len + jnp.minimum((w + 1) * window, q_len)
     _, l, acc = lax.fori_loop(0, pl.cdiv(keys, block_k), step,
@@ -293,7 +307,8 @@ def _xla_by_sequence(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scal
   return out[:t]
 
 
-def _xla_seq_block(j, carry, *, qw, pages, row, q_pos, kv_len, ppb, scale, sliding=0):
+def _xla_seq_block(j, carry, *, qw, pages, row, q_pos, kv_len, ppb, scale, sliding=0,
+                   cap=0.0):
   """Key block j of one sequence, shared by a window of its rows: k, v [block_k, Hkv, D]."""
   block_k = ppb * pages[0].shape[1]
   k_pos = j * block_k + jnp.arange(block_k)
@@ -303,7 +318,8 @@ def _xla_seq_block(j, carry, *, qw, pages, row, q_pos, kv_len, ppb, scale, slidi
   v = jnp.where(k_ok[:, None, None], v, 0)   # junk past the end may be NaN
   visible = (k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
              & _in_window(k_pos[None, :], q_pos[:, None], sliding))[:, None, None]
-  return _softmax_step(carry, qw, k, v, visible, scale, 'qkgd,skd->qkgs', 'qkgs,skd->qkgd')
+  return _softmax_step(carry, qw, k, v, visible, scale, 'qkgd,skd->qkgs', 'qkgs,skd->qkgd',
+                       cap)
 
 
 def _softmax_init(rows_shape, d):
@@ -311,11 +327,13 @@ def _softmax_init(rows_shape, d):
           jnp.zeros((*rows_shape, d), jnp.float32))
 
 
-def _softmax_step(carry, q, k, v, visible, scale, qk, pv):
-  """One online-softmax update; q [..., Hkv, G, D], scores [..., Hkv, G, block_k]."""
+def _softmax_step(carry, q, k, v, visible, scale, qk, pv, cap=0.0):
+  """One online-softmax update; q [..., Hkv, G, D], scores [..., Hkv, G, block_k]; cap:
+  the scores' soft cap (0: none)."""
   m_prev, l_prev, acc_prev = carry
   hi = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
   scores = jnp.einsum(qk, q, k, precision=hi, preferred_element_type=jnp.float32) * scale
+  scores = _cap(scores, cap)
   scores = jnp.where(visible, scores, _MASK_VALUE)
   m = jnp.maximum(m_prev, scores.max(axis=-1))
   p = jnp.where(visible, jnp.exp(scores - m[..., None]), 0.0)
@@ -336,7 +354,7 @@ def _paged_attention_kernel(
     k_ref,           # [L, P, page_size, D]: this kv head of every page of every layer
     v_ref,           # [L, P, page_size, D]
     *out_refs,       # (aliased inputs, only when poisoned), o [T, G, D] f32, lse [T, G] f32
-    block_q, pages_per_block, num_kv_splits, sm_scale):
+    block_q, pages_per_block, num_kv_splits, sm_scale, softcap):
   o_ref, lse_ref = out_refs[-2:]
   # Program ids are read here, outside any control flow: interpret mode resolves them
   # only at the kernel's top level.
@@ -352,7 +370,7 @@ def _paged_attention_kernel(
     lo, hi = _split_range(seq, split, num_kv_splits)
     attend = functools.partial(_attend_q_block, seq=seq, block_lo=lo, block_hi=hi,
                                refs=(page_row_ref, q_ref, k_ref, v_ref, o_ref, lse_ref),
-                               block_q=block_q, sm_scale=sm_scale)
+                               block_q=block_q, sm_scale=sm_scale, softcap=softcap)
     # Every q block is visited even when the split holds no keys for it: that writes
     # o = 0 and lse = -inf, which the merge needs.
     def q_block(i, carry):
@@ -380,7 +398,7 @@ def _split_range(seq, split, num_kv_splits):
   return lo, jnp.minimum(lo + per_split, seq.num_blocks)
 
 
-def _attend_q_block(qb, *, seq, block_lo, block_hi, refs, block_q, sm_scale):
+def _attend_q_block(qb, *, seq, block_lo, block_hi, refs, block_q, sm_scale, softcap):
   """Online softmax of one block of query tokens (all G heads) over the split's keys."""
   page_row_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
   _, groups, d = q_ref.shape
@@ -400,7 +418,8 @@ def _attend_q_block(qb, *, seq, block_lo, block_hi, refs, block_q, sm_scale):
   carry = (jnp.full((rows,), _MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
            jnp.zeros((rows, d), jnp.float32))
   body = functools.partial(_attend_page_block, q=q, q_pos=q_pos, seq=seq,
-                           refs=(page_row_ref, k_ref, v_ref), sm_scale=sm_scale)
+                           refs=(page_row_ref, k_ref, v_ref), sm_scale=sm_scale,
+                           softcap=softcap)
   m, l, acc = lax.fori_loop(block_lo, jnp.maximum(hi, block_lo), body, carry)
   # l == 0: no visible key in this split; o = 0 and lse = -inf give it weight 0.
   has_keys = l > 0
@@ -411,7 +430,7 @@ def _attend_q_block(qb, *, seq, block_lo, block_hi, refs, block_q, sm_scale):
   _masked_store(lse_ref, (q_rows,), lse.reshape(block_q, groups), mask=tok_ok[:, None])
 
 
-def _attend_page_block(blk, carry, *, q, q_pos, seq, refs, sm_scale):
+def _attend_page_block(blk, carry, *, q, q_pos, seq, refs, sm_scale, softcap):
   """One flash-attention step over page block `blk` of the sequence."""
   page_row_ref, k_ref, v_ref = refs
   m_prev, l_prev, acc_prev = carry
@@ -430,8 +449,8 @@ def _attend_page_block(blk, carry, *, q, q_pos, seq, refs, sm_scale):
   # by the mask below, but p = 0 times a NaN value is NaN in p @ v: zero those values.
   v = jnp.where(k_ok[:, None], v, jnp.zeros_like(v))
   precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # no TF32
-  scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32) * sm_scale
+  scores = _cap(lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32) * sm_scale, softcap)
   visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
   scores = jnp.where(visible, scores, _MASK_VALUE)
   m = jnp.maximum(m_prev, scores.max(axis=1))
@@ -446,8 +465,8 @@ def _attend_page_block(blk, carry, *, q, q_pos, seq, refs, sm_scale):
 
 def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                     layer=None, sm_scale=None, num_kv_splits=None, pages_per_block=None,
-                    num_warps=None, num_stages=None, interpret=None, _block_q=None,
-                    _poison=None):
+                    num_warps=None, num_stages=None, interpret=None, softcap=0.0,
+                    _block_q=None, _poison=None):
   """Ragged paged attention; returns out [T, Hq, D] in q's dtype.
 
   q [T, Hq, D]; k_pages, v_pages [P, page_size, Hkv, D], or every layer's cache
@@ -462,7 +481,8 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   num_seqs [1] or [].
   num_kv_splits, pages_per_block: default from the shapes; num_warps, num_stages: Triton
   launch parameters on GPU (default 4 and 2; `benchmarks.paged_decode --tiles` times
-  alternatives), ignored when interpreted.
+  alternatives), ignored when interpreted. softcap > 0: scores soft-capped (Gemma 2), as
+  in paged_attention_reference.
   Rows at or past cu_q_lens[num_seqs] are padding: their output is exactly 0 (even if
   their q is NaN). `_block_q` and `_poison` (a fill value for the per-split outputs before
   the kernel runs, to prove every live element gets written) are for tests.
@@ -497,7 +517,8 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   _check_tiling(splits, ppb, block_q, interpret, padded_groups, d, page_size)
   kernel = functools.partial(
       _paged_attention_kernel, block_q=block_q, pages_per_block=ppb, num_kv_splits=splits,
-      sm_scale=1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale))
+      sm_scale=1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale),
+      softcap=float(softcap or 0.0))
   args = (num_seqs, layer, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages)
   o, lse = _call_kernel(kernel, args, grid=(max_seqs, hkv, splits), poison=_poison,
                         interpret=interpret, gpu_params=(num_warps or 4, num_stages or 2))

@@ -3,9 +3,12 @@ downloaded), each with transformers' PreTrainedTokenizerFast over the same token
 - Qwen2's byte-level BPE (Qwen2.5 and Qwen3 ship the same): a regex split, the ByteLevel
   pre-tokenizer and decoder, and the ChatML specials <|endoftext|>, <|im_start|>,
   <|im_end|> added after the vocabulary;
-- Mistral's (and Llama-2's, Gemma's) SentencePiece-style BPE: the Metaspace "▁", byte
+- Mistral's (and Llama-2's) SentencePiece-style BPE: the Metaspace "▁", byte
   fallback to <0x00>..<0xFF> (ids 3..258, after <unk>, <s>, </s>), a post-processor that
   adds <s>, and the [INST] / tool control tokens as specials.
+- Gemma's (gemma_tokenizer, outside STYLES: its template has no tool turns): spaces
+  normalized to "▁" with no pre-tokenizer and no prefix space, byte fallback, <pad> <eos>
+  <bos> <unk> first, <bos> added, <start_of_turn> / <end_of_turn> as specials.
 """
 
 import json
@@ -77,6 +80,37 @@ def mistral_tokenizer() -> Tokenizer:
   tok.add_special_tokens(MISTRAL + MISTRAL_CONTROL)
   return tok
 
+
+GEMMA = ['<pad>', '<eos>', '<bos>', '<unk>']
+GEMMA_CONTROL = ['<start_of_turn>', '<end_of_turn>']
+
+
+def gemma_tokenizer() -> Tokenizer:
+  """Merges trained on "▁"-joined words, then the model laid out as Gemma's
+  tokenizer.json is: the four specials, the turn tokens, the 256 byte tokens, the pieces."""
+  trained = Tokenizer(models.BPE(unk_token='<unk>'))
+  trained.normalizer = normalizers.Replace(' ', '▁')
+  trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement='▁', prepend_scheme='never')
+  trained.train_from_iterator(CORPUS, trainers.BpeTrainer(
+      vocab_size=200, special_tokens=GEMMA, show_progress=False))
+  learned = json.loads(trained.to_str())['model']
+  pieces = sorted((i, t) for t, i in learned['vocab'].items() if t not in GEMMA)
+  vocab = GEMMA + GEMMA_CONTROL + [f'<0x{b:02X}>' for b in range(256)] + [t for _, t in pieces]
+  merges = [tuple(m.split(' ')) if isinstance(m, str) else tuple(m)
+            for m in learned['merges']]
+  tok = Tokenizer(models.BPE({t: i for i, t in enumerate(vocab)}, merges, unk_token='<unk>',
+                             byte_fallback=True, fuse_unk=True))
+  tok.normalizer = normalizers.Replace(' ', '▁')
+  tok.decoder = decoders.Sequence([decoders.Replace('▁', ' '), decoders.ByteFallback(),
+                                   decoders.Fuse()])
+  tok.post_processor = processors.TemplateProcessing(
+      single='<bos> $A', pair='<bos> $A <bos> $B', special_tokens=[('<bos>', 2)])
+  tok.add_special_tokens(GEMMA + GEMMA_CONTROL)
+  return tok
+
+
+GEMMA_SPECIALS = dict(bos_token='<bos>', eos_token='<eos>', unk_token='<unk>',
+                      pad_token='<pad>')
 
 STYLES = {
     'qwen': (qwen_tokenizer, dict(eos_token='<|im_end|>', pad_token='<|endoftext|>')),

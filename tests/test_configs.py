@@ -43,6 +43,20 @@ def test_gpt_64k_is_a_long_context_billion_parameter_model():
   assert cfg.model.remat != 'none'
 
 
+def test_gemma3_is_gemma_3_1b_shaped_and_exports_as_gemma3():
+  """transformers' Gemma3ForCausalLM of google/gemma-3-1b's config has 999,885,952
+  parameters; the smoke variant keeps the layer pattern and the Gemma fields."""
+  from model.hf import export_architecture  # pylint: disable=import-outside-toplevel
+  full, smoke = load_config_file('gemma3.py'), load_config_file('gemma3.py:smoke')
+  assert model.count_params(full.model) == 999_885_952
+  assert list(full.model.layer_is_local()[:6]) == [True] * 5 + [False]
+  for cfg in (full, smoke):
+    assert export_architecture(cfg.model) == 'Gemma3ForCausalLM'
+  for field in ('global_every', 'mlp_activation', 'norm_plus_one', 'embed_scale',
+                'sandwich_norms', 'qk_norm', 'rope_local_theta', 'tie_embeddings'):
+    assert getattr(smoke.model, field) == getattr(full.model, field), field
+
+
 def test_gpt_64k_smoke_keeps_structure_and_trains_on_cpu(tmp_path):
   full, smoke = load_config_file('gpt_64k.py'), load_config_file('gpt_64k.py:smoke')
   for field in ('tie_embeddings', 'remat', 'rope_scaling_factor'):

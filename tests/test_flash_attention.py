@@ -80,12 +80,14 @@ def _assert_close(got, want, limit, what):
 
 
 def _check_against_reference(seed, b, t, s, hq, hkv, d, dtype, causal, segments, window,
-                             blocks, backend='triton'):
+                             blocks, backend='triton', softcap=None):
   """backend: the portable kernels by default (on a Hopper GPU, None would pick Mosaic
-  GPU for bf16: test_gpu.py checks that path by name)."""
+  GPU for bf16: test_gpu.py checks that path by name). Returns the kernel's outputs."""
   rng, q, k, v = _inputs(seed, b, t, s, hq, hkv, d, dtype)
   seg = _segment_ids(rng, segments, b, t, s)
   opts = dict(causal=causal, segment_ids=seg, sliding_window=window, return_lse=True)
+  if softcap:
+    opts['softcap'] = softcap
   # Every output buffer starts as NaN (aliased in): an element no program writes fails.
   tiles = dict(zip(('block_q', 'block_k', 'block_q_bwd', 'block_k_bwd'), blocks))
   kernel = lambda q, k, v: fa.flash_attention(q, k, v, _poison_outputs=True,
@@ -102,6 +104,7 @@ def _check_against_reference(seed, b, t, s, hq, hkv, d, dtype, causal, segments,
   for name, g, w in zip(('out', 'lse', 'dq', 'dk', 'dv'), got, want):
     assert g.dtype == w.dtype, name
     _assert_close(g, w, tol(dtype, name), name)
+  return got
 
 
 def _value_and_vjp(fn, q, k, v, cot):
@@ -165,6 +168,26 @@ CASES['head_dim_256_packed'] = (1, 24, 24, 4, 2, 256, jnp.float32, True, 'packed
 @pytest.mark.parametrize('case', CASES.values(), ids=CASES.keys())
 def test_matches_reference(case):
   _check_against_reference(0, *case)
+
+
+SOFTCAP_CASES = {name: CASES[name] for name in (
+    'causal_gqa4to1_ragged', 'causal_packed_window', 'cross_pair_segments', 'bf16_cross',
+    'bwd_tiles_larger')}
+
+
+@pytest.mark.parametrize('case', SOFTCAP_CASES.values(), ids=SOFTCAP_CASES.keys())
+def test_soft_capping_matches_reference(case):
+  """softcap (Gemma 2's attn_logit_softcapping) at 1.5, where scores of unit scale bend:
+  out, lse and every gradient equal the reference's, and differ from uncapped ones."""
+  capped = _check_against_reference(0, *case, softcap=1.5)
+  plain = _check_against_reference(0, *case)
+  assert _rel_err(capped[2], plain[2]) > 1e-2   # dq: the cap's derivative reached it
+
+
+def test_soft_capping_refuses_the_mosaic_kernels():
+  q = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match='the Mosaic GPU kernels do not soft-cap'):
+    fa.flash_attention(q, q, q, softcap=30.0, backend='mosaic_gpu')
 
 
 def test_empty_sequence():

@@ -1,6 +1,8 @@
 """The families' chat templates, written here in each family's format (ChatML with
 Hermes-style <tool_call> JSON and <tool_response> turns for Qwen2.5/Qwen3; [INST] turns
-with [AVAILABLE_TOOLS], [TOOL_CALLS] and [TOOL_RESULTS] for Mistral), rendered by meshlm
+with [AVAILABLE_TOOLS], [TOOL_CALLS] and [TOOL_RESULTS] for Mistral; Gemma's
+<start_of_turn>user / model turns, the system message folded into the first user turn,
+no tool turns), rendered by meshlm
 as transformers' apply_chat_template renders them over the family's tokenizer
 (tests/hf_styles.py), and served: a tiny random model of the family is given the
 rendered text's ids."""
@@ -16,7 +18,7 @@ from serve.api.chat_template import render_chat
 from serve.api.server import create_app
 from serve.engine.detokenizer import REPLACEMENT
 from serve.load.hf_model import load_hf_model
-from tests.hf_styles import style  # noqa: F401  (a fixture)
+from tests.hf_styles import GEMMA_SPECIALS, gemma_tokenizer, style  # noqa: F401  (a fixture)
 from tests.test_serve_hf import save_hf
 from tests.test_serve_server import ServerThread
 
@@ -132,7 +134,35 @@ MISTRAL_TEMPLATE = r"""
 {%- endfor %}
 """
 
-TEMPLATES = {'qwen': QWEN_TEMPLATE, 'mistral': MISTRAL_TEMPLATE}
+# Gemma 2/3's: <bos>, then user and model turns alternating, each closed by <end_of_turn>;
+# a system message's text starts the first user turn; contents trimmed.
+GEMMA_TEMPLATE = r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {{- message['content'] | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+TEMPLATES = {'qwen': QWEN_TEMPLATE, 'mistral': MISTRAL_TEMPLATE, 'gemma': GEMMA_TEMPLATE}
 
 TOOLS = [{'type': 'function', 'function': {
     'name': 'get_weather', 'description': 'The weather in a city, today.',
@@ -309,7 +339,8 @@ def test_chat_completions_run_the_templates_prompt(style, served_dir):
   with torch.no_grad():
     out = hf.generate(torch.as_tensor([want]), max_new_tokens=6, do_sample=False,
                       pad_token_id=0)[0, len(want):].tolist()
-  assert reply.choices[0].message.content == ref.decode(out, skip_special_tokens=True)
+  assert reply.choices[0].message.content == ref.decode(out, skip_special_tokens=True), (
+      out, reply.choices[0].logprobs)
   assert reply.usage.prompt_tokens == len(want)
   assert ''.join(deltas) == reply.choices[0].message.content   # streamed: the same text
   assert seen[1] == want
@@ -342,3 +373,87 @@ def test_what_a_template_cannot_render_is_named(style, template, message):
   with pytest.raises(Exception):
     ref.apply_chat_template(messages, tokenize=False)
   ref.chat_template = TEMPLATES[name]
+
+
+# ------------------------------------------------------------------ Gemma
+
+
+@pytest.fixture(scope='module')
+def gemma(tmp_path_factory):
+  """(meshlm's tokenizer, transformers' over the same tokenizer.json) in Gemma's style."""
+  from training.tokenizer import HFTokenizer  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  path = tmp_path_factory.mktemp('gemma') / 'tokenizer.json'
+  gemma_tokenizer().save(str(path))
+  return HFTokenizer(str(path)), transformers.PreTrainedTokenizerFast(
+      tokenizer_file=str(path), **GEMMA_SPECIALS)
+
+
+@pytest.mark.parametrize('generation_prompt', [True, False])
+def test_the_gemma_template_renders_as_transformers_does(gemma, generation_prompt):
+  """system, user, assistant, user: the system text opens the first user turn, the
+  assistant's turn is `model`; the ids of the text are transformers' (one <bos>, the
+  template's; turn tokens whole)."""
+  ours, ref = gemma
+  messages = conversation()[:4]
+  want = _reference('gemma', ref, messages, add_generation_prompt=generation_prompt)
+  assert render_chat(_Served('gemma', ref), messages,
+                     add_generation_prompt=generation_prompt) == want
+  assert want.startswith('<bos><start_of_turn>user\nYou are a helpful assistant.\n\nHi! '
+                         '👋<end_of_turn>\n<start_of_turn>model\nHello. What is the '
+                         'question?<end_of_turn>\n<start_of_turn>user\nWhat is the weather')
+  assert want.endswith('<start_of_turn>model\n' if generation_prompt
+                       else 'today?<end_of_turn>\n')
+  ids = ours.encode(want).tolist()
+  assert ids == ref.encode(want, add_special_tokens=False)
+  assert ids[:2] == ref.convert_tokens_to_ids(['<bos>', '<start_of_turn>'])
+  assert ours.decode(ids, False) == want
+
+
+def test_the_gemma_template_refuses_turns_out_of_order_by_name(gemma):
+  _, ref = gemma
+  with pytest.raises(ValueError, match='the chat template rejected the messages: '
+                                       'Conversation roles must alternate'):
+    render_chat(_Served('gemma', ref), conversation())   # tool turns: Gemma has none
+
+
+def test_a_served_gemma_answers_its_templates_prompt(gemma, tmp_path):
+  """A tiny random Gemma 2 with the Gemma tokenizer and template: the engine is given
+  transformers' ids of apply_chat_template's text, and the greedy answer is
+  transformers' generate from them, decoded as transformers decodes it."""
+  from serve.config import ServeConfig   # pylint: disable=import-outside-toplevel
+  from serve.engine.core import Engine   # pylint: disable=import-outside-toplevel
+  ours, ref = gemma
+  hf = save_hf(tmp_path, 'gemma2', vocab_size=ours.vocab_size, head_dim=16,
+               eos_token_id=ref.convert_tokens_to_ids('<end_of_turn>'),
+               bos_token_id=ref.convert_tokens_to_ids('<bos>'), sliding_window=8,
+               max_position_embeddings=256, tie_word_embeddings=True)
+  ref.chat_template = GEMMA_TEMPLATE
+  ref.save_pretrained(str(tmp_path))
+  served = load_hf_model(str(tmp_path))
+  engine = Engine(served, ServeConfig(max_num_seqs=2, max_num_batched_tokens=128,
+                                      max_model_len=256, num_blocks=64))
+  seen = []
+  add_request = engine.add_request
+  engine.add_request = lambda ids, *a, **kw: seen.append(list(ids)) or add_request(ids, *a,
+                                                                                    **kw)
+  server = ServerThread(create_app(engine, served))
+  messages = conversation()[:4]
+  try:
+    client = openai.OpenAI(base_url=server.url + '/v1', api_key='none', max_retries=0,
+                           timeout=120)
+    reply = client.chat.completions.create(model=served.name, messages=messages,
+                                           max_tokens=6, temperature=0, logprobs=True,
+                                           extra_body={'ignore_eos': True})
+  finally:
+    server.stop()
+    engine.shutdown()
+  want = ref.encode(_reference('gemma', ref, messages, add_generation_prompt=True),
+                    add_special_tokens=False)
+  assert seen == [want]
+  hf.generation_config.eos_token_id = None
+  with torch.no_grad():
+    out = hf.generate(torch.as_tensor([want]), max_new_tokens=6, do_sample=False,
+                      pad_token_id=0)[0, len(want):].tolist()
+  assert reply.choices[0].message.content == ref.decode(out, skip_special_tokens=True), (
+      out, reply.choices[0].logprobs)

@@ -31,7 +31,7 @@ from training import config as train_config, trainer
 
 # One case a family (tests/test_serve_hf.py's CASES).
 FAMILY_CASES = ('untied_gqa_sharded', 'mistral_window', 'mixtral_sharded', 'qwen2_tied',
-                'qwen3_head_dim', 'qwen3_moe_sparse_step')
+                'qwen3_head_dim', 'qwen3_moe_sparse_step', 'gemma2', 'gemma3')
 TOL = 1e-4   # float32 logits, absolute
 
 

@@ -185,6 +185,22 @@ def test_automatic_choices_and_sm_scale():
   assert pa._choose_num_kv_splits(2, 2, 8192, 64, out_bytes=1 << 30) == 1
 
 
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_soft_capping_matches_reference(dtype):
+  """softcap (Gemma 2's attn_logit_softcapping) at 1.5, under splits and page blocks:
+  the reference's output, which differs from the uncapped one; the XLA paths agree."""
+  case = make_case(MIXED, hq=8, hkv=2, d=32, page_size=8, max_seqs=6, dtype=dtype, seed=8)
+  out = pa.paged_attention(*case.args, softcap=1.5, num_kv_splits=2, pages_per_block=2,
+                           _block_q=4)
+  ref = pa.paged_attention_reference(*case.args, softcap=1.5)
+  assert rel_err(out, ref) < TOL[dtype], rel_err(out, ref)
+  assert rel_err(pa.paged_attention_reference(*case.args), ref) > 1e-2
+  for kw in (dict(block_k=8), dict(block_k=8, row_tokens=10**6),
+             dict(block_k=8, step_dense=True)):
+    got = pa.paged_attention_xla(*case.args, softcap=1.5, **kw)
+    assert rel_err(got[:case.live_rows], ref[:case.live_rows]) < TOL[dtype], kw
+
+
 # -------------------------------------------------------------------- written, gathered
 
 def test_every_live_output_is_written():

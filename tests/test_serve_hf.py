@@ -60,7 +60,13 @@ def write_tokenizer(path, chat_template=None, eos_token='</s>'):
 
 # family -> the prefix of transformers' config and model classes (the reference).
 FAMILIES = {'llama': 'Llama', 'mistral': 'Mistral', 'mixtral': 'Mixtral', 'qwen2': 'Qwen2',
-            'qwen3': 'Qwen3', 'qwen3_moe': 'Qwen3Moe'}
+            'qwen3': 'Qwen3', 'qwen3_moe': 'Qwen3Moe', 'gemma2': 'Gemma2', 'gemma3_text': 'Gemma3'}
+# Where the config class is not the prefix's (Gemma3Config is the multimodal one).
+CONFIG_CLASSES = {'gemma3_text': 'Gemma3TextConfig'}
+
+
+def config_class(family: str):
+  return getattr(transformers, CONFIG_CLASSES.get(family, f'{FAMILIES[family]}Config'))
 
 
 def save_hf(path, family='llama', shard=False, **overrides):
@@ -71,7 +77,7 @@ def save_hf(path, family='llama', shard=False, **overrides):
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
             rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
             initializer_range=0.1)
-  config = getattr(transformers, f'{FAMILIES[family]}Config')(**{**kw, **overrides})
+  config = config_class(family)(**{**kw, **overrides})
   torch.manual_seed(0)
   hf = getattr(transformers, f'{FAMILIES[family]}ForCausalLM')(config).float().eval()
   with torch.no_grad():
@@ -114,6 +120,7 @@ CASES = {
     'llama3_rope': dict(rope_theta=10000.0, rope_scaling={
         'rope_type': 'llama3', 'factor': 4.0, 'low_freq_factor': 1.0,
         'high_freq_factor': 4.0, 'original_max_position_embeddings': 16}),
+    'linear_rope': dict(rope_scaling={'rope_type': 'linear', 'factor': 4.0}),
     # Every MLP routed over 4 experts, 2 a token (the router's weights renormalized).
     'mixtral_sharded': dict(family='mixtral', shard=True, num_local_experts=4,
                             num_experts_per_tok=2),
@@ -137,6 +144,23 @@ CASES = {
     'qwen3_moe_normed': dict(family='qwen3_moe', num_experts=4, num_experts_per_tok=3,
                              moe_intermediate_size=32, norm_topk_prob=True,
                              tie_word_embeddings=True, shard=True),
+    # Layers 0 and 2 see their last 8 positions, 1 and 3 the whole context; scores and
+    # logits soft-capped tightly enough to bend them (Gemma 2's 50 and 30 barely would
+    # at this scale); queries scaled by 24**-0.5, not head_dim's 16**-0.5; tied.
+    'gemma2': dict(family='gemma2', num_hidden_layers=4, head_dim=16, sliding_window=8,
+                   attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
+                   query_pre_attn_scalar=24, tie_word_embeddings=True),
+    # Five local layers (window 8, RoPE base 100) to one global (base 1e6, scaled linearly
+    # by 4), q/k norms, no soft-capping; sharded, untied.
+    'gemma3': dict(family='gemma3_text', num_hidden_layers=6, head_dim=16, sliding_window=8,
+                   rope_local_base_freq=100.0, rope_scaling={'rope_type': 'linear',
+                                                             'factor': 4.0},
+                   query_pre_attn_scalar=16, shard=True),
+    # Every third layer global (layer_types written out), tied.
+    'gemma3_every_third': dict(family='gemma3_text', num_hidden_layers=6, head_dim=16,
+                               sliding_window=8, layer_types=[
+                                   'sliding_attention', 'sliding_attention', 'full_attention'] * 2,
+                               rope_local_base_freq=100.0, tie_word_embeddings=True),
 }
 
 
@@ -332,8 +356,8 @@ QWEN3_MOE = {'architectures': ['Qwen3MoeForCausalLM'], 'model_type': 'qwen3_moe'
     ({'hidden_act': 'gelu'}, "hidden_act='gelu' is not supported"),
     ({'rope_parameters': {'rope_type': 'yarn', 'factor': 2.0, 'rope_theta': 1e4}},
      "rope_type='yarn' is not supported"),
-    ({'rope_parameters': None, 'rope_scaling': {'type': 'linear', 'factor': 2.0}},
-     "rope_type='linear' is not supported"),
+    ({'rope_parameters': None, 'rope_scaling': {'type': 'dynamic', 'factor': 2.0}},
+     "rope_type='dynamic' is not supported"),
     ({**MIXTRAL, 'num_experts_per_tok': 1}, 'num_experts_per_tok=1 is not supported'),
     ({**MIXTRAL, 'model_type': 'llama'}, "model_type='llama' is not supported"),
     (MIXTRAL, "no 'model.layers.0.block_sparse_moe.gate.weight': not a complete Mixtral"),
@@ -438,9 +462,13 @@ def test_fields_config_json_leaves_out_take_transformers_defaults(arch):
                num_attention_heads=32)   # Qwen's default kv heads: 32
   name = f'{FAMILIES[arch]}ForCausalLM'
   ours = model_config({'architectures': [name], 'model_type': arch, **sizes})
-  theirs = getattr(transformers, f'{FAMILIES[arch]}Config')(**sizes)
+  theirs = config_class(arch)(**sizes)
   model = getattr(transformers, name)
-  assert ours.rope_theta == theirs.rope_parameters['rope_theta']
+  rope = theirs.rope_parameters
+  if arch == 'gemma3_text':   # two sliding layers: the local base is every layer's
+    assert theirs.layer_types == ['sliding_attention'] * 2
+    rope = rope['sliding_attention']
+  assert ours.rope_theta == rope['rope_theta']
   assert (ours.norm_eps, ours.max_seq_len, ours.num_kv_heads) == (
       theirs.rms_norm_eps, theirs.max_position_embeddings, theirs.num_key_value_heads)
   assert ours.tie_embeddings == theirs.tie_word_embeddings

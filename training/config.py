@@ -243,6 +243,9 @@ def _validate_context(cfg: Config, sizes) -> None:
   if n > 1 and cfg.model.sliding_window:
     raise ValueError(f'mesh.context={n} with model.sliding_window={cfg.model.sliding_window}: '
                      'context parallelism attends the whole context; set mesh.context=1.')
+  if n > 1 and cfg.model.attn_softcap:
+    raise ValueError(f'mesh.context={n} with model.attn_softcap={cfg.model.attn_softcap}: '
+                     'context parallelism does not soft-cap attention; set mesh.context=1.')
   if cfg.parallel.context_strategy not in ('all_gather', 'ring'):
     raise ValueError(f'parallel.context_strategy={cfg.parallel.context_strategy!r}: choose '
                      "'all_gather' or 'ring'.")

@@ -23,7 +23,9 @@ ARCHITECTURE = ('vocab_size', 'num_layers', 'embed_dim', 'mlp_dim', 'num_heads',
                 'num_kv_heads', 'head_dim', 'max_seq_len', 'rope_theta',
                 'rope_scaling_factor', 'rope_original_max_len', 'rope_low_freq_factor',
                 'rope_high_freq_factor', 'norm_eps', 'tie_embeddings', 'qkv_bias', 'qk_norm',
-                'sliding_window',
+                'sliding_window', 'global_every', 'rope_scaling_type', 'rope_local_theta',
+                'mlp_activation', 'norm_plus_one', 'embed_scale', 'sandwich_norms',
+                'query_pre_attn_scalar', 'attn_softcap', 'final_softcap',
                 'hf_architecture', 'num_experts', 'experts_per_token', 'num_shared_experts',
                 'moe_every', 'moe_mlp_dim', 'router', 'router_norm_topk')
 
