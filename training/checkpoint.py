@@ -100,6 +100,18 @@ class Checkpointer:
           'workdir; to start over, move the checkpoints directory away.')
     return None
 
+  def latest_meta(self) -> dict | None:
+    """The newest step's meta (JSON) alone, or None: no step, or one whose meta does not
+    read (restore_latest then deals with it)."""
+    steps = self.steps()
+    if not steps:
+      return None
+    try:
+      return self._manager.restore(steps[-1], args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore())).meta
+    except Exception:  # pylint: disable=broad-except
+      return None
+
   def _try_restore(self, step: int, target):
     """(reason, error, None) for a step that cannot be used, else (None, None, restored)."""
     try:
