@@ -169,9 +169,7 @@ def restore_params(directory: str, target) -> tuple[object, int]:
     raise FileNotFoundError(f'{directory} does not exist: pass the workdir of a train.py '
                             'run (--config.workdir) that has saved a checkpoint.')
   directory = os.path.abspath(directory)   # orbax refuses relative paths
-  options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
-                                         save_interval_steps=0)
-  manager = ocp.CheckpointManager(directory, item_names=_ITEMS, options=options)
+  manager = _read_only(directory)
   steps = sorted(manager.all_steps())
   if not steps:
     raise FileNotFoundError(f'{directory} holds no checkpoint yet: train until one is '
@@ -191,6 +189,26 @@ def restore_params(directory: str, target) -> tuple[object, int]:
                 str(last_error)[:300])
   raise CheckpointError(f'no checkpoint in {directory} has intact parameters of this model '
                         f'(newest error: {str(last_error)[:500]}).')
+
+
+def _read_only(directory: str):
+  options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
+                                         save_interval_steps=0)
+  return ocp.CheckpointManager(directory, item_names=_ITEMS, options=options)
+
+
+def latest_meta(directory: str) -> dict | None:
+  """The newest step's meta (JSON) of a checkpoints directory, opened read-only; None
+  where there is none or it does not read."""
+  if not os.path.isdir(directory):
+    return None
+  manager = _read_only(os.path.abspath(directory))
+  steps = sorted(manager.all_steps())
+  try:
+    return manager.restore(steps[-1], args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore())).meta if steps else None
+  except Exception:  # pylint: disable=broad-except
+    return None
 
 
 def _restore_params(manager, step: int, target):
