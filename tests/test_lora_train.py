@@ -2,17 +2,18 @@
 hold the adapters and name their base, resume is exact, evaluation reports a loss, and a
 workdir of another base or of a full model is refused with one line."""
 
-import json
+import dataclasses
 import os
 
 import jax
 import numpy as np
 import pytest
 
-from model import lora
+from model import lora, lora_peft
 from model.lora import LoraConfig
 from training import checkpoint, describe, lora_run, optimizer, state, trainer
 from training.trainer import ConfigError
+from tests.test_lora import random_adapter
 from tests.test_train import cache_dir, tiny  # pylint: disable=unused-import
 
 LORA = LoraConfig(rank=4, alpha=8.0, targets=('q', 'v', 'o', 'down'))
@@ -127,3 +128,28 @@ def test_check_counts_the_frozen_base_and_the_adapters(tmp_path, zero):
   assert size['grad_bytes'] == size['param_bytes']
   report = describe.check_report(cfg, 8)
   assert 'frozen base (bfloat16)' in report and 'LoRA          rank 4 on q, v, o, down' in report
+
+
+def test_training_starts_from_a_peft_adapter(tmp_path, cache_dir):
+  """lora.init_from_peft: with a zero learning rate the saved adapters are the PEFT
+  directory's exactly; a lora section that differs from them is refused."""
+  cfg = lora_run_cfg(tmp_path / 'run', cache_dir, steps=1, optim__learning_rate=0.0)
+  adapter = random_adapter(cfg.model, LORA, seed=3)
+  lora_peft.write_peft_adapter(str(tmp_path / 'peft'), adapter, LORA, cfg.model)
+  cfg.lora = dataclasses.replace(LORA, init_from_peft=str(tmp_path / 'peft'),
+                                 targets=('down', 'o', 'v', 'q'))   # any order
+  trainer.train(cfg)
+  plan = trainer.build_plan(cfg)
+  tx = optimizer.make_optimizer(cfg.optim, cfg.steps)
+  ckpt = checkpoint.Checkpointer(os.path.join(cfg.workdir, 'checkpoints'), cfg.checkpoint)
+  restored, _ = ckpt.restore_latest(state.abstract_state(cfg, plan, tx).replace(frozen=None))
+  ckpt.close()
+  for t in LORA.targets:
+    for k in ('a', 'b'):
+      np.testing.assert_array_equal(np.asarray(restored.params['layers'][t][k]),
+                                    np.asarray(adapter['layers'][t][k]))
+  other = lora_run_cfg(tmp_path / 'other', cache_dir, steps=1)
+  other.lora = dataclasses.replace(LORA, rank=8, init_from_peft=str(tmp_path / 'peft'))
+  with pytest.raises(ConfigError, match=r"holds adapters with rank=4; set those fields of the "
+                     'lora section to match'):
+    trainer.train(other)

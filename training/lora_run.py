@@ -11,8 +11,11 @@ import hashlib
 import json
 import os
 
+from model.lora_peft import read_peft_adapter
 from training import checkpoint, pretrained, state
 from training.config import Config
+
+_MUST_MATCH = ('rank', 'alpha', 'rslora')
 
 
 def load_base(cfg: Config, plan):
@@ -49,3 +52,18 @@ def check_workdir(meta: dict | None, base: dict | None, directory: str) -> None:
                      f'({saved["source"]}, checksum {saved["checksum"]}; this run\'s is '
                      f'{base["source"]}, checksum {base["checksum"]}): start from that base '
                      '(same weights and model.dtype) or give a new --config.workdir.')
+
+
+def peft_adapter(cfg: Config) -> dict:
+  """lora.init_from_peft's adapters (host float32), checked against the lora section."""
+  path = os.path.expanduser(cfg.lora.init_from_peft)
+  adapter, found = read_peft_adapter(path, cfg.model)
+  chosen = lambda c: sorted(c.layers or range(cfg.model.num_layers))
+  differ = [f for f in _MUST_MATCH if getattr(found, f) != getattr(cfg.lora, f)]
+  differ += ['targets'] * (sorted(found.targets) != sorted(cfg.lora.targets))
+  differ += ['layers'] * (chosen(found) != chosen(cfg.lora))
+  if differ:
+    theirs = ', '.join(f'{f}={getattr(found, f)!r}' for f in differ)
+    raise ValueError(f'lora.init_from_peft={path!r} holds adapters with {theirs}; set '
+                     'those fields of the lora section to match.')
+  return adapter

@@ -102,17 +102,26 @@ def frozen_base(cfg: Config, plan: ShardingPlan, released=None):
           host.shape, sh, lambda i: np.asarray(host[i]).astype(dtype)), released, shardings)
 
 
-def init_state(cfg: Config, plan: ShardingPlan, tx, params=None, base=None) -> TrainState:
+def init_state(cfg: Config, plan: ShardingPlan, tx, params=None, base=None,
+               adapter=None) -> TrainState:
   """Fresh state, created directly in its sharded layout: random weights, or `params`
   (host arrays, e.g. a released model's) placed shard by shard, with a new optimizer
-  state either way. With LoRA, new adapters train on `base` (frozen_base's), else on
-  frozen_base(params)."""
+  state either way. With LoRA, adapters (new, or `adapter`'s host arrays) train on `base`
+  (frozen_base's), else on frozen_base(params)."""
   shardings = state_shardings(cfg, plan, tx)
   if cfg.lora.rank:
     base = frozen_base(cfg, plan, params) if base is None else base
-    init = jax.jit(lambda key: _state_around(_new_adapter(cfg, key), tx),
-                   out_shardings=shardings.replace(frozen=None))
-    return init(jax.random.key(cfg.seed)).replace(frozen=base)
+    trained = shardings.replace(frozen=None)
+    if adapter is None:
+      init = jax.jit(lambda key: _state_around(_new_adapter(cfg, key), tx),
+                     out_shardings=trained)
+      return init(jax.random.key(cfg.seed)).replace(frozen=base)
+    dtype = jnp.dtype(cfg.model.param_dtype)
+    adapter = jax.tree.map(lambda host, sh: jax.make_array_from_callback(
+        host.shape, sh, lambda i: np.asarray(host[i]).astype(dtype)), adapter,
+                           shardings.params)
+    return jax.jit(lambda p: _state_around(p, tx), out_shardings=trained)(adapter).replace(
+        frozen=base)
   if params is None:
     init = jax.jit(lambda key: _new_state(cfg, tx, key), out_shardings=shardings)
     return init(jax.random.key(cfg.seed))

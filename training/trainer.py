@@ -14,7 +14,6 @@ from model import moe
 from sharding import compile_cache
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingPlan, check_divisible, make_plan
-from model import lora
 from training import (checkpoint, config as config_lib, data, lora_run, metrics, optimizer,
                       pretrained, processes, resilience, sample, state)
 
@@ -118,7 +117,13 @@ def restore_or_init(t: Trainer):
     raise ConfigError(str(e)) from e
   restored = t.ckpt.restore_latest(target)
   if restored is None and base is not None:
-    return state.init_state(t.cfg, t.plan, t.tx, base=base), 0
+    adapter = None
+    if t.cfg.lora.init_from_peft:
+      try:
+        adapter = lora_run.peft_adapter(t.cfg)
+      except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return state.init_state(t.cfg, t.plan, t.tx, base=base, adapter=adapter), 0
   if restored is None:
     start, released = time.perf_counter(), None
     if t.cfg.init_from_hf:
