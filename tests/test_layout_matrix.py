@@ -81,6 +81,7 @@ LORA_LAYOUTS = [
     lm.Combo((1, 1, 8, 1, 1, 1), zero=3, lora=True),
     lm.Combo((2, 1, 1, 1, 1, 4), zero=0, lora=True),
     lm.Combo((2, 1, 2, 1, 1, 2), zero=3, accum=2, lora=True),
+    lm.Combo((4, 1, 1, 1, 1, 2), zero=1, accum=2, lora=True),
     lm.Combo((4, 2, 1, 1, 1, 1), zero=1, lora=True),
     lm.Combo((2, 1, 2, 1, 2, 1), zero=2, context_strategy='ring', lora=True),
     lm.Combo((1, 1, 2, 2, 1, 2), zero=3, moe='dropless', lora=True),
