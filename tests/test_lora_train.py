@@ -153,3 +153,24 @@ def test_training_starts_from_a_peft_adapter(tmp_path, cache_dir):
   with pytest.raises(ConfigError, match=r"holds adapters with rank=4; set those fields of the "
                      'lora section to match'):
     trainer.train(other)
+
+
+def test_dropout_masks_the_adapter_input_by_key():
+  """lora.dropout: the adapters' gradients change with the key and repeat with it; the
+  base's projections see their input whole (the loss at b = 0 is the base's)."""
+  cfg = tiny('/tmp', '/tmp')
+  cfg.lora = dataclasses.replace(LORA, dropout=0.5)
+  st = state.init_state(cfg, trainer.build_plan(cfg, jax.devices()[:1]),
+                        optimizer.make_optimizer(cfg.optim, cfg.steps))
+  rng = np.random.default_rng(0)
+  batch = {'inputs': rng.integers(0, 256, (8, 32)).astype(np.int32),
+           'targets': rng.integers(0, 256, (8, 32)).astype(np.int32),
+           'weights': np.ones((8, 32), np.float32)}
+  run = lambda key: state.loss_and_grads(st.params, batch, cfg, None, frozen=st.frozen,
+                                         key=key)
+  plain, one, again, other = run(None), run(jax.random.key(1)), run(jax.random.key(1)), run(
+      jax.random.key(2))
+  assert float(plain[0]) == float(one[0])
+  b = lambda out: np.asarray(out[1]['layers']['q']['b'])
+  np.testing.assert_array_equal(b(one), b(again))
+  assert np.abs(b(one) - b(other)).max() > 1e-6 and np.abs(b(one) - b(plain)).max() > 1e-6
