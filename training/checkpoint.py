@@ -10,7 +10,9 @@ import json
 import logging
 import os
 import time
+from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
@@ -22,6 +24,28 @@ from training.config import CheckpointConfig
 log = logging.getLogger(__name__)
 _ITEMS = ('state', 'meta')
 DAMAGED_DIR = 'damaged'   # not a step number, so orbax neither lists nor prunes it
+
+
+@flax.struct.dataclass
+class _Saved:
+  """A checkpoint's `state` item: the train state without a LoRA run's frozen base, the
+  three fields every checkpoint has held (so older ones restore)."""
+  step: Any
+  params: Any
+  opt_state: Any
+
+
+def _saved(state):
+  if not hasattr(state, 'frozen'):
+    return state
+  return _Saved(step=state.step, params=state.params, opt_state=state.opt_state)
+
+
+def _unsaved(restored, target):
+  if not hasattr(target, 'frozen'):
+    return restored
+  return target.replace(step=restored.step, params=restored.params,
+                        opt_state=restored.opt_state, frozen=None)
 
 
 class CheckpointError(RuntimeError):
@@ -70,6 +94,7 @@ class Checkpointer:
 
   def save(self, step: int, state, extra: dict) -> None:
     """Starts an async save; `extra` (JSON) is stored beside the state's checksums."""
+    state = _saved(state)
     meta = {**extra, 'step': step, 'checksums': checksums(state)}
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
@@ -124,8 +149,8 @@ class Checkpointer:
 
   def _restore(self, step: int, target):
     restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-    return restored.state, restored.meta
+        state=ocp.args.StandardRestore(_saved(target)), meta=ocp.args.JsonRestore()))
+    return _unsaved(restored.state, target), restored.meta
 
   def _quarantine(self, step: int, reason: str, error: str) -> dict:
     """Moves a damaged step to damaged/<step>-<reason>[-n]/, a name orbax never lists,
