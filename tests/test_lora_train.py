@@ -174,3 +174,28 @@ def test_dropout_masks_the_adapter_input_by_key():
   b = lambda out: np.asarray(out[1]['layers']['q']['b'])
   np.testing.assert_array_equal(b(one), b(again))
   assert np.abs(b(one) - b(other)).max() > 1e-6 and np.abs(b(one) - b(plain)).max() > 1e-6
+
+
+def test_checkpoints_saved_before_the_frozen_field_still_restore(tmp_path):
+  """A state item of the three fields checkpoints held before TrainState.frozen (a flax
+  dataclass step, params, opt_state) restores into TrainState."""
+  import flax.struct  # pylint: disable=import-outside-toplevel
+
+  @flax.struct.dataclass
+  class OldTrainState:
+    step: object
+    params: object
+    opt_state: object
+
+  cfg = tiny(tmp_path, str(tmp_path))
+  plan = trainer.build_plan(cfg, jax.devices()[:1])
+  tx = optimizer.make_optimizer(cfg.optim, cfg.steps)
+  fresh = state.init_state(cfg, plan, tx)
+  ckpt = checkpoint.Checkpointer(str(tmp_path / 'checkpoints'), cfg.checkpoint)
+  ckpt.save(1, OldTrainState(fresh.step, fresh.params, fresh.opt_state), {})
+  ckpt.wait()
+  restored, _ = ckpt.restore_latest(state.abstract_state(cfg, plan, tx))
+  ckpt.close()
+  assert isinstance(restored, state.TrainState) and restored.frozen is None
+  np.testing.assert_array_equal(np.asarray(restored.params['embed']),
+                                np.asarray(fresh.params['embed']))
