@@ -10,7 +10,9 @@ import json
 import logging
 import os
 import time
+from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
@@ -22,6 +24,28 @@ from training.config import CheckpointConfig
 log = logging.getLogger(__name__)
 _ITEMS = ('state', 'meta')
 DAMAGED_DIR = 'damaged'   # not a step number, so orbax neither lists nor prunes it
+
+
+@flax.struct.dataclass
+class _Saved:
+  """A checkpoint's `state` item: the train state without a LoRA run's frozen base, the
+  three fields every checkpoint has held (so older ones restore)."""
+  step: Any
+  params: Any
+  opt_state: Any
+
+
+def _saved(state):
+  if not hasattr(state, 'frozen'):
+    return state
+  return _Saved(step=state.step, params=state.params, opt_state=state.opt_state)
+
+
+def _unsaved(restored, target):
+  if not hasattr(target, 'frozen'):
+    return restored
+  return target.replace(step=restored.step, params=restored.params,
+                        opt_state=restored.opt_state, frozen=None)
 
 
 class CheckpointError(RuntimeError):
@@ -70,6 +94,7 @@ class Checkpointer:
 
   def save(self, step: int, state, extra: dict) -> None:
     """Starts an async save; `extra` (JSON) is stored beside the state's checksums."""
+    state = _saved(state)
     meta = {**extra, 'step': step, 'checksums': checksums(state)}
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
@@ -100,6 +125,18 @@ class Checkpointer:
           'workdir; to start over, move the checkpoints directory away.')
     return None
 
+  def latest_meta(self) -> dict | None:
+    """The newest step's meta (JSON) alone, or None: no step, or one whose meta does not
+    read (restore_latest then deals with it)."""
+    steps = self.steps()
+    if not steps:
+      return None
+    try:
+      return self._manager.restore(steps[-1], args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore())).meta
+    except Exception:  # pylint: disable=broad-except
+      return None
+
   def _try_restore(self, step: int, target):
     """(reason, error, None) for a step that cannot be used, else (None, None, restored)."""
     try:
@@ -112,8 +149,8 @@ class Checkpointer:
 
   def _restore(self, step: int, target):
     restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-    return restored.state, restored.meta
+        state=ocp.args.StandardRestore(_saved(target)), meta=ocp.args.JsonRestore()))
+    return _unsaved(restored.state, target), restored.meta
 
   def _quarantine(self, step: int, reason: str, error: str) -> dict:
     """Moves a damaged step to damaged/<step>-<reason>[-n]/, a name orbax never lists,
@@ -157,9 +194,7 @@ def restore_params(directory: str, target) -> tuple[object, int]:
     raise FileNotFoundError(f'{directory} does not exist: pass the workdir of a train.py '
                             'run (--config.workdir) that has saved a checkpoint.')
   directory = os.path.abspath(directory)   # orbax refuses relative paths
-  options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
-                                         save_interval_steps=0)
-  manager = ocp.CheckpointManager(directory, item_names=_ITEMS, options=options)
+  manager = _read_only(directory)
   steps = sorted(manager.all_steps())
   if not steps:
     raise FileNotFoundError(f'{directory} holds no checkpoint yet: train until one is '
@@ -179,6 +214,26 @@ def restore_params(directory: str, target) -> tuple[object, int]:
                 str(last_error)[:300])
   raise CheckpointError(f'no checkpoint in {directory} has intact parameters of this model '
                         f'(newest error: {str(last_error)[:500]}).')
+
+
+def _read_only(directory: str):
+  options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
+                                         save_interval_steps=0)
+  return ocp.CheckpointManager(directory, item_names=_ITEMS, options=options)
+
+
+def latest_meta(directory: str) -> dict | None:
+  """The newest step's meta (JSON) of a checkpoints directory, opened read-only; None
+  where there is none or it does not read."""
+  if not os.path.isdir(directory):
+    return None
+  manager = _read_only(os.path.abspath(directory))
+  steps = sorted(manager.all_steps())
+  try:
+    return manager.restore(steps[-1], args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore())).meta if steps else None
+  except Exception:  # pylint: disable=broad-except
+    return None
 
 
 def _restore_params(manager, step: int, target):

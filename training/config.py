@@ -12,6 +12,7 @@ import os
 import jax
 
 from model.config import ModelConfig
+from model.lora import LoraConfig
 from sharding import compile_cache, offload
 from sharding.mesh import MeshConfig, mesh_shape
 
@@ -172,6 +173,7 @@ class Config:
   metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
   sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
   distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+  lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
   steps: int = 200
   """Training steps in all (a rerun with more resumes from the last checkpoint)."""
   workdir: str = 'runs/default'
@@ -274,8 +276,14 @@ def validate(cfg: Config, num_devices: int, platform: str | None = None) -> None
   sizes = mesh_shape(cfg.mesh, num_devices)
   if cfg.model.module:
     _validate_user_model(cfg, sizes)
+    if cfg.lora.rank:
+      raise ValueError(f'lora.rank={cfg.lora.rank}: LoRA adapts the built-in model\'s '
+                       'projections; a model.module trains its own parameters (set '
+                       'lora.rank=0, or put adapters in the module itself).')
   else:
     cfg.model.validate()
+    if cfg.lora.rank:
+      cfg.lora.validate(cfg.model)
   if cfg.parallel.zero_stage not in (0, 1, 2, 3):
     raise ValueError(f'parallel.zero_stage={cfg.parallel.zero_stage}: choose 0, 1, 2 or 3.')
   if platform not in (None, 'gpu') and cfg.model.attention_impl == 'cudnn':

@@ -49,7 +49,7 @@ def floor(cfg: config_lib.Config, layout: planner.Layout, size: dict) -> planner
   opt = 0 if offloaded else size['opt_state_bytes']
   user = family.is_user(cfg)
   return planner.Floor(dot_flops=0.0 if user else dot_flops(cfg, layout), other_bytes=2 * opt,
-                       memory_bytes=size['param_bytes'] + opt,
+                       memory_bytes=size['param_bytes'] + size.get('frozen_bytes', 0) + opt,
                        exposed={} if user else exposed(cfg, layout))
 
 
