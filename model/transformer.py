@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from model import moe
+from model import lora_rows, moe
 from model.config import ModelConfig
 from pallas_kernels.flash_attention import flash_attention
 from sharding.rules import ShardingPlan, constrain
@@ -244,6 +244,7 @@ def project_qkv(x, layer, cfg: ModelConfig, rope: Rope, plan):
   q = jnp.einsum('btd,dhe->bthe', x, layer['wq'].astype(dtype))
   k = jnp.einsum('btd,dke->btke', x, layer['wk'].astype(dtype))
   v = jnp.einsum('btd,dke->btke', x, layer['wv'].astype(dtype))
+  q, k, v = (lora_rows.add(y, x, layer, t) for y, t in ((q, 'q'), (k, 'k'), (v, 'v')))
   if cfg.qkv_bias:
     q, k, v = (y + layer[b].astype(dtype) for y, b in ((q, 'bq'), (k, 'bk'), (v, 'bv')))
   if cfg.qk_norm:
@@ -289,17 +290,21 @@ def output_projection(out, layer):
   # another layout every call (benchmarks/results/serving_model_cpu.md).
   b, t, h, e = out.shape
   wo = layer['wo'].astype(out.dtype)
-  return jnp.einsum('btx,xd->btd', out.reshape(b, t, h * e), wo.reshape(h * e, -1))
+  flat = out.reshape(b, t, h * e)
+  return lora_rows.add(jnp.einsum('btx,xd->btd', flat, wo.reshape(h * e, -1)), flat, layer, 'o')
 
 
 # ---------------------------------------------------------------------------- mlp, block
 
 def mlp(x, layer, plan):
   dtype = x.dtype
-  gate = checkpoint_name(jnp.einsum('btd,df->btf', x, layer['w_gate'].astype(dtype)), 'mlp_gate')
-  up = checkpoint_name(jnp.einsum('btd,df->btf', x, layer['w_up'].astype(dtype)), 'mlp_up')
+  gate = lora_rows.add(jnp.einsum('btd,df->btf', x, layer['w_gate'].astype(dtype)), x, layer,
+                       'gate')
+  up = lora_rows.add(jnp.einsum('btd,df->btf', x, layer['w_up'].astype(dtype)), x, layer, 'up')
+  gate, up = checkpoint_name(gate, 'mlp_gate'), checkpoint_name(up, 'mlp_up')
   hidden = constrain(jax.nn.silu(gate) * up, ('batch', 'act_seq', 'act_mlp'), plan)
-  return jnp.einsum('btf,fd->btd', hidden, layer['w_down'].astype(dtype))
+  down = jnp.einsum('btf,fd->btd', hidden, layer['w_down'].astype(dtype))
+  return lora_rows.add(down, hidden, layer, 'down')
 
 
 def block(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan):

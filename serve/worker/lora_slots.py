@@ -1,0 +1,71 @@
+"""The runner's LoRA slot arrays: per target projection, a_slots [L, slots, in, r_max]
+and b_slots [L, slots, r_max, out] (model.lora_rows), slot 0 all zeros for the base.
+Their shapes never change, so writing an adapter into a slot or clearing it recompiles
+no step; under tensor parallelism each is split like its base weight (B on the output
+of q, k, v, gate and up; A on the input of o and down)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.config import ModelConfig
+from model.lora_rows import TARGETS
+
+# (logical axis of the input features, of the output features) per target.
+_AXES = {'q': ('embed', 'heads'), 'k': ('embed', 'kv_heads'), 'v': ('embed', 'kv_heads'),
+         'o': ('heads', 'embed'), 'gate': ('embed', 'mlp'), 'up': ('embed', 'mlp'),
+         'down': ('mlp', 'embed')}
+
+
+def features(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+  """(in_features, out_features) of each target's base projection, as PEFT counts them."""
+  d, e = cfg.embed_dim, cfg.resolved_head_dim
+  q, kv, f = cfg.num_heads * e, cfg.num_kv_heads * e, cfg.resolved_mlp_dim
+  return {'q': (d, q), 'k': (d, kv), 'v': (d, kv), 'o': (q, d), 'gate': (d, f),
+          'up': (d, f), 'down': (f, d)}
+
+
+def logical_axes(target: str):
+  """(a_slots' axes, b_slots' axes)."""
+  i, o = _AXES[target]
+  return ('layers', None, i, None), ('layers', None, None, o)
+
+
+class LoraSlots:
+  """max_loras adapters' slots (1..max_loras) beside slot 0, in the compute dtype."""
+
+  def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, plan=None):
+    self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
+    self._shardings = None
+    if plan is not None:
+      self._shardings = {t: tuple(plan.sharding(plan.params, ax) for ax in logical_axes(t))
+                         for t in TARGETS}
+    slots, L = max_loras + 1, cfg.num_layers
+    self.arrays = {}
+    for t, (fin, fout) in features(cfg).items():
+      shapes = ((L, slots, fin, max_rank), (L, slots, max_rank, fout))
+      self.arrays[t] = tuple(self._put(np.zeros(s, cfg.dtype), t, j)
+                             for j, s in enumerate(shapes))
+    self._write = jax.jit(lambda arr, slot, value: arr.at[:, slot].set(value),
+                          donate_argnums=(0,))
+
+  def _put(self, x, target: str, j: int):
+    sharding = None if self._shardings is None else self._shardings[target][j]
+    return jax.device_put(jnp.asarray(x), sharding)
+
+  def write(self, slot: int, weights: dict) -> None:
+    """Puts an adapter in `slot`: weights {target: (a [L, in, r], b [L, r, out])}, scale
+    folded into b; zero-padded to max_rank; targets it lacks are zeroed."""
+    if not 1 <= slot <= self.max_loras:
+      raise ValueError(f'LoRA slot {slot} is outside 1..{self.max_loras}.')
+    for t, (a_arr, b_arr) in self.arrays.items():
+      a_new = np.zeros((a_arr.shape[0],) + a_arr.shape[2:], a_arr.dtype)
+      b_new = np.zeros((b_arr.shape[0],) + b_arr.shape[2:], b_arr.dtype)
+      if t in weights:
+        a, b = weights[t]
+        r = a.shape[-1]
+        a_new[:, :, :r], b_new[:, :r, :] = a, b
+      self.arrays[t] = (self._write(a_arr, slot, a_new), self._write(b_arr, slot, b_new))
+
+  def clear(self, slot: int) -> None:
+    self.write(slot, {})
