@@ -31,6 +31,7 @@ ADAPTERS = {'all8': (8, 16, ALL, False), 'attn4': (4, 8, ['q_proj', 'v_proj'], F
 PROMPTS = [[5, 17, 33, 8, 120, 44, 9], [70, 30, 30, 81, 200, 16, 150, 42, 11, 23, 64, 7,
                                            19, 88, 31, 140, 55, 12, 99, 10, 6, 73, 18]]
 MAX_TOKENS = 8
+VOCAB = len(SPECIALS + WORDS)   # the tokenizer's ids (odd)
 
 
 def save_adapter(base_dir, path, rank, alpha, targets, rslora, seed):
@@ -54,7 +55,7 @@ def lora_dirs(tmp_path_factory):
   """The base directory, {name: adapter dir} and {name: merged transformers model}."""
   root = tmp_path_factory.mktemp('lora')
   base = root / 'base'
-  save_llama(base, vocab_size=len(SPECIALS + WORDS))
+  save_llama(base, vocab_size=VOCAB + 1)   # even, for tensor=2; the engine samples VOCAB
   write_tokenizer(base)
   dirs, merged = {}, {}
   for i, (name, spec) in enumerate(ADAPTERS.items()):
@@ -85,7 +86,7 @@ def reference(model, prompt, n=MAX_TOKENS):
   ids, logps = list(prompt), []
   with torch.no_grad():
     for _ in range(n):
-      logits = model(torch.as_tensor([ids])).logits[0, -1].double()
+      logits = model(torch.as_tensor([ids])).logits[0, -1, :VOCAB].double()
       lp = torch.log_softmax(logits, -1)
       tok = int(torch.argmax(lp))
       ids.append(tok)
@@ -117,3 +118,52 @@ def test_an_adapter_serves_what_its_merged_weights_give(lora_dirs, engine, adapt
   merged = lora_dirs[2]
   for prompt in PROMPTS:
     check_equal(run(engine, prompt, adapter), reference(merged[adapter], prompt))
+
+
+def test_a_batch_mixing_three_adapters_and_the_base_gives_each_what_it_gets_alone(
+    lora_dirs, engine):
+  """Every request is admitted before the next schedule (the engine's lock held), so
+  the adapters' and the base's rows share steps; each equals transformers on its merged
+  weights, as alone."""
+  merged = lora_dirs[2]
+  jobs = [(p, a) for p in PROMPTS for a in [*ADAPTERS, 'base']]
+  with engine._lock:   # pylint: disable=protected-access
+    streams = [engine.add_request(p, greedy(), lora=None if a == 'base' else a)
+               for p, a in jobs]
+  for (p, a), s in zip(jobs, streams):
+    res = s.result()
+    check_equal((res.token_ids, [lp.logprob for lp in res.logprobs]), reference(merged[a], p))
+
+
+def test_the_prefix_cache_is_never_shared_across_adapters(lora_dirs, engine):
+  """One prompt of several full blocks under two adapters and the base: none reuses
+  another's blocks (each its own reference's output); the same adapter again does."""
+  merged = lora_dirs[2]
+  prompt = [int(t) for t in np.random.default_rng(7).integers(7, 200, 21)]
+  hits = []
+  for a in ('all8', 'attn4', 'base', 'attn4'):
+    before = engine.stats().prefix_cache_hits
+    check_equal(run(engine, prompt, a), reference(merged[a], prompt))
+    hits.append(engine.stats().prefix_cache_hits - before)
+  assert hits[:3] == [0, 0, 0] and hits[3] >= 16, hits
+
+
+def test_tensor_parallel_adapters_serve_what_one_device_does(lora_dirs):
+  """On a tensor=2 mesh the slot arrays split like their base weights; a mixed batch
+  still equals transformers on the merged weights."""
+  base, dirs, merged = lora_dirs
+  e = make_engine(base, dirs, tensor=2)
+  try:
+    spec = lambda t, j: tuple(e.runner.lora.arrays[t][j].sharding.spec)  # noqa: E731
+    # B split on the output of q (like wq's heads), A on the input of o (like wo's).
+    assert spec('q', 1)[3] == 'tensor' and spec('o', 0)[2] == 'tensor', (spec('q', 1),
+                                                                        spec('o', 0))
+    jobs = [(PROMPTS[1], a) for a in [*ADAPTERS, 'base']]
+    with e._lock:   # pylint: disable=protected-access
+      streams = [e.add_request(p, greedy(), lora=None if a == 'base' else a) for p, a in jobs]
+    for (p, a), s in zip(jobs, streams):
+      res = s.result()
+      check_equal((res.token_ids, [lp.logprob for lp in res.logprobs]),
+                  reference(merged[a], p))
+  finally:
+    e.shutdown()
