@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from model import lora_rows
+from model import lora as lora_lib
 from model.config import ModelConfig
 from model.transformer import (RESIDUAL, Params, Rope, logits, output_projection,
                                project_qkv, residual_block, rms_norm, rope_inv_freq,
@@ -168,12 +168,15 @@ def paged_forward(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelC
                   rope: Rope | None = None, lora=None):
   """Final hidden states [1, T, d] of the batch's tokens, and the updated cache. rope:
   rope_table's output covering every position in the batch (else computed here). lora:
-  LoRA slot arrays {target: (a [L, slots, in, r], b [L, slots, r, out])} (model.lora_rows),
-  each token row adding its batch.row_slot's adapter; None: the base alone."""
+  LoRA slot arrays {target: {'a': [L, slots, in, r], 'b': [L, slots, r, out]}} (model.lora's
+  serving form), each token row adding its batch.row_slot's adapter; None: the base alone."""
   check_impl(cfg, impl)
-  if lora is not None and cfg.num_experts:
-    raise ValueError('LoRA adapters on a mixture-of-experts model are not served; serve '
-                     'it without --enable-lora.')
+  if lora is not None:
+    if cfg.num_experts:
+      raise ValueError('LoRA adapters on a mixture-of-experts model are not served; serve '
+                       'it without --enable-lora.')
+    row_slot = jnp.broadcast_to(batch.row_slot, (cfg.num_layers,) + batch.row_slot.shape)
+    params = lora_lib.attach(params, {'layers': {**lora, 'row_slot': row_slot}})
   if rope is None:
     rope = rope_tables(batch.positions[None], rope_inv_freq(cfg))
   else:
@@ -184,9 +187,6 @@ def paged_forward(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelC
   def body(carry, layer_and_index):
     x, cache = carry
     layer, index = layer_and_index
-    if lora is not None:
-      slots = jax.tree.map(lambda w: w[index], lora)
-      layer = lora_rows.with_layer(layer, slots, batch.row_slot)
     attend = lambda h: paged_attention_layer(h, layer, index, cache, batch, cfg, rope, impl,
                                              plan)
     return residual_block(x, layer, cfg, plan, attend), None

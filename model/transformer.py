@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from model import lora_rows, moe
+from model import lora as lora_lib
+from model import moe
 from model.config import ModelConfig
 from pallas_kernels.flash_attention import flash_attention
 from sharding.rules import ShardingPlan, constrain
@@ -241,10 +242,9 @@ def project_qkv(x, layer, cfg: ModelConfig, rope: Rope, plan):
   """q [b,t,h,e], k/v [b,t,k,e]: projections (with cfg.qkv_bias, biased; with
   cfg.qk_norm, each head normed) and RoPE, shared by training and serving."""
   dtype = x.dtype
-  q = jnp.einsum('btd,dhe->bthe', x, layer['wq'].astype(dtype))
-  k = jnp.einsum('btd,dke->btke', x, layer['wk'].astype(dtype))
-  v = jnp.einsum('btd,dke->btke', x, layer['wv'].astype(dtype))
-  q, k, v = (lora_rows.add(y, x, layer, t) for y, t in ((q, 'q'), (k, 'k'), (v, 'v')))
+  q = lora_lib.apply(layer, 'q', x, jnp.einsum('btd,dhe->bthe', x, layer['wq'].astype(dtype)))
+  k = lora_lib.apply(layer, 'k', x, jnp.einsum('btd,dke->btke', x, layer['wk'].astype(dtype)))
+  v = lora_lib.apply(layer, 'v', x, jnp.einsum('btd,dke->btke', x, layer['wv'].astype(dtype)))
   if cfg.qkv_bias:
     q, k, v = (y + layer[b].astype(dtype) for y, b in ((q, 'bq'), (k, 'bk'), (v, 'bv')))
   if cfg.qk_norm:
@@ -291,20 +291,20 @@ def output_projection(out, layer):
   b, t, h, e = out.shape
   wo = layer['wo'].astype(out.dtype)
   flat = out.reshape(b, t, h * e)
-  return lora_rows.add(jnp.einsum('btx,xd->btd', flat, wo.reshape(h * e, -1)), flat, layer, 'o')
+  projected = jnp.einsum('btx,xd->btd', flat, wo.reshape(h * e, -1))
+  return lora_lib.apply(layer, 'o', flat, projected)
 
 
 # ---------------------------------------------------------------------------- mlp, block
 
 def mlp(x, layer, plan):
   dtype = x.dtype
-  gate = lora_rows.add(jnp.einsum('btd,df->btf', x, layer['w_gate'].astype(dtype)), x, layer,
-                       'gate')
-  up = lora_rows.add(jnp.einsum('btd,df->btf', x, layer['w_up'].astype(dtype)), x, layer, 'up')
-  gate, up = checkpoint_name(gate, 'mlp_gate'), checkpoint_name(up, 'mlp_up')
+  project = lambda name, target, h: lora_lib.apply(
+      layer, target, h, jnp.einsum('btd,df->btf', h, layer[name].astype(dtype)))
+  gate = checkpoint_name(project('w_gate', 'gate', x), 'mlp_gate')
+  up = checkpoint_name(project('w_up', 'up', x), 'mlp_up')
   hidden = constrain(jax.nn.silu(gate) * up, ('batch', 'act_seq', 'act_mlp'), plan)
-  down = jnp.einsum('btf,fd->btd', hidden, layer['w_down'].astype(dtype))
-  return lora_rows.add(down, hidden, layer, 'down')
+  return project('w_down', 'down', hidden)
 
 
 def block(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan):
@@ -403,21 +403,25 @@ def _remat(fn, policy: str):
 
 def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
             positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-            plan: ShardingPlan | None = None, embed: jax.Array | None = None) -> jax.Array:
+            plan: ShardingPlan | None = None, embed: jax.Array | None = None,
+            lora: Params | None = None) -> jax.Array:
   """Final hidden states [b, t, d] for tokens [b, t]; see forward_with_aux."""
   return forward_with_aux(params, tokens, cfg, positions=positions, segment_ids=segment_ids,
-                          plan=plan, embed=embed)[0]
+                          plan=plan, embed=embed, lora=lora)[0]
 
 
 def forward_with_aux(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
                      positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                     plan: ShardingPlan | None = None, embed: jax.Array | None = None):
+                     plan: ShardingPlan | None = None, embed: jax.Array | None = None,
+                     lora: Params | None = None):
   """(final hidden states [b, t, d] for tokens [b, t], MoE aux values: moe.AUX_KEYS,
   zeros for a dense model).
 
   `embed` replaces params['embed'] for the lookup: [v, d], or [shards, v, d] holding one
   copy per batch shard (shard i looks up rows i*b/shards onwards of the batch).
+  `lora`: adapters in model.lora's layer form, added after their projections.
   """
+  params = lora_lib.attach(params, lora)
   b, t = tokens.shape
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -549,12 +553,14 @@ def _head_logits_bwd(residuals, g):
 head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
 
 
-def summed_nll(params: Params, batch: dict, cfg: ModelConfig, plan=None) -> jax.Array:
+def summed_nll(params: Params, batch: dict, cfg: ModelConfig, plan=None,
+               lora: Params | None = None) -> jax.Array:
   """Sum over tokens of weight * negative log-likelihood (float32)."""
-  return summed_nll_and_aux(params, batch, cfg, plan)[0]
+  return summed_nll_and_aux(params, batch, cfg, plan, lora)[0]
 
 
-def summed_nll_and_aux(params: Params, batch: dict, cfg: ModelConfig, plan=None):
+def summed_nll_and_aux(params: Params, batch: dict, cfg: ModelConfig, plan=None,
+                       lora: Params | None = None):
   """(sum over tokens of weight * negative log-likelihood (float32), MoE aux values).
 
   The weights that touch the vocabulary enter as one copy per batch shard, laid out like
@@ -577,7 +583,8 @@ def summed_nll_and_aux(params: Params, batch: dict, cfg: ModelConfig, plan=None)
     head = _per_shard(params['lm_head'], shards, (None, 'act_vocab'), plan)
   hidden, aux = forward_with_aux(params, batch['inputs'], cfg,
                                  positions=batch.get('positions'),
-                                 segment_ids=batch.get('segment_ids'), plan=plan, embed=embed)
+                                 segment_ids=batch.get('segment_ids'), plan=plan, embed=embed,
+                                 lora=lora)
   targets, weights = batch['targets'], batch['weights'].astype(jnp.float32)
   t = hidden.shape[1]
   chunk = cfg.loss_chunk if 0 < cfg.loss_chunk < t else t

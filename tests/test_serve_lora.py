@@ -154,10 +154,10 @@ def test_tensor_parallel_adapters_serve_what_one_device_does(lora_dirs):
   base, dirs, merged = lora_dirs
   e = make_engine(base, dirs, tensor=2)
   try:
-    spec = lambda t, j: tuple(e.runner.lora.arrays[t][j].sharding.spec)  # noqa: E731
+    spec = lambda t, half: tuple(e.runner.lora.arrays[t][half].sharding.spec)  # noqa: E731
     # B split on the output of q (like wq's heads), A on the input of o (like wo's).
-    assert spec('q', 1)[3] == 'tensor' and spec('o', 0)[2] == 'tensor', (spec('q', 1),
-                                                                        spec('o', 0))
+    assert spec('q', 'b')[3] == 'tensor' and spec('o', 'a')[2] == 'tensor', (spec('q', 'b'),
+                                                                            spec('o', 'a'))
     jobs = [(PROMPTS[1], a) for a in [*ADAPTERS, 'base']]
     with e._lock:   # pylint: disable=protected-access
       streams = [e.add_request(p, greedy(), lora=None if a == 'base' else a) for p, a in jobs]

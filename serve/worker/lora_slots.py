@@ -1,5 +1,6 @@
-"""The runner's LoRA slot arrays: per target projection, a_slots [L, slots, in, r_max]
-and b_slots [L, slots, r_max, out] (model.lora_rows), slot 0 all zeros for the base.
+"""The runner's LoRA slot arrays: per target projection, a [L, slots, in, r_max] and
+b [L, slots, r_max, out] (model.lora's serving form: each slot's scale folded into its b),
+slot 0 all zeros for the base.
 Their shapes never change, so writing an adapter into a slot or clearing it recompiles
 no step; under tensor parallelism each is split like its base weight (B on the output
 of q, k, v, gate and up; A on the input of o and down)."""
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
-from model.lora_rows import TARGETS
+from model.lora import TARGETS
 
 # (logical axis of the input features, of the output features) per target.
 _AXES = {'q': ('embed', 'heads'), 'k': ('embed', 'kv_heads'), 'v': ('embed', 'kv_heads'),
@@ -38,19 +39,18 @@ class LoraSlots:
     self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
     self._shardings = None
     if plan is not None:
-      self._shardings = {t: tuple(plan.sharding(plan.params, ax) for ax in logical_axes(t))
-                         for t in TARGETS}
+      self._shardings = {t: dict(zip('ab', (plan.sharding(plan.params, ax)
+                                             for ax in logical_axes(t)))) for t in TARGETS}
     slots, L = max_loras + 1, cfg.num_layers
     self.arrays = {}
     for t, (fin, fout) in features(cfg).items():
-      shapes = ((L, slots, fin, max_rank), (L, slots, max_rank, fout))
-      self.arrays[t] = tuple(self._put(np.zeros(s, cfg.dtype), t, j)
-                             for j, s in enumerate(shapes))
-    self._write = jax.jit(lambda arr, slot, value: arr.at[:, slot].set(value),
-                          donate_argnums=(0,))
+      shapes = {'a': (L, slots, fin, max_rank), 'b': (L, slots, max_rank, fout)}
+      self.arrays[t] = {k: self._put(np.zeros(s, cfg.dtype), t, k) for k, s in shapes.items()}
+    # Not donated: a step dispatched before the write may still read the old arrays.
+    self._write = jax.jit(lambda arr, slot, value: arr.at[:, slot].set(value))
 
-  def _put(self, x, target: str, j: int):
-    sharding = None if self._shardings is None else self._shardings[target][j]
+  def _put(self, x, target: str, half: str):
+    sharding = None if self._shardings is None else self._shardings[target][half]
     return jax.device_put(jnp.asarray(x), sharding)
 
   def write(self, slot: int, weights: dict) -> None:
@@ -58,14 +58,13 @@ class LoraSlots:
     folded into b; zero-padded to max_rank; targets it lacks are zeroed."""
     if not 1 <= slot <= self.max_loras:
       raise ValueError(f'LoRA slot {slot} is outside 1..{self.max_loras}.')
-    for t, (a_arr, b_arr) in self.arrays.items():
-      a_new = np.zeros((a_arr.shape[0],) + a_arr.shape[2:], a_arr.dtype)
-      b_new = np.zeros((b_arr.shape[0],) + b_arr.shape[2:], b_arr.dtype)
+    for t, arrs in self.arrays.items():
+      new = {k: np.zeros((x.shape[0],) + x.shape[2:], x.dtype) for k, x in arrs.items()}
       if t in weights:
         a, b = weights[t]
         r = a.shape[-1]
-        a_new[:, :, :r], b_new[:, :r, :] = a, b
-      self.arrays[t] = (self._write(a_arr, slot, a_new), self._write(b_arr, slot, b_new))
+        new['a'][:, :, :r], new['b'][:, :r, :] = a, b
+      self.arrays[t] = {k: self._write(arrs[k], slot, new[k]) for k in arrs}
 
   def clear(self, slot: int) -> None:
     self.write(slot, {})

@@ -1,0 +1,151 @@
+"""PEFT LoRA adapter directories, both ways: adapter_config.json +
+adapter_model.safetensors <-> model/lora.py's adapter tree and LoraConfig.
+
+PEFT stores, per adapted module and layer, lora_A.weight [r, in] and lora_B.weight
+[out, r] under `base_model.model.model.layers.{i}.{module}`; ours are their transposes
+stacked over each layer group (model/lora.py's contract). What our adapters cannot
+express (DoRA, per-module ranks or alphas, biases, modules saved whole, Conv1D layouts,
+different layers per module) is refused with one line, before any weight is used.
+"""
+
+import json
+import os
+import re
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from model import lora
+from model.config import ModelConfig
+from model.hf import read_safetensors
+from model.lora import TARGETS, LoraConfig
+
+CONFIG_FILE, WEIGHTS_FILE = 'adapter_config.json', 'adapter_model.safetensors'
+_PREFIX = 'base_model.model.model.layers.'
+_KEY = re.compile(r'^base_model\.model\.model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$')
+_MODULE_TO_TARGET = {module: t for t, (_, _, module) in TARGETS.items()}
+# adapter_config.json fields whose non-default values we cannot compute.
+_UNSUPPORTED = {'use_dora': False, 'bias': 'none', 'fan_in_fan_out': False,
+                'modules_to_save': None, 'rank_pattern': {}, 'alpha_pattern': {},
+                'lora_bias': False, 'target_parameters': None}
+
+
+# --------------------------------------------------------------------------------- write
+
+def peft_config(lcfg: LoraConfig, cfg: ModelConfig, base_model: str = '') -> dict:
+  """adapter_config.json for lcfg's adapters on a base of cfg's architecture."""
+  layers = sorted(lcfg.layers) if lcfg.layers else None
+  return {'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'base_model_name_or_path':
+          base_model or None, 'r': lcfg.rank, 'lora_alpha': lcfg.alpha,
+          'lora_dropout': lcfg.dropout, 'use_rslora': lcfg.rslora,
+          'target_modules': sorted(TARGETS[t][2].split('.')[-1] for t in lcfg.targets),
+          'layers_to_transform': layers, 'bias': 'none', 'fan_in_fan_out': False,
+          'init_lora_weights': True, 'use_dora': False, 'modules_to_save': None,
+          'rank_pattern': {}, 'alpha_pattern': {}, 'inference_mode': True}
+
+
+def peft_tensors(adapter: dict, lcfg: LoraConfig, cfg: ModelConfig) -> dict[str, np.ndarray]:
+  """The adapted layers' lora_A [r, in] and lora_B [out, r], float32."""
+  chosen = set(lcfg.layers) if lcfg.layers else set(range(cfg.num_layers))
+  out = {}
+  for stack, indices in lora.stack_layer_indices(cfg).items():
+    for t, ab in adapter.get(stack, {}).items():
+      a, b = np.asarray(ab['a'], np.float32), np.asarray(ab['b'], np.float32)
+      for n, i in enumerate(indices):
+        if i in chosen:
+          name = f'{_PREFIX}{i}.{TARGETS[t][2]}'
+          out[f'{name}.lora_A.weight'] = np.ascontiguousarray(a[n].T)
+          out[f'{name}.lora_B.weight'] = np.ascontiguousarray(b[n].T)
+  return out
+
+
+def write_peft_adapter(directory: str, adapter: dict, lcfg: LoraConfig, cfg: ModelConfig,
+                       base_model: str = '') -> None:
+  """adapter_config.json and adapter_model.safetensors into `directory` (created)."""
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, CONFIG_FILE), 'w', encoding='utf-8') as f:
+    json.dump(peft_config(lcfg, cfg, base_model), f, indent=2)
+  save_file(peft_tensors(adapter, lcfg, cfg), os.path.join(directory, WEIGHTS_FILE),
+            metadata={'format': 'pt'})
+
+
+# ---------------------------------------------------------------------------------- read
+
+def read_peft_adapter(directory: str, cfg: ModelConfig) -> tuple[dict, LoraConfig]:
+  """(adapter tree in float32 numpy, its LoraConfig) of a PEFT LoRA directory, for a base
+  of cfg's shape; ValueError with one line where it does not fit."""
+  hf = _read_config(directory)
+  tensors = {k: np.asarray(v, np.float32) for k, v in read_safetensors(directory).items()}
+  found = _parse_keys(tensors, directory)
+  targets = tuple(t for t in TARGETS if any(t == k[1] for k in found))
+  layer_sets = {t: sorted({i for i, tt in found if tt == t}) for t in targets}
+  if len({tuple(v) for v in layer_sets.values()}) > 1:
+    raise ValueError(f'{directory}: the adapter adapts different layers per module '
+                     f'({layer_sets}), which one LoraConfig cannot express.')
+  used = layer_sets[targets[0]]
+  lcfg = LoraConfig(rank=int(hf['r']), alpha=float(hf['lora_alpha']),
+                    dropout=float(hf.get('lora_dropout') or 0.0), targets=targets,
+                    layers=() if len(used) == cfg.num_layers else tuple(used),
+                    rslora=bool(hf.get('use_rslora', False)))
+  try:
+    lcfg.validate(cfg)
+  except ValueError as e:
+    raise ValueError(f'{directory} does not fit this base model: {e}') from None
+  return _stack(found, lcfg, cfg, directory), lcfg
+
+
+def _read_config(directory: str) -> dict:
+  path = os.path.join(directory, CONFIG_FILE)
+  if not os.path.isfile(path) or not os.path.isfile(os.path.join(directory, WEIGHTS_FILE)):
+    raise ValueError(f'{directory}: not a PEFT adapter directory (needs {CONFIG_FILE} and '
+                     f'{WEIGHTS_FILE}).')
+  with open(path, encoding='utf-8') as f:
+    hf = json.load(f)
+  if hf.get('peft_type', 'LORA') != 'LORA':
+    raise ValueError(f'{directory}: peft_type {hf["peft_type"]!r}; only LORA adapters load.')
+  for key, default in _UNSUPPORTED.items():
+    if hf.get(key, default) not in (default, None, {}, []):
+      raise ValueError(f'{directory}: {CONFIG_FILE} sets {key}={hf[key]!r}, which meshlm '
+                       'adapters cannot compute; retrain or merge it with peft.')
+  return hf
+
+
+def _parse_keys(tensors: dict, directory: str) -> dict:
+  """{(layer, target): {'A': array, 'B': array}}."""
+  found = {}
+  for key, value in tensors.items():
+    m = _KEY.match(key)
+    if not m or m.group(2) not in _MODULE_TO_TARGET:
+      raise ValueError(f'{directory}: tensor {key!r} is not a LoRA weight of a Llama-family '
+                       f'projection ({", ".join(_MODULE_TO_TARGET)}).')
+    found.setdefault((int(m.group(1)), _MODULE_TO_TARGET[m.group(2)]), {})[m.group(3)] = value
+  if not found:
+    raise ValueError(f'{directory}: {WEIGHTS_FILE} holds no LoRA weights.')
+  return found
+
+
+def _stack(found: dict, lcfg: LoraConfig, cfg: ModelConfig, directory: str) -> dict:
+  specs = lora.adapter_specs(cfg, lcfg)
+  out = {}
+  for stack, indices in lora.stack_layer_indices(cfg).items():
+    for t, spec in specs.get(stack, {}).items():
+      a, b = np.zeros(spec['a'][0], np.float32), np.zeros(spec['b'][0], np.float32)
+      for n, i in enumerate(indices):
+        if (i, t) not in found:
+          continue
+        pair = found[(i, t)]
+        want = {'A': (a.shape[2], a.shape[1]), 'B': (b.shape[2], b.shape[1])}
+        for half, shape in want.items():
+          got = pair.get(half)
+          if got is None or got.shape != shape:
+            raise ValueError(
+                f'{directory}: layer {i} {TARGETS[t][2]}.lora_{half} has shape '
+                f'{None if got is None else got.shape}, this base needs {shape} (rank '
+                f'{lcfg.rank}): the adapter was trained on another model.')
+        a[n], b[n] = pair['A'].T, pair['B'].T
+      out.setdefault(stack, {})[t] = {'a': a, 'b': b}
+  missing = {k for k in found if k[0] >= cfg.num_layers}
+  if missing:
+    raise ValueError(f'{directory}: adapts layer {max(missing)[0]}, this base has '
+                     f'{cfg.num_layers} layers: the adapter was trained on another model.')
+  return out
