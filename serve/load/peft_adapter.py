@@ -31,14 +31,14 @@ class LoraAdapter:
 def read_peft_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
   """The adapter in `path`, checked against the served model's config `cfg`; ValueError
   with one line naming what does not fit."""
-  where = f'LoRA adapter {name!r} ({path})'
   path = os.path.expanduser(str(path))
+  where = f'LoRA adapter {name!r} ({path})'
   base = _base_model(path)
   _check_base(base, cfg, where)
   try:
     tree, lcfg = read_peft_tree(path, cfg)
-  except ValueError as e:
-    raise ValueError(f'{where}: {e}') from None
+  except ValueError as e:   # its message starts with the directory
+    raise ValueError(f'LoRA adapter {name!r}: {e}') from None
   if 'moe_layers' in tree:
     raise ValueError(f'{where}: adapters on a mixture-of-experts model are not served.')
   if lcfg.rank > max_rank:
