@@ -357,10 +357,12 @@ def test_bad_lora_flags_are_refused_at_start(kw, message):
     ServeConfig(**kw).validate()
 
 
-def test_an_adapter_too_large_for_the_flags_stops_the_start_in_one_line(lora_dirs, bad_dirs):
+def test_an_adapter_too_large_for_the_flags_stops_the_start_in_one_line(lora_dirs, bad_dirs,
+                                                                        capsys):
   from serve import __main__ as serve_main  # pylint: disable=import-outside-toplevel
   base, _, _ = lora_dirs
   code = serve_main.main(['--hf-model', str(base), '--enable-lora', '--max-lora-rank', '8',
-                          '--lora-modules', f'big={bad_dirs["rank16"]}', '--num-blocks', '8',
-                          '--compilation-cache-dir', 'none'])
+                          '--lora-modules', f'big={bad_dirs["rank16"]}', '--num-blocks', '16'])
+  err = capsys.readouterr().err.strip().splitlines()[-1]
   assert code == 2
+  assert err.startswith("error: LoRA adapter 'big'") and 'exceeds --max-lora-rank=8' in err, err
