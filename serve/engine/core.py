@@ -156,7 +156,12 @@ class Engine(EngineLoop, OutputProcessor):
     with self._lock:
       self._admit(request_id, bounded)
       self._attach_adapter(request, lora)
-      self.scheduler.add_request(request)
+      try:
+        self.scheduler.add_request(request)
+      except Exception:
+        if request.lora_id:
+          self.lora.release(request.lora_id)
+        raise
       self._tracked[request_id] = TrackedRequest(
           request, stream,
           IncrementalDetokenizer(self.served.tokenizer, prompt_ids, list(params.stop),

@@ -94,7 +94,7 @@ class OutputProcessor:
     req = t.request
     reason = reason or req.status.finish_reason or 'stop'
     self.sampler.release(req.request_id)   # its penalty slots (safe from any thread)
-    if req.lora_id and self.lora is not None:
+    if req.lora_id and getattr(self, 'lora', None) is not None:
       self.lora.release(req.lora_id)
       req.lora_id = 0   # released once, whichever path finishes it
     self._tracked.pop(req.request_id, None)
