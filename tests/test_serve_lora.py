@@ -244,20 +244,20 @@ def test_load_serve_unload_reload_while_others_stream(lora_dirs, server):
   bg.start()
   assert post(srv, '/v1/load_lora_adapter',
               {'lora_name': 'attn4', 'lora_path': str(dirs['attn4'])}).status_code == 200
-  want = reference(lora_dirs[2]['attn4'], prompt)[0]
   assert complete(srv, 'attn4', prompt)['text'] == text_of(lora_dirs, 'attn4', prompt)
   running = []
-  fg = threading.Thread(target=stream_tokens, args=(srv, 'attn4', prompt, 40, running))
+  fg = threading.Thread(target=stream_tokens, args=(srv, 'attn4', prompt, 100, running))
   fg.start()
   while not running:
     time.sleep(0.01)
-  resp = post(srv, '/v1/unload_lora_adapter', {'lora_name': 'attn4'})
+  with engine._lock:   # pylint: disable=protected-access  # no step ends it meanwhile
+    resp = post(srv, '/v1/unload_lora_adapter', {'lora_name': 'attn4'})
   assert resp.status_code == 200 and 'finish first' in resp.text, resp.text
   gone = post(srv, '/v1/completions', {'model': 'attn4', 'prompt': prompt, 'max_tokens': 2})
   assert gone.status_code == 404 and gone.json()['error']['code'] == 'model_not_found'
   fg.join()
   text = ''.join(c['choices'][0]['text'] for c in running)
-  assert text.startswith(text_of(lora_dirs, 'attn4', prompt)), (text, want)
+  assert text == text_of(lora_dirs, 'attn4', prompt, 100)   # all on its adapter
   assert post(srv, '/v1/load_lora_adapter',
               {'lora_name': 'attn4', 'lora_path': str(dirs['attn4'])}).status_code == 200
   assert complete(srv, 'attn4', prompt)['text'] == text_of(lora_dirs, 'attn4', prompt)
