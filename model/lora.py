@@ -66,6 +66,9 @@ class LoraConfig:
   """Layer indices adapted (0-based); (): every layer."""
   rslora: bool = False
   """Rank-stabilized scale alpha / sqrt(rank)."""
+  init_from_peft: str = ''
+  """Training: a PEFT LoRA adapter directory whose adapters start the run (their rank,
+  alpha, targets, layers and rslora must be this section's); '': new adapters."""
 
   @property
   def scale(self) -> float:

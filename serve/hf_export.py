@@ -5,6 +5,13 @@ for transformers, vLLM and `python -m serve --hf-model`.
   python -m serve.hf_export --checkpoint runs/default --output runs/default-hf
   python -m serve.hf_export --checkpoint runs/default --output DIR --dtype bfloat16
   python -m serve.hf_export --checkpoint runs/default --output DIR --max-shard-size 2GB
+  python -m serve.hf_export --checkpoint runs/lora --output DIR           # a PEFT adapter
+  python -m serve.hf_export --checkpoint runs/lora --output DIR --merge   # base + adapters
+
+A LoRA run (a lora section in its config.json) exports its adapters as a PEFT adapter
+directory (adapter_config.json, adapter_model.safetensors, float32; base_model_name_or_path
+its init_from_hf directory), which peft loads onto the base; with --merge, the base with
+the adapters merged in (W + scale * A @ B), as the directory below.
 
 Writes config.json (a LlamaConfig computing what the run's model computes, a Qwen2Config
 with q/k/v biases, a Qwen3Config with q/k norms, a MistralConfig for a run from a
@@ -26,6 +33,7 @@ export leaves nothing (a killed one, that hidden directory), and an existing non
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -37,8 +45,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
+from model import lora
 from model.hf import hf_config, hf_tensors, host_device
+from model.lora_peft import peft_config, write_peft_adapter
 from serve.load.checkpoint import load_checkpoint
+from serve.load.lora_checkpoint import load_lora_checkpoint, lora_section
 from serve.load.hf_model import SERVE_DTYPES, check_dtype
 from training.tokenizer import bytes_to_unicode
 
@@ -71,28 +82,55 @@ MAX_SHARD_SIZE = '5GB'   # huggingface_hub's default
 
 
 def export(checkpoint: str, output: str, dtype: str = 'auto',
-           max_shard_size: int | str = MAX_SHARD_SIZE) -> dict:
-  """Writes the directory (see the module docstring); returns its config.json dict."""
+           max_shard_size: int | str = MAX_SHARD_SIZE, merge: bool = False) -> dict:
+  """Writes the directory (see the module docstring); returns its config.json dict
+  (adapter_config.json's for a PEFT adapter)."""
   output = os.path.abspath(os.path.expanduser(output))
   max_shard_size = shard_size(max_shard_size)
   if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
     raise FileExistsError(f'--output {output} exists and is not an empty directory: '
                           'choose a new one (nothing is overwritten).')
+  lcfg = lora_section(checkpoint)
+  if merge and lcfg is None:
+    raise ValueError(f'--merge: {checkpoint} is a full-model run (no lora section in its '
+                     'config.json), nothing to merge: export it without --merge.')
+  if lcfg is not None and not merge:
+    return _export_peft(checkpoint, output)
   # Onto the host (a model too big for one accelerator exports too), master values,
   # cast once with numpy.
-  served = load_checkpoint(checkpoint, mesh=_host_mesh(), dtype='float32')
+  if lcfg is None:
+    served = load_checkpoint(checkpoint, mesh=_host_mesh(), dtype='float32')
+  else:
+    run = load_lora_checkpoint(checkpoint, mesh=_host_mesh())
+    served = dataclasses.replace(run.served, params=lora.merge(
+        run.served.params, run.adapter, run.lcfg, run.served.model_cfg))
   cfg = served.model_cfg
   dtype = cfg.param_dtype if dtype == 'auto' else check_dtype(dtype)
   tokenizer_json, eos_token = tokenizer_files(served.tokenizer)
   config = hf_config(cfg, dtype, served.tokenizer.eos_id)
   tensors = {k: v.astype(jnp.dtype(dtype)) for k, v in hf_tensors(served.params,
                                                                   cfg).items()}
+  _publish(output, lambda staging: _write(staging, config, tensors, tokenizer_json,
+                                          eos_token, cfg.max_seq_len,
+                                          served.tokenizer.eos_id, max_shard_size))
+  return config
+
+
+def _export_peft(checkpoint: str, output: str) -> dict:
+  run = load_lora_checkpoint(checkpoint, mesh=_host_mesh())
+  cfg = run.served.model_cfg
+  _publish(output, lambda staging: write_peft_adapter(staging, run.adapter, run.lcfg, cfg,
+                                                      run.base_source))
+  return peft_config(run.lcfg, cfg, run.base_source)
+
+
+def _publish(output: str, write) -> None:
+  """write(directory) into a hidden directory beside `output`, renamed into place last."""
   parent = os.path.dirname(output)
   os.makedirs(parent, exist_ok=True)
   staging = tempfile.mkdtemp(dir=parent, prefix=f'.{os.path.basename(output)}.')
   try:
-    _write(staging, config, tensors, tokenizer_json, eos_token, cfg.max_seq_len,
-           served.tokenizer.eos_id, max_shard_size)
+    write(staging)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)   # as a plain mkdir and open would make them
@@ -104,7 +142,6 @@ def export(checkpoint: str, output: str, dtype: str = 'auto',
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
-  return config
 
 
 def _host_mesh():
@@ -170,13 +207,20 @@ def main(argv=None) -> int:
   parser.add_argument('--max-shard-size', default=MAX_SHARD_SIZE, metavar='SIZE',
                       help='split the weights into files of at most SIZE (bytes, or 500MB, '
                            '5GB, 4GiB) with model.safetensors.index.json; default %(default)s')
+  parser.add_argument('--merge', action='store_true',
+                      help='a LoRA run: write the base with the adapters merged in (default: '
+                           'a PEFT adapter directory)')
   args = parser.parse_args(argv)
   try:
     shard_size(args.max_shard_size)   # a bad size is told before the checkpoint is read
-    config = export(args.checkpoint, args.output, args.dtype, args.max_shard_size)
+    config = export(args.checkpoint, args.output, args.dtype, args.max_shard_size, args.merge)
   except (ValueError, FileNotFoundError, FileExistsError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
+  if config.get('peft_type'):
+    print(f'wrote {os.path.abspath(args.output)}: a PEFT LoRA adapter, rank {config["r"]} on '
+          f'{", ".join(config["target_modules"])}', file=sys.stderr)
+    return 0
   print(f'wrote {os.path.abspath(args.output)}: {config["architectures"][0]}, '
         f'{config["num_hidden_layers"]} layers, hidden {config["hidden_size"]}, vocab '
         f'{config["vocab_size"]}, {config["torch_dtype"]}', file=sys.stderr)

@@ -33,6 +33,7 @@ class Combo:
   repeats: int = 1
   moe: str = 'dense'              # 'dense' | 'capacity' | 'dropless'
   accum: int = 1
+  lora: bool = False              # lora_config()'s adapters on a frozen base
 
   @property
   def name(self) -> str:
@@ -44,6 +45,8 @@ class Combo:
       parts.append('sp' if self.sequence_parallel else 'nosp')
     if self.sizes['stage'] > 1:
       parts.append(f'repeats{self.repeats}')
+    if self.lora:
+      parts.append('lora')
     return '/'.join(parts)
 
   @property
@@ -104,14 +107,23 @@ def config(combo: Combo, dtype: str = 'float32'):
   cfg.parallel.sequence_parallel = combo.sequence_parallel
   cfg.parallel.pipeline_repeats = combo.repeats
   cfg.optim.grad_accum = combo.accum
+  if combo.lora:
+    cfg.lora = lora_config()
   return cfg
+
+
+def lora_config():
+  """Adapters on every projection of some layers (an MoE model's routed layers adapt
+  their attention only)."""
+  from model.lora import TARGETS, LoraConfig  # pylint: disable=import-outside-toplevel
+  return LoraConfig(rank=4, alpha=8.0, targets=tuple(TARGETS), layers=(0, 1, 3))
 
 
 def reference(combo: Combo) -> Combo:
   """The one-device run `combo` must equal: the same model and accumulation (MoE's aux
   losses are per microbatch, so accumulation changes what MoE computes), nothing split."""
   accum = combo.accum if combo.moe != 'dense' else 1
-  return Combo((1,) * len(AXES), moe=combo.moe, accum=accum)
+  return Combo((1,) * len(AXES), moe=combo.moe, accum=accum, lora=combo.lora)
 
 
 def classify(combos: list[Combo], devices: int = 8):
@@ -155,18 +167,25 @@ def losses_and_grads(cfg, devices=None, seeds=(0,)) -> list[tuple[float, list[np
   from tests.test_parallel import random_batch   # packed documents, random weights
   from training import state, trainer
   plan = trainer.build_plan(cfg, devices)
-  axes = model.logical_axes(cfg.model)
-  host = model.init_params(cfg.model, jax.random.key(0))
-  params = jax.tree.map(
+  axes = state.trainable_axes(cfg)
+  place = lambda tree, axes: jax.tree.map(
       lambda h, sh: jax.make_array_from_callback(h.shape, sh, lambda i: np.asarray(h)[i]),
-      host, plan.tree(plan.params, axes))
+      tree, plan.tree(plan.params, axes))
+  host = model.init_params(cfg.model, jax.random.key(0))
+  frozen = None
+  if cfg.lora.rank:   # the base frozen in the compute dtype, random adapters (b too)
+    from tests.test_lora import random_adapter  # pylint: disable=import-outside-toplevel
+    frozen = place(jax.tree.map(lambda w: w.astype(cfg.model.dtype), host),
+                   model.logical_axes(cfg.model))
+    host = random_adapter(cfg.model, cfg.lora, std=0.1)
+  params = place(host, axes)
   lo, hi = plan.process_rows(cfg.data.batch_size, cfg.data.seq_len)[jax.process_index()]
-  fn = jax.jit(lambda p, b: state.loss_and_grads(p, b, cfg, plan),
+  fn = jax.jit(lambda p, f, b: state.loss_and_grads(p, b, cfg, plan, frozen=f),
                out_shardings=(plan.replicated(), plan.tree(plan.grads, axes)))
   out = []
   for seed in seeds:
     local = {k: v[lo:hi] for k, v in random_batch(cfg, seed).items()}
-    loss, grads = fn(params, trainer.assemble_batch(plan, cfg.data, local))
+    loss, grads = fn(params, frozen, trainer.assemble_batch(plan, cfg.data, local))
     if jax.process_count() > 1:
       loss, grads = multihost_utils.process_allgather((loss, grads), tiled=True)
     out.append((float(np.asarray(loss, np.float64)),

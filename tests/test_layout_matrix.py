@@ -74,6 +74,27 @@ def test_layout_equals_one_device(combo):
   check(combo.name, lm.loss_and_grads(lm.config(combo)), reference_of(combo))
 
 
+# LoRA adapters on a frozen base (lm.lora_config): their gradients on DP, ZeRO-3, TP and
+# mixes with the pipeline, the ring, experts and accumulation.
+LORA_LAYOUTS = [
+    lm.Combo((8, 1, 1, 1, 1, 1), zero=0, lora=True),
+    lm.Combo((1, 1, 8, 1, 1, 1), zero=3, lora=True),
+    lm.Combo((2, 1, 1, 1, 1, 4), zero=0, lora=True),
+    lm.Combo((2, 1, 2, 1, 1, 2), zero=3, accum=2, lora=True),
+    lm.Combo((4, 1, 1, 1, 1, 2), zero=1, accum=2, lora=True),
+    lm.Combo((4, 2, 1, 1, 1, 1), zero=1, lora=True),
+    lm.Combo((2, 1, 2, 1, 2, 1), zero=2, context_strategy='ring', lora=True),
+    lm.Combo((1, 1, 2, 2, 1, 2), zero=3, moe='dropless', lora=True),
+]
+
+
+@pytest.mark.parametrize('lora_combo', LORA_LAYOUTS, ids=[c.name for c in LORA_LAYOUTS])
+def test_lora_layout_equals_one_device(lora_combo):
+  combo = lora_combo
+  lm.classify([combo])[0] or pytest.fail(f'validate refuses {combo.name}')
+  check(combo.name, lm.loss_and_grads(lm.config(combo)), reference_of(combo))
+
+
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))

@@ -133,3 +133,30 @@ def test_target_the_model_lacks_is_refused():
   cfg = tiny_cfg(num_experts=4, experts_per_token=2, moe_dispatch='dropless')   # all MoE
   with pytest.raises(ValueError, match=r"lora.targets \['gate'\]: this model has no such "):
     LoraConfig(rank=2, targets=('q', 'gate')).validate(cfg)
+
+
+@pytest.mark.parametrize('unstacked', [False, True])
+def test_serving_forward_with_attached_adapter_equals_training_forward(unstacked):
+  """model.paged's forward runs the same projections: params with the layer form attached
+  (lora.attach, stacked or unstack_layers' per-layer tuple) give the training forward's
+  logits with the adapter."""
+  from model import paged  # pylint: disable=import-outside-toplevel
+  cfg = tiny_cfg()
+  lcfg = LoraConfig(rank=2, alpha=4.0, targets=tuple(lora.TARGETS), layers=(1,))
+  params, adapter = make_params(cfg), random_adapter(cfg, lcfg)
+  form = lora.layer_form(adapter, lcfg, cfg)
+  tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, 11).astype(np.int32)
+  t, page = len(tokens), 4
+  pages = -(-t // page)
+  batch = paged.PagedBatch(
+      tokens=jnp.asarray(tokens), positions=jnp.arange(t, dtype=jnp.int32),
+      slots=jnp.arange(t, dtype=jnp.int32), kv_lens=jnp.asarray([t], jnp.int32),
+      page_indices=jnp.arange(pages, dtype=jnp.int32)[None],
+      cu_q_lens=jnp.asarray([0, t], jnp.int32), num_seqs=jnp.asarray([1], jnp.int32),
+      sample_rows=jnp.arange(t, dtype=jnp.int32))
+  served = paged.unstack_layers(params, cfg) if unstacked else params
+  got, _ = paged.sampled_logits(lora.attach(served, form),
+                                paged.init_kv_cache(cfg, pages, page), batch, cfg)
+  want = _logits(cfg, params, jnp.asarray(tokens)[None], form)[0]
+  assert np.abs(want - _logits(cfg, params, jnp.asarray(tokens)[None])[0]).max() > 1e-2
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)

@@ -100,6 +100,18 @@ class Checkpointer:
           'workdir; to start over, move the checkpoints directory away.')
     return None
 
+  def latest_meta(self) -> dict | None:
+    """The newest step's meta (JSON) alone, or None: no step, or one whose meta does not
+    read (restore_latest then deals with it)."""
+    steps = self.steps()
+    if not steps:
+      return None
+    try:
+      return self._manager.restore(steps[-1], args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore())).meta
+    except Exception:  # pylint: disable=broad-except
+      return None
+
   def _try_restore(self, step: int, target):
     """(reason, error, None) for a step that cannot be used, else (None, None, restored)."""
     try:
@@ -157,9 +169,7 @@ def restore_params(directory: str, target) -> tuple[object, int]:
     raise FileNotFoundError(f'{directory} does not exist: pass the workdir of a train.py '
                             'run (--config.workdir) that has saved a checkpoint.')
   directory = os.path.abspath(directory)   # orbax refuses relative paths
-  options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
-                                         save_interval_steps=0)
-  manager = ocp.CheckpointManager(directory, item_names=_ITEMS, options=options)
+  manager = _read_only(directory)
   steps = sorted(manager.all_steps())
   if not steps:
     raise FileNotFoundError(f'{directory} holds no checkpoint yet: train until one is '
@@ -179,6 +189,26 @@ def restore_params(directory: str, target) -> tuple[object, int]:
                 str(last_error)[:300])
   raise CheckpointError(f'no checkpoint in {directory} has intact parameters of this model '
                         f'(newest error: {str(last_error)[:500]}).')
+
+
+def _read_only(directory: str):
+  options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
+                                         save_interval_steps=0)
+  return ocp.CheckpointManager(directory, item_names=_ITEMS, options=options)
+
+
+def latest_meta(directory: str) -> dict | None:
+  """The newest step's meta (JSON) of a checkpoints directory, opened read-only; None
+  where there is none or it does not read."""
+  if not os.path.isdir(directory):
+    return None
+  manager = _read_only(os.path.abspath(directory))
+  steps = sorted(manager.all_steps())
+  try:
+    return manager.restore(steps[-1], args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore())).meta if steps else None
+  except Exception:  # pylint: disable=broad-except
+    return None
 
 
 def _restore_params(manager, step: int, target):

@@ -12,6 +12,7 @@ import os
 import jax
 
 from model.config import ModelConfig
+from model.lora import LoraConfig
 from sharding import compile_cache, offload
 from sharding.mesh import MeshConfig, mesh_shape
 
@@ -168,6 +169,7 @@ class Config:
   metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
   sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
   distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+  lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
   steps: int = 200
   """Training steps in all (a rerun with more resumes from the last checkpoint)."""
   workdir: str = 'runs/default'
@@ -261,6 +263,8 @@ def validate(cfg: Config, num_devices: int, platform: str | None = None) -> None
   `platform` (jax.default_backend()) also checks that the attention runs there.
   """
   cfg.model.validate()
+  if cfg.lora.rank:
+    cfg.lora.validate(cfg.model)
   sizes = mesh_shape(cfg.mesh, num_devices)
   if cfg.parallel.zero_stage not in (0, 1, 2, 3):
     raise ValueError(f'parallel.zero_stage={cfg.parallel.zero_stage}: choose 0, 1, 2 or 3.')

@@ -75,11 +75,15 @@ def run_size(cfg: config_lib.Config, available_devices: int) -> dict:
   for rules in (plan.params, plan.grads, plan.opt_state):
     check_divisible(plan, rules, shapes, axes)
   train_state = state.abstract_state(cfg, plan, optimizer.make_optimizer(cfg.optim, cfg.steps))
+  # With LoRA only the adapters have gradients and optimizer state; the base is frozen.
   grads = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       shapes, plan.tree(plan.grads, axes))
+                       state.trainable_abstract(cfg),
+                       plan.tree(plan.grads, state.trainable_axes(cfg)))
   return {'parameters': model.count_params(cfg.model), 'mesh': sizes, 'devices': devices,
           'param_bytes': _bytes(train_state.params), 'grad_bytes': _bytes(grads),
           'opt_state_bytes': _bytes(train_state.opt_state),
+          'frozen_bytes': _bytes(train_state.frozen),
+          'trained': sum(x.size for x in jax.tree.leaves(train_state.params)),
           'batch_tokens': cfg.data.batch_size * cfg.data.seq_len}
 
 
@@ -87,6 +91,13 @@ def check_report(cfg: config_lib.Config, available_devices: int) -> str:
   size = run_size(cfg, available_devices)
   memory = {'parameters': size['param_bytes'], 'gradients': size['grad_bytes'],
             'optimizer state': size['opt_state_bytes']}
+  lora_line = []
+  if cfg.lora.rank:
+    memory = {f'frozen base ({cfg.model.dtype})': size['frozen_bytes'],
+              'adapters': memory.pop('parameters'), **memory}
+    lora_line = [f'LoRA          rank {cfg.lora.rank} on {", ".join(cfg.lora.targets)}: '
+                 f'{size["trained"]:,} trained parameters '
+                 f'({100 * size["trained"] / size["parameters"]:.2f}% of the base)']
   host = ''
   if cfg.parallel.offload_optimizer:   # in host memory between steps
     host = f'; optimizer state {_gib(memory.pop("optimizer state"))} in host memory'
@@ -99,6 +110,7 @@ def check_report(cfg: config_lib.Config, available_devices: int) -> str:
       f'{host}',
       f'global batch  {cfg.data.batch_size} x {cfg.data.seq_len} = '
       f'{size["batch_tokens"]:,} tokens per step, in {cfg.optim.grad_accum} microbatch(es)',
+      *lora_line,
   ])
 
 

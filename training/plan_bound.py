@@ -46,7 +46,8 @@ def floor(cfg: config_lib.Config, layout: planner.Layout, size: dict) -> planner
   offloaded = cfg.parallel.offload_optimizer
   opt = 0 if offloaded else size['opt_state_bytes']
   return planner.Floor(dot_flops=dot_flops(cfg, layout), other_bytes=2 * opt,
-                       memory_bytes=size['param_bytes'] + opt, exposed=exposed(cfg, layout))
+                       memory_bytes=size['param_bytes'] + size.get('frozen_bytes', 0) + opt,
+                       exposed=exposed(cfg, layout))
 
 
 def dot_flops(cfg: config_lib.Config, layout: planner.Layout) -> float:

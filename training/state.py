@@ -8,10 +8,11 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import model
-from model import moe
+from model import lora, moe
 from sharding import context, offload
 from sharding.rules import BATCH_AXES, ShardingPlan
 from training.config import Config
@@ -19,23 +20,44 @@ from training.config import Config
 
 @flax.struct.dataclass
 class TrainState:
+  """params: what trains (with LoRA, the adapters: model/lora.py's tree); frozen: LoRA's
+  base weights in the compute dtype (no gradients, no optimizer state, never saved in
+  checkpoints), else None."""
   step: jax.Array
   params: Any
   opt_state: Any
+  frozen: Any = None
+
+
+def trainable_axes(cfg: Config):
+  """Logical axes of the trained tree: the adapters' with LoRA, else the model's."""
+  if cfg.lora.rank:
+    return lora.logical_axes(cfg.model, cfg.lora)
+  return model.logical_axes(cfg.model)
+
+
+def trainable_abstract(cfg: Config):
+  if cfg.lora.rank:
+    return lora.abstract_adapter(cfg.model, cfg.lora, cfg.model.param_dtype)
+  return model.abstract_params(cfg.model)
 
 
 def state_shardings(cfg: Config, plan: ShardingPlan, tx) -> TrainState:
-  """Where each leaf of the train state lives: params, then optimizer copies of them."""
-  axes = model.logical_axes(cfg.model)
-  abstract = jax.eval_shape(tx.init, model.abstract_params(cfg.model))
+  """Where each leaf of the train state lives: params, then optimizer copies of them
+  (with LoRA, the frozen base on the model's parameter layout)."""
+  axes = trainable_axes(cfg)
+  abstract = jax.eval_shape(tx.init, trainable_abstract(cfg))
   opt_shardings = plan.tree(plan.opt_state, axes)
   opt_state = optax.tree_map_params(
       tx, lambda _, s: s, abstract, opt_shardings,
       transform_non_params=lambda _: plan.replicated())
   if cfg.parallel.offload_optimizer:
     opt_state = offload.with_memory_kind(opt_state, offload.HOST)
+  frozen = None
+  if cfg.lora.rank:
+    frozen = plan.tree(plan.params, model.logical_axes(cfg.model))
   return TrainState(step=plan.replicated(), params=plan.tree(plan.params, axes),
-                    opt_state=opt_state)
+                    opt_state=opt_state, frozen=frozen)
 
 
 def abstract_state(cfg: Config, plan: ShardingPlan, tx) -> TrainState:
@@ -47,7 +69,19 @@ def abstract_state(cfg: Config, plan: ShardingPlan, tx) -> TrainState:
 
 
 def _new_state(cfg: Config, tx, key) -> TrainState:
+  if cfg.lora.rank:
+    return _state_around(_new_adapter(cfg, key), tx).replace(frozen=_random_base(cfg, key))
   return _state_around(model.init_params(cfg.model, key), tx)
+
+
+def _random_base(cfg: Config, key):
+  dtype = jnp.dtype(cfg.model.dtype)
+  return jax.tree.map(lambda w: w.astype(dtype), model.init_params(cfg.model, key))
+
+
+def _new_adapter(cfg: Config, key):
+  return lora.init_adapter(cfg.model, cfg.lora, jax.random.fold_in(key, 1),
+                           cfg.model.param_dtype)
 
 
 def _state_around(params, tx) -> TrainState:
@@ -55,11 +89,39 @@ def _state_around(params, tx) -> TrainState:
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
-def init_state(cfg: Config, plan: ShardingPlan, tx, params=None) -> TrainState:
+def frozen_base(cfg: Config, plan: ShardingPlan, released=None):
+  """LoRA's base on the model's parameter layout, in the compute dtype: `released` (host
+  arrays) placed shard by shard, or the seed's random weights."""
+  shardings = plan.tree(plan.params, model.logical_axes(cfg.model))
+  if released is None:
+    init = jax.jit(lambda key: _random_base(cfg, key), out_shardings=shardings)
+    return init(jax.random.key(cfg.seed))
+  dtype = jnp.dtype(cfg.model.dtype)
+  return jax.tree.map(
+      lambda host, sh: jax.make_array_from_callback(
+          host.shape, sh, lambda i: np.asarray(host[i]).astype(dtype)), released, shardings)
+
+
+def init_state(cfg: Config, plan: ShardingPlan, tx, params=None, base=None,
+               adapter=None) -> TrainState:
   """Fresh state, created directly in its sharded layout: random weights, or `params`
   (host arrays, e.g. a released model's) placed shard by shard, with a new optimizer
-  state either way."""
+  state either way. With LoRA, adapters (new, or `adapter`'s host arrays) train on `base`
+  (frozen_base's), else on frozen_base(params)."""
   shardings = state_shardings(cfg, plan, tx)
+  if cfg.lora.rank:
+    base = frozen_base(cfg, plan, params) if base is None else base
+    trained = shardings.replace(frozen=None)
+    if adapter is None:
+      init = jax.jit(lambda key: _state_around(_new_adapter(cfg, key), tx),
+                     out_shardings=trained)
+      return init(jax.random.key(cfg.seed)).replace(frozen=base)
+    dtype = jnp.dtype(cfg.model.param_dtype)
+    adapter = jax.tree.map(lambda host, sh: jax.make_array_from_callback(
+        host.shape, sh, lambda i: np.asarray(host[i]).astype(dtype)), adapter,
+                           shardings.params)
+    return jax.jit(lambda p: _state_around(p, tx), out_shardings=trained)(adapter).replace(
+        frozen=base)
   if params is None:
     init = jax.jit(lambda key: _new_state(cfg, tx, key), out_shardings=shardings)
     return init(jax.random.key(cfg.seed))
@@ -72,10 +134,36 @@ def init_state(cfg: Config, plan: ShardingPlan, tx, params=None) -> TrainState:
   return init(params)
 
 
+def objective(cfg: Config, frozen=None, key=None):
+  """(params, batch, model config, plan) -> (summed nll, MoE aux): the whole model's, or
+  with `frozen` (LoRA's base) the base with the adapters `params` (dropout by `key`)."""
+  if frozen is None:
+    return model.summed_nll_and_aux
+
+  def with_adapters(adapter, batch, m, plan):
+    form = lora.layer_form(adapter, cfg.lora, m, key)
+    return model.summed_nll_and_aux(frozen, batch, m, plan, lora=form)
+
+  return with_adapters
+
+
+def _summed(nll_and_aux):
+  return lambda *args: nll_and_aux(*args)[0]
+
+
+def model_params(cfg: Config, train_state: TrainState):
+  """The model's weights: the trained params, or with LoRA the base with the adapters
+  merged in (the compute dtype)."""
+  if not cfg.lora.rank:
+    return train_state.params
+  return lora.merge(train_state.frozen, train_state.params, cfg.lora, cfg.model)
+
+
 def loss_and_grads(params, batch: dict, cfg: Config, plan: ShardingPlan | None,
-                   with_aux: bool = False):
+                   with_aux: bool = False, frozen=None, key=None):
   """Mean token loss and its gradients over the batch, in `grad_accum` microbatches;
-  with_aux: also the MoE aux values (model.moe.AUX_KEYS).
+  with_aux: also the MoE aux values (model.moe.AUX_KEYS). With LoRA, `params` are the
+  adapters and `frozen` the base (see `objective`).
 
   MoE: the gradient is that of loss + moe_aux_loss_coef * moe_aux_loss +
   router_z_loss_coef * router_z_loss; the loss returned is the language-model loss alone.
@@ -86,14 +174,15 @@ def loss_and_grads(params, batch: dict, cfg: Config, plan: ShardingPlan | None,
   batch = context.reorder_batch(batch, plan)   # causal load balance under CP
   accum = cfg.optim.grad_accum
   aux = moe.zero_aux()
+  nll_and_aux = objective(cfg, frozen, key)
   if cfg.model.num_experts:
-    total, grads, aux = _moe_loss_and_grads(params, batch, cfg, plan, weight)
+    total, grads, aux = _moe_loss_and_grads(params, batch, cfg, plan, weight, nll_and_aux)
   elif accum == 1:
-    total, grads = jax.value_and_grad(model.summed_nll)(params, batch, cfg.model, plan)
+    total, grads = jax.value_and_grad(_summed(nll_and_aux))(params, batch, cfg.model, plan)
   else:
     micro = _microbatches(batch, accum)
     accumulate = _accumulate_per_shard if _grads_replicated(plan) else _accumulate_sharded
-    total, grads = accumulate(params, micro, cfg, plan)
+    total, grads = accumulate(params, micro, cfg, plan, _summed(nll_and_aux))
   loss, grads = total / weight, jax.tree.map(lambda g: g / weight, grads)
   return (loss, grads, aux) if with_aux else (loss, grads)
 
@@ -105,13 +194,13 @@ def _microbatches(batch: dict, accum: int) -> dict:
       lambda x: jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1), batch)
 
 
-def _moe_loss_and_grads(params, batch: dict, cfg: Config, plan, weight):
+def _moe_loss_and_grads(params, batch: dict, cfg: Config, plan, weight, nll_and_aux):
   """(summed nll, gradients of summed nll + weight * aux penalty, aux values); each
   microbatch is differentiated and its gradient accumulated (sharded, as ZeRO-2/3)."""
   m, accum = cfg.model, cfg.optim.grad_accum
 
   def objective(p, mb):
-    total, aux = model.summed_nll_and_aux(p, mb, m, plan)
+    total, aux = nll_and_aux(p, mb, m, plan)
     penalty = m.moe_aux_loss_coef * aux['moe_aux_loss'] + m.router_z_loss_coef * aux[
         'router_z_loss']
     return total + weight / accum * penalty, (total, aux)
@@ -121,7 +210,7 @@ def _moe_loss_and_grads(params, batch: dict, cfg: Config, plan, weight):
     grads, (total, aux) = grad_fn(params, batch)
     return total, grads, aux
   micro = _microbatches(batch, accum)
-  grad_sh = None if plan is None else plan.tree(plan.grads, model.logical_axes(m))
+  grad_sh = None if plan is None else plan.tree(plan.grads, trainable_axes(cfg))
 
   def body(acc, mb):
     grads, out = grad_fn(params, mb)
@@ -141,10 +230,10 @@ def _grads_replicated(plan: ShardingPlan | None) -> bool:
   return plan is not None and not set(BATCH_AXES) & plan.grads.mesh_axes()
 
 
-def _accumulate_sharded(params, micro, cfg: Config, plan):
+def _accumulate_sharded(params, micro, cfg: Config, plan, summed_nll):
   """ZeRO-2/3 (or no plan): each microbatch's gradient is reduce-scattered as it comes."""
-  grad_fn = jax.value_and_grad(model.summed_nll)
-  grad_sh = None if plan is None else plan.tree(plan.grads, model.logical_axes(cfg.model))
+  grad_fn = jax.value_and_grad(summed_nll)
+  grad_sh = None if plan is None else plan.tree(plan.grads, trainable_axes(cfg))
 
   def body(carry, mb):
     total, grads = grad_fn(params, mb, cfg.model, plan)
@@ -158,7 +247,7 @@ def _accumulate_sharded(params, micro, cfg: Config, plan):
   return total, grads
 
 
-def _accumulate_per_shard(params, micro, cfg: Config, plan: ShardingPlan):
+def _accumulate_per_shard(params, micro, cfg: Config, plan: ShardingPlan, summed_nll):
   """ZeRO-0/1: each batch shard sums its own microbatch gradients, reduced once at the end.
 
   The gradient is vmapped over a leading batch-shard axis mapped onto (data, fsdp), so a
@@ -167,10 +256,10 @@ def _accumulate_per_shard(params, micro, cfg: Config, plan: ShardingPlan):
   shards = plan.mesh.shape['data'] * plan.mesh.shape['fsdp']
   local = dataclasses.replace(
       plan, activations=plan.activations.with_overrides('per_shard', batch=None))
-  grad_fn = jax.vmap(lambda p, mb: jax.value_and_grad(model.summed_nll)(p, mb, cfg.model, local),
+  grad_fn = jax.vmap(lambda p, mb: jax.value_and_grad(summed_nll)(p, mb, cfg.model, local),
                      in_axes=(None, 0), spmd_axis_name=BATCH_AXES)
   carry_sh = plan.tree(plan.grads.with_overrides('per_shard', shard=BATCH_AXES),
-                       jax.tree.map(lambda a: ('shard', *a), model.logical_axes(cfg.model),
+                       jax.tree.map(lambda a: ('shard', *a), trainable_axes(cfg),
                                     is_leaf=lambda x: isinstance(x, tuple)))
 
   def body(carry, mb):
@@ -197,13 +286,14 @@ def skip_if_not_finite(new: TrainState, old: TrainState, loss, grad_norm):
 
 
 def make_eval_step(cfg: Config, plan: ShardingPlan):
-  """jit(params, batch) -> (summed nll, summed weight) of a held-out batch: the training
-  loss's forward, no gradients, in the same grad_accum microbatches (so it fits wherever
-  the train step does)."""
-  def summed(params, batch):
-    return model.summed_nll(params, context.reorder_batch(batch, plan), cfg.model, plan)
+  """jit(params, batch, frozen) -> (summed nll, summed weight) of a held-out batch: the
+  training loss's forward, no gradients, in the same grad_accum microbatches (so it fits
+  wherever the train step does); frozen: LoRA's base, else None."""
+  def step(params, batch: dict, frozen):
+    def summed(params, batch):
+      return objective(cfg, frozen)(params, context.reorder_batch(batch, plan), cfg.model,
+                                    plan)[0]
 
-  def step(params, batch: dict):
     weight = jnp.sum(batch['weights'].astype(jnp.float32))
     if cfg.optim.grad_accum == 1:
       return summed(params, batch), weight
@@ -212,8 +302,9 @@ def make_eval_step(cfg: Config, plan: ShardingPlan):
                             _microbatches(batch, cfg.optim.grad_accum))
     return total, weight
 
-  params_sh = plan.tree(plan.params, model.logical_axes(cfg.model))
-  return jax.jit(step, in_shardings=(params_sh, plan.batch_sharding()),
+  params_sh = plan.tree(plan.params, trainable_axes(cfg))
+  frozen_sh = plan.tree(plan.params, model.logical_axes(cfg.model)) if cfg.lora.rank else None
+  return jax.jit(step, in_shardings=(params_sh, plan.batch_sharding(), frozen_sh),
                  out_shardings=plan.replicated())
 
 
@@ -244,12 +335,14 @@ def compiler_options(cfg: Config) -> dict[str, str]:
 def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
   """jit(state, batch) -> (state, metrics); the state buffer is donated."""
   shardings = state_shardings(cfg, plan, tx)
-  grad_shardings = plan.tree(plan.grads, model.logical_axes(cfg.model))
+  grad_shardings = plan.tree(plan.grads, trainable_axes(cfg))
   device_opt_shardings = offload.with_memory_kind(shardings.opt_state,
                                                   offload.default_kind(plan.mesh))
 
   def step(state: TrainState, batch: dict):
-    loss, grads, aux = loss_and_grads(state.params, batch, cfg, plan, with_aux=True)
+    key = jax.random.fold_in(jax.random.key(cfg.seed), state.step) if cfg.lora.dropout else None
+    loss, grads, aux = loss_and_grads(state.params, batch, cfg, plan, with_aux=True,
+                                      frozen=state.frozen, key=key)
     # ZeRO-2/3: the constraint turns the gradient all-reduce into a reduce-scatter.
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
     if cfg.parallel.offload_optimizer:
@@ -261,7 +354,9 @@ def make_train_step(cfg: Config, plan: ShardingPlan, tx, schedule):
       params = jax.lax.with_sharding_constraint(params, shardings.params)
       grad_norm = optax.tree.norm(grads)
       new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
-      new, ok = skip_if_not_finite(new, state, loss, grad_norm)
+      # The frozen base passes through untouched (selecting it would copy it every step).
+      new, ok = skip_if_not_finite(new, state.replace(frozen=None), loss, grad_norm)
+      new = new.replace(frozen=state.frozen)
     metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state.step),
                'skipped': 1 - ok.astype(jnp.int32)}
     if cfg.model.num_experts:

@@ -14,8 +14,8 @@ from model import moe
 from sharding import compile_cache
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingPlan, check_divisible, make_plan
-from training import (checkpoint, config as config_lib, data, metrics, optimizer, pretrained,
-                      processes, resilience, sample, state)
+from training import (checkpoint, config as config_lib, data, lora_run, metrics, optimizer,
+                      pretrained, processes, resilience, sample, state)
 
 console = Console(stderr=True)
 
@@ -46,6 +46,7 @@ class Trainer:
   step: int | None = None           # the last dispatched step (metrics maybe still on device)
   pending_save: int | None = None   # a save started but not yet known to be committed
   eval_fn: object = None            # the compiled eval step, once evaluated
+  lora_base: dict | None = None     # a LoRA run's base identity (lora_run.load_base)
 
 
 def setup(cfg: config_lib.Config) -> Trainer:
@@ -106,8 +107,23 @@ def build_plan(cfg: config_lib.Config, devices=None) -> ShardingPlan:
 
 def restore_or_init(t: Trainer):
   """(state, step): the newest intact checkpoint, data position included, or a fresh start."""
-  target = state.abstract_state(t.cfg, t.plan, t.tx)
+  target, base = state.abstract_state(t.cfg, t.plan, t.tx), None
+  if t.cfg.lora.rank:
+    base = _lora_base(t)
+    target = target.replace(frozen=None)   # checkpoints hold the adapters only
+  try:
+    lora_run.check_workdir(t.ckpt.latest_meta(), t.lora_base, t.ckpt.directory)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
   restored = t.ckpt.restore_latest(target)
+  if restored is None and base is not None:
+    adapter = None
+    if t.cfg.lora.init_from_peft:
+      try:
+        adapter = lora_run.peft_adapter(t.cfg)
+      except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return state.init_state(t.cfg, t.plan, t.tx, base=base, adapter=adapter), 0
   if restored is None:
     start, released = time.perf_counter(), None
     if t.cfg.init_from_hf:
@@ -122,6 +138,7 @@ def restore_or_init(t: Trainer):
       t.events('initialized_from_hf', directory=t.cfg.init_from_hf)
     return train_state, 0
   train_state, meta = restored
+  train_state = train_state.replace(frozen=base)
   saved = meta.get('data_setup') or {}
   if saved.get('held_out', 0) < config_lib.held_out_windows(t.cfg):
     console.print(f'[yellow]warning: evaluation now holds out the last '
@@ -138,6 +155,20 @@ def restore_or_init(t: Trainer):
   t.events('resumed', step=int(meta['step']),
            rejected=[{k: r[k] for k in ('step', 'reason')} for r in t.ckpt.rejected])
   return train_state, int(meta['step'])
+
+
+def _lora_base(t: Trainer):
+  """The frozen base (init_from_hf's weights or the seed's), its identity in t.lora_base."""
+  start = time.perf_counter()
+  try:
+    base, t.lora_base = lora_run.load_base(t.cfg, t.plan)
+  except (ValueError, FileNotFoundError) as e:
+    raise ConfigError(f'init_from_hf={t.cfg.init_from_hf!r}: {e}') from e
+  if t.is_main:
+    console.print(f'LoRA base: {t.lora_base["source"]} (checksum {t.lora_base["checksum"]}, '
+                  f'{time.perf_counter() - start:.1f}s), frozen in {t.cfg.model.dtype}',
+                  highlight=False)
+  return base
 
 
 def data_setup(t: Trainer) -> dict:
@@ -258,8 +289,8 @@ def run_loop(t: Trainer, train_state, start: int,
       if not (evaluated or saving or stopping):
         records.fetch(keep=1)   # the previous step's: the device runs this one meanwhile
         continue
-      params = train_state.params
-      records.fetch(more=(lambda: evaluate(t, params)) if evaluated else None)
+      params, frozen = train_state.params, train_state.frozen
+      records.fetch(more=(lambda: evaluate(t, params, frozen)) if evaluated else None)
       if saving:
         save(t, t.step, train_state, data_state)
       if stopping:
@@ -279,18 +310,19 @@ def run_loop(t: Trainer, train_state, start: int,
   return train_state, records.history
 
 
-def evaluate(t: Trainer, params) -> dict:
+def evaluate(t: Trainer, params, frozen=None) -> dict:
   """{eval_loss, eval_perplexity, eval_tokens} over the held-out batches: the weighted
-  mean token loss, as training's (the eval step compiled on first use)."""
+  mean token loss, as training's (the eval step compiled on first use); frozen: a LoRA
+  run's base, `params` its adapters."""
   start = time.perf_counter()
   totals = []
   for local in t.eval_batches:
     batch = global_batch(t, local)
     if t.eval_fn is None:
-      t.eval_fn = state.make_eval_step(t.cfg, t.plan).lower(params, batch).compile()
+      t.eval_fn = state.make_eval_step(t.cfg, t.plan).lower(params, batch, frozen).compile()
       if t.is_main:
         console.print(f'compiled eval step in {time.perf_counter() - start:.1f}s')
-    totals.append(t.eval_fn(params, batch))
+    totals.append(t.eval_fn(params, batch, frozen))
   nll, weight = np.sum(np.asarray(jax.device_get(totals), np.float64), axis=0)
   loss = float(nll / max(weight, 1.0))
   result = {'eval_loss': loss, 'eval_perplexity': float(np.exp(min(loss, 80.0))),
@@ -347,7 +379,9 @@ def save(t: Trainer, step: int, train_state, data_state: dict) -> None:
   one's start or the previous one's commit, goes to `_save_failed`."""
   commit_pending(t)
   try:
-    t.ckpt.save(step, train_state, {'data': data_state, 'data_setup': data_setup(t)})
+    extra = {'lora_base': t.lora_base} if t.lora_base else {}
+    t.ckpt.save(step, train_state.replace(frozen=None),
+                {'data': data_state, 'data_setup': data_setup(t), **extra})
   except Exception as e:  # pylint: disable=broad-except
     _save_failed(t, step, e)
     return
@@ -404,9 +438,18 @@ def startup_line(t: Trainer, start: int) -> str:
   if cfg.parallel.offload_optimizer:
     zero += ', optimizer state in host memory'
   notes = [f'{model.count_params(cfg.model) / 1e6:.2f}M parameters on mesh {shape}, {zero}',
+           _lora_note(cfg),
            f'steps {start} -> {cfg.steps}', f'workdir {os.path.abspath(cfg.workdir)}',
            metrics.mfu_note(cfg.metrics)]
   return '; '.join(filter(None, notes))
+
+
+def _lora_note(cfg: config_lib.Config) -> str:
+  if not cfg.lora.rank:
+    return ''
+  trained = sum(x.size for x in jax.tree.leaves(state.trainable_abstract(cfg)))
+  return (f'LoRA rank {cfg.lora.rank} on {",".join(cfg.lora.targets)}: '
+          f'{trained / 1e6:.3f}M trained, the base frozen')
 
 
 def print_sample(t: Trainer, params) -> str:
@@ -443,7 +486,7 @@ def train(cfg: config_lib.Config) -> list[dict]:
   if history and t.is_main:
     console.print(json.dumps({k: history[-1][k] for k in ('step', 'loss')}))
   if cfg.sample.num_tokens > 0:
-    print_sample(t, train_state.params)
+    print_sample(t, state.model_params(cfg, train_state))
   t.events('finished', step=t.step, newest_checkpoint=max(t.ckpt.steps(), default=None))
   t.ckpt.close()
   t.data_iter.close()
