@@ -2,11 +2,8 @@
 served by name through the engine and the HTTP server, against transformers + peft with
 the adapter merged into the weights (the independent reference)."""
 
-import dataclasses
 import json
-import os
 import re
-import shutil
 import threading
 import time
 
@@ -96,7 +93,7 @@ def reference(model, prompt, n=MAX_TOKENS):
   return ids[len(prompt):], logps
 
 
-def greedy(adapter=None):
+def greedy():
   return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
 
 
@@ -234,7 +231,7 @@ def test_load_serve_unload_reload_while_others_stream(lora_dirs, server):
   tokens), is refused by name after, and is reloaded; no step recompiles for any of it,
   and nothing leaks."""
   srv, engine = server
-  base_dir, dirs, _ = lora_dirs
+  _, dirs, _ = lora_dirs
   prompt = PROMPTS[0]
   complete(srv, 'all8', prompt)   # compiles the buckets these requests use
   complete(srv, 'base', prompt)
@@ -267,7 +264,6 @@ def test_load_serve_unload_reload_while_others_stream(lora_dirs, server):
   assert engine.runner.num_compiles == compiles
   assert post(srv, '/v1/unload_lora_adapter', {'lora_name': 'attn4'}).status_code == 200
   leak_free(engine)
-  del base_dir
 
 
 @pytest.fixture(scope='module')
@@ -296,7 +292,8 @@ def bad_dirs(lora_dirs, tmp_path_factory):
 
 @pytest.mark.parametrize('case, status, message', [
     ('rank16', 400, r"rank 16 exceeds --max-lora-rank=8; restart with --max-lora-rank 16"),
-    ('lm_head', 400, r"tensor 'base_model.model.lm_head.\S+' is not a LoRA weight of a Llama-family projection"),
+    ('lm_head', 400,
+     r"tensor 'base_model.model.lm_head.\S+' is not a LoRA weight of a Llama-family projection"),
     ('wide', 400, r"this base needs \(4, 64\) \(rank 4\): the adapter was trained on another"),
     ('other_vocab', 400, r"whose vocab_size=300 differs from the served model's 208"),
     ('missing', 400, r"not a PEFT adapter directory"),
