@@ -57,6 +57,10 @@ SERVE_MEANINGS = {
                            "apart from transformers' defaults, as vLLM reads it (printed at "
                            "start; its `max_new_tokens` is not used); none: OpenAI's "
                            'defaults',
+    '--enable-lora': 'serve LoRA adapters, picked per request by `model` '
+                     '([LoRA adapters](../serving/lora.md))',
+    '--max-loras': 'LoRA adapters resident at once (device slots)',
+    '--max-lora-rank': 'the largest rank a LoRA adapter may have (slots are padded to it)',
 }
 GENERATE_MEANINGS = {
     '--prompts': 'the requests, one JSON object a line ([batch CLI](../serving/batch.md))',

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from model import lora as lora_lib
 from model.config import ModelConfig
 from model.transformer import (RESIDUAL, Params, Rope, Ropes, by_layer_window,
                                embed_scaled, logits, model_rope, norm, output_projection,
@@ -60,6 +61,7 @@ class PagedBatch(NamedTuple):
   cu_q_lens: jax.Array     # [S + 1] int32: where each sequence's tokens start
   num_seqs: jax.Array      # [1] int32: live sequences
   sample_rows: jax.Array   # [R >= S] int32: rows whose logits are wanted (padding: 0)
+  row_slot: jax.Array | None = None   # [T] int32: each row's LoRA slot (0: none)
 
 
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
@@ -169,10 +171,18 @@ def rope_table(cfg: ModelConfig, max_len: int) -> Rope | Ropes:
 
 def paged_forward(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelConfig, *,
                   impl: str = 'xla', plan: ShardingPlan | None = None,
-                  rope: Rope | Ropes | None = None):
+                  rope: Rope | Ropes | None = None, lora=None):
   """Final hidden states [1, T, d] of the batch's tokens, and the updated cache. rope:
-  rope_table's output covering every position in the batch (else computed here)."""
+  rope_table's output covering every position in the batch (else computed here). lora:
+  LoRA slot arrays {target: {'a': [L, slots, in, r], 'b': [L, slots, r, out]}} (model.lora's
+  serving form), each token row adding its batch.row_slot's adapter; None: the base alone."""
   check_impl(cfg, impl)
+  if lora is not None:
+    if cfg.num_experts:
+      raise ValueError('LoRA adapters on a mixture-of-experts model are not served; serve '
+                       'it without --enable-lora.')
+    row_slot = jnp.broadcast_to(batch.row_slot, (cfg.num_layers,) + batch.row_slot.shape)
+    params = lora_lib.attach(params, {'layers': {**lora, 'row_slot': row_slot}})
   if rope is None:
     rope = model_rope(batch.positions[None], cfg)
   else:
@@ -244,9 +254,10 @@ def _moe_groups(body, carry, params: Params, cfg: ModelConfig):
 
 def sampled_logits(params: Params, cache: KVCache, batch: PagedBatch, cfg: ModelConfig, *,
                    impl: str = 'xla', plan: ShardingPlan | None = None,
-                   rope: Rope | Ropes | None = None):
+                   rope: Rope | Ropes | None = None, lora=None):
   """float32 logits [R, vocab] of the batch's sample rows (only those reach the head),
   and the updated cache."""
-  hidden, cache = paged_forward(params, cache, batch, cfg, impl=impl, plan=plan, rope=rope)
+  hidden, cache = paged_forward(params, cache, batch, cfg, impl=impl, plan=plan, rope=rope,
+                                lora=lora)
   rows = hidden[:, batch.sample_rows]                                  # [1, R, d]
   return logits(params, rows, cfg, plan)[0], cache

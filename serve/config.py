@@ -31,6 +31,12 @@ class ServeConfig:
   generation_config: str = 'auto'
   # vLLM's JSON, e.g. '{"method": "ngram", "num_speculative_tokens": 4}'; '': off
   speculative_config: str = ''
+  # LoRA adapters (vLLM's flags): NAME=DIR PEFT directories loaded at start, how many
+  # may be resident at once, and the largest rank any may have.
+  enable_lora: bool = False
+  lora_modules: tuple = ()
+  max_loras: int = 1
+  max_lora_rank: int = 16
 
   def validate(self) -> None:
     """Raises ValueError naming the flag and the fix."""
@@ -53,6 +59,28 @@ class ServeConfig:
       raise ValueError(f'--generation-config={self.generation_config!r}: choose one of '
                        f'{GENERATION_CONFIG_CHOICES}.')
     self.speculative()
+    self.lora_module_paths()
+
+  def lora_module_paths(self) -> dict[str, str]:
+    """--lora-modules as {name: directory}, checked."""
+    if (self.lora_modules or self.max_loras != 1 or self.max_lora_rank != 16) and (
+        not self.enable_lora):
+      raise ValueError('--lora-modules, --max-loras and --max-lora-rank need --enable-lora.')
+    for name in ('max_loras', 'max_lora_rank'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'--{_flag(name)}={getattr(self, name)}: must be at least 1.')
+    out = {}
+    for item in self.lora_modules:
+      name, sep, path = item.partition('=')
+      if not sep or not name or not path:
+        raise ValueError(f'--lora-modules {item!r}: give NAME=DIR (a PEFT adapter directory).')
+      if name in out:
+        raise ValueError(f'--lora-modules: the name {name!r} is given twice.')
+      out[name] = path
+    if len(out) > self.max_loras:
+      raise ValueError(f'--lora-modules names {len(out)} adapters, more than --max-loras='
+                       f'{self.max_loras} resident at once; raise --max-loras to {len(out)}.')
+    return out
 
   def speculative(self) -> SpeculativeConfig | None:
     """The parsed --speculative-config (serve.spec.config.SpeculativeConfig) or None."""
@@ -79,7 +107,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
   group = parser.add_argument_group('engine')
   for field in dataclasses.fields(ServeConfig):
     flag = f'--{_flag(field.name)}'
-    if field.type in (bool, 'bool'):
+    if field.name == 'lora_modules':
+      group.add_argument(flag, nargs='+', default=(), metavar='NAME=DIR',
+                         help='LoRA adapters (PEFT directories) to serve, each under its '
+                         'name (the request\'s "model"); needs --enable-lora')
+    elif field.type in (bool, 'bool'):
       group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
     else:
       kind = {'int': int, 'float': float, 'str': str}.get(field.type, field.type)
@@ -89,6 +121,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
   cfg = ServeConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)})
+  cfg.lora_modules = tuple(cfg.lora_modules)
   cfg.validate()
   return cfg
 

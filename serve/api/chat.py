@@ -6,6 +6,7 @@ import asyncio
 import fastapi
 
 from serve.api.choices import compile_guided, submit_off_loop
+from serve.api.lora import adapter_of
 from serve.api.prompts import chat_prompt, chat_tools, check_common, request_params
 from serve.api.protocol import ChatBody, json_body, validate
 from serve.api.responses import (chat_logprobs, chunk_usage, logprob_entries, response_meta, sse,
@@ -89,7 +90,8 @@ async def chat(state: ServerState, request: fastapi.Request):
   body, tools, fields, prompt, params = await asyncio.to_thread(_chat_request, state, raw)
   await compile_guided(state, fields, params,
                        'tools' if tools is not None and tools.regex else None)
-  reqs = await submit_off_loop(state, [prompt], [params], body.n)
+  reqs = await submit_off_loop(state, [prompt], [params], body.n,
+                               adapter_of(state, body.model))
   for r in reqs:
     r.vllm_prompt_logprobs = params.prompt_logprobs is not None
     r.tools = tools

@@ -13,24 +13,25 @@ from serve.api import openai_sampling
 from serve.api.protocol import ApiError, engine_dead_error
 from serve.api.responses import logprob_entries
 from serve.api.state import Choice, ServerState
-from serve.engine.errors import EngineClosed, EngineDeadError, QueueFull
+from serve.engine.errors import EngineClosed, EngineDeadError, QueueFull, UnknownAdapter
 
 
 def submit(state: ServerState, prompts: list[list[int]], params: list,
-           n: int | None = 1) -> list[Choice]:
+           n: int | None = 1, adapter: str | None = None) -> list[Choice]:
   """Adds n requests per prompt to the engine, or none at all (429 when the queue is full).
 
   A prompt's n choices are independent requests; with a seed, choice j samples with
   seed + j, as vLLM's parallel sampling does, so the n differ and each can be reproduced
   alone. Only the first choice computes the prompt's logprobs: the others read them from
-  it (`prompt_scores`), and `outputs` holds their outputs until it has them."""
+  it (`prompt_scores`), and `outputs` holds their outputs until it has them. adapter:
+  the LoRA adapter they run on (None: the base)."""
   base, n = uuid.uuid4().hex, n or 1
   limit = state.engine.max_waiting_requests
   if len(prompts) * n > limit:
     raise ApiError(400, f'n: {len(prompts)} prompts x n={n} are {len(prompts) * n} requests, '
                    f'more than the server ever queues ({limit}, --max-waiting-requests); '
                    'send fewer per call.', param='n')
-  reqs = []
+  reqs, lora = [], {} if adapter is None else {'lora': adapter}
   try:
     for i, (ids, p) in enumerate(zip(prompts, params)):
       for j in range(n):
@@ -39,7 +40,7 @@ def submit(state: ServerState, prompts: list[list[int]], params: list,
         if waits:
           child = dataclasses.replace(child, prompt_logprobs=None)
         rid = f'{base}-{i * n + j}'
-        stream = state.engine.add_request(ids, child, request_id=rid)
+        stream = state.engine.add_request(ids, child, request_id=rid, **lora)
         reqs.append(Choice(rid, i * n + j, ids, stream, counts_prompt=j == 0,
                            waits_for_scores=waits))
         reqs[-1].first = reqs[-1] if j == 0 else reqs[-1 - j]
@@ -54,6 +55,10 @@ def submit(state: ServerState, prompts: list[list[int]], params: list,
   except EngineClosed as e:
     abort(state, reqs)
     raise ApiError(503, str(e), type_='server_error', code='shutting_down') from None
+  except UnknownAdapter as e:   # unloaded since the request was read
+    abort(state, reqs)
+    raise ApiError(404, str(e), param='model', type_='NotFoundError',
+                   code='model_not_found') from None
   except ValueError as e:   # the engine refusing a request that can never fit
     abort(state, reqs)
     raise ApiError(400, str(e), param=getattr(e, 'param', None)) from None
@@ -174,11 +179,12 @@ def ended_early(state: ServerState, reqs: list[Choice]) -> ApiError | None:
   return None
 
 
-async def submit_off_loop(state: ServerState, prompts, params, n) -> list[Choice]:
+async def submit_off_loop(state: ServerState, prompts, params, n,
+                          adapter: str | None = None) -> list[Choice]:
   """submit in a worker thread; if the client goes away meanwhile, what it submitted
   is aborted once it is in."""
   submitting = asyncio.get_running_loop().run_in_executor(
-      state.submitters, submit, state, prompts, params, n)
+      state.submitters, submit, state, prompts, params, n, adapter)
   try:
     return await asyncio.shield(submitting)
   except asyncio.CancelledError:

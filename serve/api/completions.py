@@ -6,6 +6,7 @@ import asyncio
 import fastapi
 
 from serve.api.choices import compile_guided, submit_off_loop
+from serve.api.lora import adapter_of
 from serve.api.prompts import check_common, completion_prompts, prompt_only, request_params
 from serve.api.protocol import CompletionBody, json_body, validate
 from serve.api.responses import (completion_logprobs, logprob_entries, prompt_scores,
@@ -66,7 +67,7 @@ async def completions(state: ServerState, request: fastapi.Request):
   raw = await json_body(request)
   body, prompts, texts, params = await asyncio.to_thread(_completion_request, state, raw)
   await compile_guided(state, raw, params[0])
-  reqs = await submit_off_loop(state, prompts, params, body.n)
+  reqs = await submit_off_loop(state, prompts, params, body.n, adapter_of(state, body.model))
   for r in reqs:
     r.vllm_prompt_logprobs = raw.get('prompt_logprobs') is not None
     if body.echo:

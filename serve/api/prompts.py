@@ -5,7 +5,7 @@ model's context."""
 import dataclasses
 
 from serve import sampling_params as sp_lib
-from serve.api import openai_sampling
+from serve.api import lora, openai_sampling
 from serve.api import tools as tools_lib
 from serve.api.protocol import (MAX_N, STREAM_OPTIONS, ApiError, Body, ChatBody, CompletionBody,
                                 TokenizeBody, short)
@@ -17,14 +17,14 @@ MESSAGE_FIELDS = ('tool_calls', 'tool_call_id', 'name', 'reasoning_content', 're
                   'thinking')
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-  if model is not None and model != state.model_name:
-    raise ApiError(400, f'model: this server serves {state.model_name!r}, not {model!r} '
-                   '(GET /v1/models lists it).', param='model', code='model_not_found')
+def check_model(state: ServerState, model: str | None) -> str | None:
+  """The LoRA adapter `model` names (None: the base); 404 for a model not served."""
+  return lora.adapter_of(state, model)
 
 
-def check_common(state: ServerState, body: Body) -> None:
-  check_model(state, body.model)
+def check_common(state: ServerState, body: Body) -> str | None:
+  """Checks the fields every body has; returns the LoRA adapter it names (or None)."""
+  adapter = check_model(state, body.model)
   if body.n is not None and not 1 <= body.n <= MAX_N:
     raise ApiError(400, f'n: choices per prompt must be in [1, {MAX_N}], got {body.n}.',
                    param='n')
@@ -38,6 +38,7 @@ def check_common(state: ServerState, body: Body) -> None:
     if not isinstance(value, bool) and value is not None:
       raise ApiError(400, f'stream_options.{key}: must be true or false, got '
                      f'{short(value)}.', param='stream_options')
+  return adapter
 
 
 def completion_prompts(state: ServerState,

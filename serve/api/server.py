@@ -24,6 +24,7 @@ import importlib.metadata
 import fastapi
 from fastapi import responses
 
+from serve.api import lora
 from serve.api import metrics as metrics_lib
 from serve.api import tools as tools_lib
 from serve.api.chat import chat
@@ -36,7 +37,7 @@ from serve.api.tokenization import detokenize, tokenize
 def _models(state: ServerState) -> dict:
   card = {'id': state.model_name, 'object': 'model', 'created': state.created,
           'owned_by': 'meshlm', 'max_model_len': state.max_model_len}
-  return {'object': 'list', 'data': [card]}
+  return {'object': 'list', 'data': [card, *lora.adapter_cards(state)]}
 
 
 class _Gate:
@@ -96,6 +97,8 @@ def _add_routes(app: fastapi.FastAPI, state: ServerState) -> None:
   post('/v1/chat/completions', chat)
   post('/tokenize', tokenize)      # vLLM's
   post('/detokenize', detokenize)
+  post('/v1/load_lora_adapter', lora.load_lora_adapter)   # vLLM's
+  post('/v1/unload_lora_adapter', lora.unload_lora_adapter)
 
   @app.get('/v1/models')
   async def models():
@@ -128,6 +131,8 @@ def create_app(engine, served, *, api_key: str | None = None, model_name: str | 
     raise ValueError(f'--tool-call-parser={tool_parser!r}: choose one of {tools_lib.PARSERS}')
   state = ServerState(engine, served, api_key, model_name or served.name,
                       max_model_len or engine.max_model_len, tool_parser)
+  if getattr(engine, 'lora', None) is not None:   # no adapter may take the base's name
+    engine.lora.base_name = state.model_name
   app = fastapi.FastAPI(title='meshlm', docs_url=None, redoc_url=None, openapi_url=None)
   app.state.meshlm = state
   app.add_middleware(_Gate, state=state)

@@ -38,6 +38,13 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
   return digest.digest()
 
 
+def adapter_root(lora_id: int) -> BlockHash | None:
+  """The parent of a request's first block: None for the base model, a hash of the
+  LoRA adapter's load id otherwise, so no two adapters (nor an adapter and the base)
+  ever share a block."""
+  return None if not lora_id else hashlib.sha256(b'lora-adapter:%d' % lora_id).digest()
+
+
 def hash_request_blocks(token_ids: Sequence[int], block_size: int,
                         parent: BlockHash | None = None) -> list[BlockHash]:
   """Chained hashes of the full blocks of token_ids, continuing from `parent`."""

@@ -15,9 +15,10 @@ from serve.config import ServeConfig, resolve_attention
 from serve.engine import warmup
 from serve.engine.constraints import bad_word_ids
 from serve.engine.detokenizer import IncrementalDetokenizer
-from serve.engine.errors import EngineClosed, EngineDeadError, QueueFull
+from serve.engine.errors import EngineClosed, EngineDeadError, QueueFull, UnknownAdapter
 from serve.engine.kv_cache_manager import KVCacheManager
 from serve.engine.loop import STALL_TIMEOUT_S, EngineLoop
+from serve.engine.lora_registry import LoraRegistry
 from serve.engine.output_processor import OutputProcessor
 from serve.engine.outputs import CompletionResult, EngineStats, RequestMetrics
 from serve.engine.request import Request
@@ -68,6 +69,7 @@ class Engine(EngineLoop, OutputProcessor):
             f'{self.spec.prompt_lookup_min} tokens looked up in each request\'s own '
             'prompt and output.', flush=True)
     self.scheduler, self.runner = self._build_parts()
+    self.lora = self._load_adapters()
     # The runner holds the weights now (per layer, model.paged.unstack_layers); keep the
     # rest only, so the caller can drop the stacked arrays it loaded (see serve.__main__).
     self.served = dataclasses.replace(served, params=None)
@@ -109,9 +111,24 @@ class Engine(EngineLoop, OutputProcessor):
                                       attention=resolve_attention(cfg, self.served.model_cfg),
                                       num_speculative_tokens=(
                                           self.spec.num_speculative_tokens if self.spec
-                                          else 0)),
+                                          else 0),
+                                      max_loras=cfg.max_loras if cfg.enable_lora else 0,
+                                      max_lora_rank=cfg.max_lora_rank),
                          mesh=self.mesh, vocab_size=self.vocab_size)
     return scheduler, runner
+
+  def _load_adapters(self) -> LoraRegistry | None:
+    """The registry of LoRA adapters (--enable-lora), --lora-modules loaded into it."""
+    if self.runner.lora is None:
+      return None
+    registry = LoraRegistry(self.served.model_cfg, self.runner.lora, self.served.name)
+    for name, path in self.cfg.lora_module_paths().items():
+      registry.load(name, path)
+    loaded = ', '.join(f'{name} (rank {registry.rank(name)})' for name in
+                       self.cfg.lora_module_paths()) or 'none yet'
+    print(f'LoRA: up to {self.cfg.max_loras} adapters of rank <= {self.cfg.max_lora_rank} '
+          f'resident; loaded: {loaded}.', flush=True)
+    return registry
 
   def _make_kv_manager(self):
     return KVCacheManager(self.num_blocks, self.cfg.block_size,
@@ -120,8 +137,10 @@ class Engine(EngineLoop, OutputProcessor):
   # ---------------------------------------------------------------- public API
 
   def add_request(self, prompt_ids, params: SamplingParams | None = None,
-                  request_id: str | None = None, *, bounded: bool = True) -> RequestStream:
-    """Queues a request; raises ValueError (bad input), QueueFull or EngineClosed."""
+                  request_id: str | None = None, *, bounded: bool = True,
+                  lora: str | None = None) -> RequestStream:
+    """Queues a request; raises ValueError (bad input), QueueFull or EngineClosed, or
+    UnknownAdapter when `lora` (a LoRA adapter's name; None: the base) is not loaded."""
     params = self._prepare_params(params or SamplingParams())
     prompt_ids = self.check_prompt(prompt_ids, params)
     request_id = request_id or uuid.uuid4().hex
@@ -136,7 +155,13 @@ class Engine(EngineLoop, OutputProcessor):
     stream = RequestStream(request_id, prompt_ids, self)
     with self._lock:
       self._admit(request_id, bounded)
-      self.scheduler.add_request(request)
+      self._attach_adapter(request, lora)
+      try:
+        self.scheduler.add_request(request)
+      except Exception:
+        if request.lora_id:
+          self.lora.release(request.lora_id)
+        raise
       self._tracked[request_id] = TrackedRequest(
           request, stream,
           IncrementalDetokenizer(self.served.tokenizer, prompt_ids, list(params.stop),
@@ -151,6 +176,15 @@ class Engine(EngineLoop, OutputProcessor):
       self._fail_dead(request_id)
     self._wake.set()
     return stream
+
+  def _attach_adapter(self, request: Request, lora: str | None) -> None:
+    """Gives the request its adapter's slot (held until _finish releases it)."""
+    if lora is None:
+      return
+    if self.lora is None:
+      raise UnknownAdapter(f'The model {lora!r} does not exist: this server serves '
+                           f'{self.served.name!r} and no LoRA adapters (--enable-lora).')
+    request.lora_slot, request.lora_id = self.lora.acquire(lora)
 
   def compile_guided(self, params: SamplingParams) -> None:
     """Compiles (and caches) a guided output's expression, or checks its grammar against

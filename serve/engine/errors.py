@@ -12,3 +12,11 @@ class EngineClosed(RuntimeError):
 class EngineDeadError(EngineClosed):
   """The engine loop died or stopped making progress (vLLM's EngineDeadError): every open
   request has failed with it, and no request is admitted again (HTTP 503)."""
+
+
+class UnknownAdapter(KeyError):
+  """A request names a model that is neither the base nor a loaded LoRA adapter (HTTP 404,
+  code model_not_found, as vLLM)."""
+
+  def __str__(self) -> str:
+    return str(self.args[0])

@@ -5,7 +5,8 @@ token order) and the chained hashes of its full blocks. It decides nothing about
 runs: the scheduler asks for room and acts on the answer.
 """
 
-from serve.engine.block_pool import BlockHash, BlockPool, KVBlock, hash_request_blocks
+from serve.engine.block_pool import (BlockHash, BlockPool, KVBlock, adapter_root,
+                                     hash_request_blocks)
 from serve.engine.request import Request
 
 
@@ -134,6 +135,6 @@ class KVCacheManager:
     if len(hashes) < num_full:
       start = len(hashes) * self.block_size
       tokens = request.token_ids(start, num_full * self.block_size)
-      hashes.extend(hash_request_blocks(tokens, self.block_size,
-                                        hashes[-1] if hashes else None))
+      parent = hashes[-1] if hashes else adapter_root(request.lora_id)
+      hashes.extend(hash_request_blocks(tokens, self.block_size, parent))
     return hashes

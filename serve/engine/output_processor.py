@@ -94,6 +94,9 @@ class OutputProcessor:
     req = t.request
     reason = reason or req.status.finish_reason or 'stop'
     self.sampler.release(req.request_id)   # its penalty slots (safe from any thread)
+    if req.lora_id and getattr(self, 'lora', None) is not None:
+      self.lora.release(req.lora_id)
+      req.lora_id = 0   # released once, whichever path finishes it
     self._tracked.pop(req.request_id, None)
     self._aborts.pop(req.request_id, None)
     self._finished_by_reason[reason] += 1

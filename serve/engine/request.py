@@ -45,6 +45,10 @@ class Request:
   # Draft tokens to verify after the last known one next step (speculative decoding):
   # set by the engine, read by the scheduler, never part of the request's tokens.
   spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+  # Its LoRA adapter: the device slot its rows read, and the adapter's load id (prefix
+  # cache key, lora_registry). 0, 0: the base model.
+  lora_slot: int = 0
+  lora_id: int = 0
 
   @property
   def all_token_ids(self) -> list[int]:

@@ -59,6 +59,7 @@ class ScheduledChunk:
   # Draft tokens at the end of token_ids (sample is then True): every one of them and
   # the last known token is sampled, and the engine accepts a prefix of the draft.
   spec_token_ids: tuple[int, ...] = ()
+  lora_slot: int = 0       # its request's LoRA slot (0: the base model)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -311,7 +312,7 @@ class Scheduler:
     end = start + num_new
     return ScheduledChunk(request.request_id, request.token_ids(start, end) + list(draft),
                           start, self.kv.get_block_ids(request.request_id).copy(),
-                          end == num_tokens, draft)
+                          end == num_tokens, draft, request.lora_slot)
 
   def _preempt(self, request: Request) -> None:
     self.kv.free(request)

@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from model import paged
+from serve.worker.lora_slots import LoraSlots
 from model.config import ModelConfig
 from model.transformer import abstract_params, logical_axes, logits as model_logits
 from sharding.rules import REPLICATED, ShardingPlan, activation_rules, check_divisible
@@ -45,6 +46,10 @@ class RunnerConfig:
   # sample_bucket rows whether or not it carries drafts (the head then runs on padding
   # rows too: one program per token bucket still).
   num_speculative_tokens: int = 0
+  # LoRA adapters resident at once (slot arrays of this many slots plus the base's), and
+  # the rank they are padded to; 0: no adapters (the step takes none).
+  max_loras: int = 0
+  max_lora_rank: int = 0
 
   @property
   def resolved_attention(self) -> str:
@@ -150,6 +155,10 @@ class ModelRunner:
     self._tokens = token_buckets(runner_cfg)
     self.params, cache_sharding = self._place(params)
     self._cache_sharding = cache_sharding
+    self.lora = None   # lora_slots.LoraSlots with max_loras
+    if runner_cfg.max_loras:
+      self.lora = LoraSlots(model_cfg, runner_cfg.max_loras, runner_cfg.max_lora_rank,
+                            self.plan)
     self.cache = self._empty_cache()
     self.rope = paged.rope_table(model_cfg, runner_cfg.max_model_len)
     if self.plan is not None:
@@ -189,20 +198,24 @@ class ModelRunner:
     return (paged.unstack_layers(params, self.model_cfg),
             self.plan.sharding(self.plan.params, paged.KV_CACHE_AXES))
 
-  def _run(self, params, cache, batch, rope):
+  @property
+  def _lora_arrays(self):
+    return None if self.lora is None else self.lora.arrays
+
+  def _run(self, params, cache, batch, rope, lora=None):
     logits, cache = paged.sampled_logits(params, cache, batch, self.model_cfg,
-                                         impl=self.impl, plan=self.plan, rope=rope)
+                                         impl=self.impl, plan=self.plan, rope=rope, lora=lora)
     greedy = jnp.argmax(logits[:, :self.vocab_size], axis=-1).astype(jnp.int32)
     return logits, greedy, cache
 
-  def _run_scored(self, params, cache, batch, rope, targets, *, top_n):
+  def _run_scored(self, params, cache, batch, rope, targets, lora=None, *, top_n):
     """_run, plus each token row's log p of its target (the next prompt token; -1: none)
     and the top_n, over the real vocabulary: the prompt logprobs. The head runs over
     slices of SCORE_ROWS rows (lax.map), so its logits never take more than
     SCORE_ROWS x vocab floats, however many tokens the step has."""
     cfg, vocab = self.model_cfg, self.vocab_size
     hidden, cache = paged.paged_forward(params, cache, batch, cfg, impl=self.impl,
-                                        plan=self.plan, rope=rope)
+                                        plan=self.plan, rope=rope, lora=lora)
     logits = model_logits(params, hidden[:, batch.sample_rows], cfg, self.plan)[0]
     greedy = jnp.argmax(logits[:, :vocab], axis=-1).astype(jnp.int32)
     rows = hidden.shape[1]
@@ -233,7 +246,8 @@ class ModelRunner:
     for t in self._tokens:
       batch = _empty_batch(t, seq_bucket(self.cfg, t), self.cfg)
       batch = paged.PagedBatch(**batch)
-      *_, self.cache = self._step(self.params, self.cache, batch, self.rope)
+      *_, self.cache = self._step(self.params, self.cache, batch, self.rope,
+                                  self._lora_arrays)
 
   def execute(self, out) -> jax.Array:
     """float32 logits [sampled rows, vocab] in chunk order (a row per chunk with
@@ -255,7 +269,8 @@ class ModelRunner:
       return StepResult(empty, jnp.zeros((0,), jnp.int32), 0)
     batch, num_sampled = self.build_batch(chunks)
     if targets is None or all(t is None for t in targets):
-      logits, greedy, self.cache = self._step(self.params, self.cache, batch, self.rope)
+      logits, greedy, self.cache = self._step(self.params, self.cache, batch, self.rope,
+                                              self._lora_arrays)
       return StepResult(logits, greedy, num_sampled)
     rows = np.full(batch.tokens.shape, -1, np.int32)
     row = 0
@@ -264,7 +279,8 @@ class ModelRunner:
         rows[row:row + len(c.token_ids)] = t
       row += len(c.token_ids)
     logits, greedy, self.cache, scores = self._score(self.params, self.cache, batch,
-                                                     self.rope, rows, top_n=top_n)
+                                                     self.rope, rows, self._lora_arrays,
+                                                     top_n=top_n)
     return StepResult(logits, greedy, num_sampled, scores)
 
   def build_batch(self, chunks) -> tuple[paged.PagedBatch, int]:
@@ -284,6 +300,8 @@ class ModelRunner:
       a['positions'][row:row + n] = pos
       a['slots'][row:row + n] = table[pos // cfg.block_size] * cfg.block_size + (
           pos % cfg.block_size)
+      if 'row_slot' in a:   # the rows of its LoRA adapter (0: the base)
+        a['row_slot'][row:row + n] = getattr(c, 'lora_slot', 0)
       a['kv_lens'][i] = start + n
       a['page_indices'][i, :len(table)] = table
       row += n
@@ -325,7 +343,8 @@ class ModelRunner:
 
 def _empty_batch(t: int, s: int, cfg: RunnerConfig) -> dict[str, np.ndarray]:
   zeros = lambda *shape: np.zeros(shape, np.int32)
-  return dict(tokens=zeros(t), positions=zeros(t),
+  lora = {'row_slot': zeros(t)} if cfg.max_loras else {}
+  return dict(**lora, tokens=zeros(t), positions=zeros(t),
               # Past the end of the cache: the scatter drops padding rows' K/V.
               slots=np.full(t, cfg.num_blocks * cfg.block_size, np.int32),
               kv_lens=zeros(s), page_indices=zeros(s, cfg.pages_per_seq),
