@@ -216,13 +216,15 @@ def delta_rows(x: jax.Array, a_slots: jax.Array, b_slots: jax.Array,
                row_slot: jax.Array) -> jax.Array:
   """Each row's own adapter: x [..., T, in] (leading dims of size 1 or folded into T's
   count), a_slots [S, in, r], b_slots [S, r, out] (scale folded in), row_slot [T] int ->
-  [..., T, out]. A gather of each row's A and B, two batched rank-r matmuls."""
+  [..., T, out]. Every slot's A on every row, masked to the row's own slot, then every
+  slot's B: two matmuls over the few slots, no per-row copy of any weight (a gather of
+  each row's A and B would hold T x (in + out) x r) and no merged base; the masked terms
+  are exact zeros, so each row gets its own adapter's product alone."""
   lead, fan_in = x.shape[:-1], x.shape[-1]
   rows = x.reshape(-1, fan_in)
-  a = a_slots.astype(x.dtype)[row_slot]                                # [T, in, r]
-  b = b_slots.astype(x.dtype)[row_slot]                                # [T, r, out]
-  h = jnp.einsum('ti,tir->tr', rows, a)
-  return jnp.einsum('tr,tro->to', h, b).reshape(*lead, -1)
+  h = jnp.einsum('ti,sir->tsr', rows, a_slots.astype(x.dtype))          # [T, S, r]
+  h = h * jax.nn.one_hot(row_slot, a_slots.shape[0], dtype=h.dtype)[:, :, None]
+  return jnp.einsum('tsr,sro->to', h, b_slots.astype(x.dtype)).reshape(*lead, -1)
 
 
 def _dropped(x, entry, target: str):
