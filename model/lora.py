@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
+from model.params import param_specs
 
 # Our target name -> (the base weight it adapts, its number of input dims after 'layers',
 # the Hugging Face module name).
@@ -100,8 +101,6 @@ class LoraConfig:
 
 
 def _base_stacks(cfg: ModelConfig) -> dict:
-  # model.transformer imports this module (for apply): its specs are read lazily.
-  from model.transformer import param_specs  # pylint: disable=import-outside-toplevel
   specs = param_specs(cfg)
   return {s: specs[s] for s in STACKS if s in specs}
 

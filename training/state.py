@@ -241,7 +241,7 @@ def _accumulate_sharded(params, micro, cfg: Config, plan, summed_nll):
   grad_sh = None if plan is None else plan.tree(plan.grads, trainable_axes(cfg))
 
   def body(carry, mb):
-    total, grads = grad_fn(params, mb, plan)
+    total, grads = grad_fn(params, mb, cfg.model, plan)
     acc = jax.tree.map(jnp.add, carry[1], grads)
     if grad_sh is not None:
       acc = jax.lax.with_sharding_constraint(acc, grad_sh)
