@@ -61,7 +61,8 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   y = x / scale[..., None]
   if jnp.dtype(dtype) == jnp.int8:
     y = jnp.round(y)
-  # amax / scale can round just past top: float8_e4m3fn has no inf and would give NaN.
+  # amax / scale may land an ulp past top; float8_e4m3fn has no inf, and a value past
+  # its range casts to NaN: keep every code in range whatever the rounding.
   return jnp.clip(y, -top, top).astype(dtype), scale
 
 
@@ -72,8 +73,8 @@ def check_backend(kv_cache_dtype: str, device=None, attention: str = 'xla') -> N
   if not is_quantized(kv_cache_dtype):
     return
   device = device or jax.devices()[0]
-  working = [name for name in KV_CACHE_DTYPES if _works(name, device, attention)]
-  if kv_cache_dtype not in working:
+  if not _works(kv_cache_dtype, device, attention):
+    working = [name for name in KV_CACHE_DTYPES if _works(name, device, attention)]
     raise ValueError(f'--kv-cache-dtype={kv_cache_dtype}: {device.platform} device '
                      f'{device.device_kind!r} with --attention {attention} cannot store it; '
                      f'choose one of {", ".join(working)}.')
