@@ -339,3 +339,19 @@ def test_served_greedy_with_8bit_cache_agrees_with_model_dtype_cache(served_runs
   assert agree >= AGREEMENT_FLOOR[name], agree
   assert again == first   # prefix-cache hits read the 8-bit blocks back alike
   assert compiles_after == compiles == served_runs['auto'][2]   # no recompiles
+
+
+def test_served_perplexity_equals_training_forward_with_quantized_kv(tiny_served):
+  """benchmarks/kv_cache_perplexity.py's two measures agree: the serving cache of each
+  format scores held-out text as the training forward (dense attention) does with K and
+  V quantized per token and kv head right after their projection."""
+  from benchmarks import kv_cache_perplexity as bench  # pylint: disable=import-outside-toplevel
+  text = np.frombuffer(open(kv_quant.__file__.replace('kv_quant', 'transformer'),
+                            'rb').read(), np.uint8)
+  wins = np.stack([text[i * 33:(i + 1) * 33] for i in range(8)]).astype(np.int32)
+  params, cfg = tiny_served.params, tiny_served.model_cfg
+  for name in ('auto', 'int8', 'fp8_e5m2'):
+    dtype = None if name == 'auto' else kv_quant.STORAGE[name]
+    served = bench.served_perplexity(params, cfg, wins, name)
+    dense = bench.simulated_perplexity(params, cfg, wins, dtype, 'token_head')
+    assert served == pytest.approx(dense, rel=1e-5), name
