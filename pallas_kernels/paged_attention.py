@@ -256,7 +256,7 @@ def _xla_row_block(j, carry, *, qg, pages, table, pos, row_len, ppb, scale, slid
   k_ok = k_pos[None, :] < row_len[:, None]                                  # [T, block_k]
   ids = lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=1)               # [T, ppb]
   ids = jnp.where(k_ok.reshape(t, ppb, -1)[:, :, 0], ids, 0)
-  k, v = (x.reshape(t, block_k, *x.shape[-2:]) for x in _read_kv(pages, (ids,), qg.dtype))
+  k, v = _read_kv(pages, (ids,), qg.dtype, (t, block_k, *pages[0].shape[2:]))
   # Junk past a sequence's end may be NaN, and 0 * NaN would poison p @ v.
   v = jnp.where(k_ok[..., None, None], v, 0)
   visible = k_ok & (k_pos[None, :] <= pos[:, None]) & _in_window(k_pos[None, :], pos[:, None],
@@ -306,20 +306,22 @@ def _xla_seq_block(j, carry, *, qw, pages, row, q_pos, kv_len, ppb, scale, slidi
   k_pos = j * block_k + jnp.arange(block_k)
   k_ok = k_pos < kv_len
   ids = jnp.where(k_ok.reshape(ppb, -1)[:, 0], lax.dynamic_slice_in_dim(row, j * ppb, ppb), 0)
-  k, v = (x.reshape(block_k, *x.shape[-2:]) for x in _read_kv(pages, (ids,), qw.dtype))
+  k, v = _read_kv(pages, (ids,), qw.dtype, (block_k, *pages[0].shape[2:]))
   v = jnp.where(k_ok[:, None, None], v, 0)   # junk past the end may be NaN
   visible = (k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
              & _in_window(k_pos[None, :], q_pos[:, None], sliding))[:, None, None]
   return _softmax_step(carry, qw, k, v, visible, scale, 'qkgd,skd->qkgs', 'qkgs,skd->qkgd')
 
 
-def _read_kv(pages, index, dtype):
+def _read_kv(pages, index, dtype, shape=None):
   """K and V at `index` of pages (k, v) or, stored 8-bit, (k, v, k_scale, v_scale),
-  in `dtype`."""
-  k, v = pages[0][index], pages[1][index]
+  in `dtype`, each reshaped to `shape` if given (K's gather and reshape, then V's: the
+  order of the program before 8-bit pages, which auto keeps)."""
+  shaped = (lambda x: x) if shape is None else (lambda x: x.reshape(shape))
   if len(pages) == 2:
-    return k, v
-  return dequantize(k, pages[2][index], dtype), dequantize(v, pages[3][index], dtype)
+    return tuple(shaped(p[index]) for p in pages)
+  return tuple(shaped(dequantize(p[index], s[index], dtype))
+               for p, s in zip(pages[:2], pages[2:]))
 
 
 def dequantize(x, scale, dtype):
