@@ -355,3 +355,17 @@ def test_served_perplexity_equals_training_forward_with_quantized_kv(tiny_served
     served = bench.served_perplexity(params, cfg, wins, name)
     dense = bench.simulated_perplexity(params, cfg, wins, dtype, 'token_head')
     assert served == pytest.approx(dense, rel=1e-5), name
+
+
+def test_cli_refuses_a_format_the_device_lacks_before_any_weight(monkeypatch, tiny_workdir):
+  import argparse  # pylint: disable=import-outside-toplevel
+  from serve import config as serve_config  # pylint: disable=import-outside-toplevel
+  from serve.load import checkpoint  # pylint: disable=import-outside-toplevel
+  args = serve_config.add_engine_args(argparse.ArgumentParser()).parse_args(
+      ['--checkpoint', tiny_workdir, '--kv-cache-dtype', 'fp8'])
+  monkeypatch.setattr(kv_quant, '_works', lambda name, device, attention: name in ('auto',
+                                                                                    'int8'))
+  monkeypatch.setattr(checkpoint, 'load_checkpoint',
+                      lambda *a, **k: pytest.fail('weights read before the refusal'))
+  with pytest.raises(ValueError, match=r'^--kv-cache-dtype=fp8: .* choose one of auto, int8\.$'):
+    serve_config.load_served_model(args)
