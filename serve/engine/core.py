@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 
+from model import kv_quant
 from serve.config import ServeConfig, resolve_attention
 from serve.engine import warmup
 from serve.engine.constraints import bad_word_ids
@@ -55,6 +56,8 @@ class Engine(EngineLoop, OutputProcessor):
       raise ValueError(f'--max-model-len={self.max_model_len} exceeds the model\'s context '
                        f'of {served.model_cfg.max_seq_len} tokens; give at most that.')
     self.mesh = build_mesh(cfg)
+    kv_quant.check_backend(cfg.kv_cache_dtype, self.mesh.devices.flat[0],
+                           resolve_attention(cfg, served.model_cfg))
     self.num_blocks = size_cache(served, cfg, self.mesh, self.max_model_len)
     print(describe_model(served), flush=True)
     if served.sampling_defaults:
@@ -107,6 +110,7 @@ class Engine(EngineLoop, OutputProcessor):
     runner = ModelRunner(self.served.params, self.served.model_cfg,
                          RunnerConfig(**shared,
                                       attention=resolve_attention(cfg, self.served.model_cfg),
+                                      kv_cache_dtype=cfg.kv_cache_dtype,
                                       num_speculative_tokens=(
                                           self.spec.num_speculative_tokens if self.spec
                                           else 0)),

@@ -39,7 +39,8 @@ def _blocks_from_memory(served, cfg: ServeConfig, mesh, per_request: int) -> int
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(served.params)) // cfg.tensor
   blocks = kv_cache.num_blocks_for_memory(
       served.model_cfg, cfg.block_size, fraction=cfg.memory_fraction,
-      device=mesh.devices.flat[0], param_bytes=param_bytes, tensor_parallel=cfg.tensor)
+      device=mesh.devices.flat[0], param_bytes=param_bytes, tensor_parallel=cfg.tensor,
+      kv_cache_dtype=cfg.kv_cache_dtype)
   if mesh.devices.flat[0].platform == 'cpu':
     # CPU devices share the host's memory with everything else: no more than
     # max_num_seqs full-length requests can use at once.
@@ -59,6 +60,7 @@ def describe_model(served) -> str:
 
 def describe_cache(num_blocks: int, cfg: ServeConfig, max_model_len: int) -> str:
   tokens = (num_blocks - 1) * cfg.block_size
-  return (f'KV cache: {num_blocks} blocks of {cfg.block_size} tokens = {tokens} tokens; '
+  stored = '' if cfg.kv_cache_dtype == 'auto' else f' ({cfg.kv_cache_dtype}, scaled)'
+  return (f'KV cache{stored}: {num_blocks} blocks of {cfg.block_size} tokens = {tokens} tokens; '
           f'{tokens / max_model_len:.1f} requests at the full context of {max_model_len} '
           'tokens at once.')

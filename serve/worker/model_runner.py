@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from model import paged
+from model import kv_quant, paged
 from model.config import ModelConfig
 from model.transformer import abstract_params, logical_axes, logits as model_logits
 from sharding.rules import REPLICATED, ShardingPlan, activation_rules, check_divisible
@@ -45,6 +45,8 @@ class RunnerConfig:
   # sample_bucket rows whether or not it carries drafts (the head then runs on padding
   # rows too: one program per token bucket still).
   num_speculative_tokens: int = 0
+  # The cache's storage (model.kv_quant): 'auto' (the model's dtype), or 8-bit with scales.
+  kv_cache_dtype: str = 'auto'
 
   @property
   def resolved_attention(self) -> str:
@@ -63,6 +65,7 @@ class RunnerConfig:
                  'max_model_len'):
       if getattr(self, name) <= 0:
         raise ValueError(f'runner {name}={getattr(self, name)} must be positive.')
+    kv_quant.check_name(self.kv_cache_dtype)
     if self.num_speculative_tokens < 0:
       raise ValueError(f'runner num_speculative_tokens={self.num_speculative_tokens} must '
                        'be 0 (off) or positive.')
@@ -157,14 +160,14 @@ class ModelRunner:
     out_sh = None
     if self.plan is not None:   # logits gathered whole for the sampler
       whole = NamedSharding(mesh, PartitionSpec())
-      out_sh = (whole, whole, (cache_sharding,) * 2)
+      out_sh = (whole, whole, cache_sharding)
     self._step = jax.jit(self._run, donate_argnums=(1,), out_shardings=out_sh)
     self._score = jax.jit(self._run_scored, donate_argnums=(1,), static_argnames=('top_n',),
                           out_shardings=out_sh and (*out_sh, out_sh[0]))
 
   def _empty_cache(self):
     return paged.init_kv_cache(self.model_cfg, self.cfg.num_blocks, self.cfg.block_size,
-                               self._cache_sharding)
+                               self._cache_sharding, self.cfg.kv_cache_dtype)
 
   def recover_cache(self) -> bool:
     """After a failed step: True if it consumed (donated) or broke the KV cache, which is
@@ -179,7 +182,7 @@ class ModelRunner:
     return True
 
   def _place(self, params):
-    """Parameters on the device(s), and the cache's sharding (None: one device)."""
+    """Parameters on the device(s), and the cache arrays' shardings (None: one device)."""
     if self.plan is None:
       return paged.unstack_layers(jax.device_put(params), self.model_cfg), None
     axes = logical_axes(self.model_cfg)
@@ -187,7 +190,8 @@ class ModelRunner:
                     _FIELD_OF_AXIS)
     params = jax.device_put(params, self.plan.tree(self.plan.params, axes))
     return (paged.unstack_layers(params, self.model_cfg),
-            self.plan.sharding(self.plan.params, paged.KV_CACHE_AXES))
+            tuple(self.plan.sharding(self.plan.params, axes)
+                  for axes in paged.kv_cache_axes(self.cfg.kv_cache_dtype)))
 
   def _run(self, params, cache, batch, rope):
     logits, cache = paged.sampled_logits(params, cache, batch, self.model_cfg,
