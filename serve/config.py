@@ -9,6 +9,7 @@ from sharding import compile_cache
 ATTENTION_CHOICES = ('auto', 'xla', 'pallas')
 DTYPE_CHOICES = ('auto', 'float32', 'bfloat16', 'float16')
 GENERATION_CONFIG_CHOICES = ('auto', 'none')
+QUANTIZATION_CHOICES = ('none', 'int8', 'fp8')
 
 
 @dataclasses.dataclass
@@ -21,6 +22,7 @@ class ServeConfig:
   max_model_len: int = 0             # 0: the model's max_seq_len
   attention: str = 'auto'            # 'auto': pallas on GPU, xla on CPU
   dtype: str = 'auto'                # weights, activations, KV cache; 'auto': the model's
+  quantization: str = 'none'         # 8-bit layer weights at load: int8 or fp8 (model/quant.py)
   tensor: int = 1                    # devices over the mesh's 'tensor' axis
   enable_prefix_caching: bool = True
   max_waiting_requests: int = 256    # beyond it add_request raises QueueFull
@@ -49,6 +51,9 @@ class ServeConfig:
       raise ValueError(f'--attention={self.attention!r}: choose one of {ATTENTION_CHOICES}.')
     if self.dtype not in DTYPE_CHOICES:
       raise ValueError(f'--dtype={self.dtype!r}: choose one of {DTYPE_CHOICES}.')
+    if self.quantization not in QUANTIZATION_CHOICES:
+      raise ValueError(f'--quantization={self.quantization!r}: choose one of '
+                       f'{QUANTIZATION_CHOICES} (weight-only, per-channel scales).')
     if self.generation_config not in GENERATION_CONFIG_CHOICES:
       raise ValueError(f'--generation-config={self.generation_config!r}: choose one of '
                        f'{GENERATION_CONFIG_CHOICES}.')
@@ -111,14 +116,21 @@ def load_served_model(args: argparse.Namespace, mesh=None):
   template = _read_chat_template(args.chat_template) if args.chat_template else None
   from model import paged
   # What the model needs of the attention (a sliding window: XLA's), before any weight.
-  check = lambda model_cfg: paged.check_impl(model_cfg, resolve_attention(args, model_cfg))
+  from model import quant
+
+  def check(model_cfg):
+    paged.check_impl(model_cfg, resolve_attention(args, model_cfg))
+    if args.quantization != 'none':   # the format on this device, before any weight
+      quant.check_format(args.quantization, model_cfg)
+
   if args.checkpoint:
     from serve.load.checkpoint import load_checkpoint
     served = load_checkpoint(args.checkpoint, mesh=mesh, dtype=args.dtype, check=check)
   else:
     from serve.load.hf_model import load_hf_model
     served = load_hf_model(args.hf_model, dtype=args.dtype,
-                           generation_config=args.generation_config, check=check)
+                           generation_config=args.generation_config, check=check,
+                           quantization=args.quantization)
   return served if template is None else dataclasses.replace(served, chat_template=template)
 
 
