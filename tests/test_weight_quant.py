@@ -319,3 +319,19 @@ def test_quantization_flag_mistakes_are_named(checkpoints, tiny_served):
   with pytest.raises(ValueError, match=r'--quantization=int8: quantized weights cover dense '
                                        r'models only; this model has 4 experts'):
     with_quantization(moe, 'int8')
+
+
+# ---------------------------------------------------------------------------- benchmark
+
+def test_quantization_benchmark_refuses_a_run_that_trained_on_its_held_out_windows(
+    tiny_workdir):
+  from benchmarks import quantization  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit, match='trained with evaluation off: it trained on every'):
+    quantization.held_out_windows(tiny_workdir)
+
+
+def test_quantization_benchmark_counts_agreement_up_to_the_first_difference():
+  from benchmarks import quantization  # pylint: disable=import-outside-toplevel
+  got = quantization.agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]])
+  assert got == {'tokens_before_first_difference': 6, 'of_tokens': 8, 'fraction': 0.75,
+                 'identical_requests': 1}
