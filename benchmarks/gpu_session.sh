@@ -240,7 +240,7 @@ benchmarks/results/planner_check_gpu_*.json | paste -sd,) --replan \
     # jax allocates as it goes. QUANT_KV=auto,fp8,int8 adds the KV cache formats.
     quant) stage quant "${QUANT_LIMIT:-420}" env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m \
       benchmarks.quantization --shapes=1b --kv-cache-dtypes="${QUANT_KV:-auto}" --batch=64 \
-      --batch-tokens=2048 --num-prompts=64 --prompt-chars=256 --max-tokens=128 --repeats=2 ;;
+      --batch-tokens=2048 --num-prompts=64 --prompt-chars=256 --max-tokens=128 --repeats=3 ;;
     *) echo "unknown stage '$1': use machine, tests, pass_trace, attention, tiles, paged_decode, \
 tests_paged, paged_splits, tokamax, paged_tiles, paged_step, packed, planner, planner_64k, planner_mid, train_64k, train_8k, serve or quant"
        return 2 ;;
