@@ -18,6 +18,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from model import moe
+from model.quant import dense
 from model.config import ModelConfig
 from pallas_kernels.flash_attention import flash_attention
 from sharding.rules import ShardingPlan, constrain
@@ -305,9 +306,9 @@ def project_qkv(x, layer, cfg: ModelConfig, rope: Rope, plan):
   """q [b,t,h,e], k/v [b,t,k,e]: projections (with cfg.qkv_bias, biased; with
   cfg.qk_norm, each head normed) and RoPE, shared by training and serving."""
   dtype = x.dtype
-  q = jnp.einsum('btd,dhe->bthe', x, layer['wq'].astype(dtype))
-  k = jnp.einsum('btd,dke->btke', x, layer['wk'].astype(dtype))
-  v = jnp.einsum('btd,dke->btke', x, layer['wv'].astype(dtype))
+  q = jnp.einsum('btd,dhe->bthe', x, dense(layer['wq'], dtype))
+  k = jnp.einsum('btd,dke->btke', x, dense(layer['wk'], dtype))
+  v = jnp.einsum('btd,dke->btke', x, dense(layer['wv'], dtype))
   if cfg.qkv_bias:
     q, k, v = (y + layer[b].astype(dtype) for y, b in ((q, 'bq'), (k, 'bk'), (v, 'bv')))
   if cfg.qk_norm:
@@ -371,7 +372,7 @@ def output_projection(out, layer):
   # One [b, t, h*e] x [h*e, d] matmul: as a two-axis contraction, XLA:CPU copied wo into
   # another layout every call (benchmarks/results/serving_model_cpu.md).
   b, t, h, e = out.shape
-  wo = layer['wo'].astype(out.dtype)
+  wo = dense(layer['wo'], out.dtype)
   return jnp.einsum('btx,xd->btd', out.reshape(b, t, h * e), wo.reshape(h * e, -1))
 
 
@@ -383,10 +384,10 @@ ACTIVATIONS = {'silu': jax.nn.silu, 'gelu_tanh': functools.partial(jax.nn.gelu, 
 def mlp(x, layer, plan, activation: str = 'silu'):
   """The gated MLP: SwiGLU, or GeGLU with activation='gelu_tanh' (model.mlp_activation)."""
   dtype = x.dtype
-  gate = checkpoint_name(jnp.einsum('btd,df->btf', x, layer['w_gate'].astype(dtype)), 'mlp_gate')
-  up = checkpoint_name(jnp.einsum('btd,df->btf', x, layer['w_up'].astype(dtype)), 'mlp_up')
+  gate = checkpoint_name(jnp.einsum('btd,df->btf', x, dense(layer['w_gate'], dtype)), 'mlp_gate')
+  up = checkpoint_name(jnp.einsum('btd,df->btf', x, dense(layer['w_up'], dtype)), 'mlp_up')
   hidden = constrain(ACTIVATIONS[activation](gate) * up, ('batch', 'act_seq', 'act_mlp'), plan)
-  return jnp.einsum('btf,fd->btd', hidden, layer['w_down'].astype(dtype))
+  return jnp.einsum('btf,fd->btd', hidden, dense(layer['w_down'], dtype))
 
 
 def block(x, layer, cfg: ModelConfig, rope: Rope, segment_ids, plan):

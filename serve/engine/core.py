@@ -26,7 +26,7 @@ from serve.engine.scheduler import Scheduler, SchedulerConfig
 from serve.engine.sizing import build_mesh, describe_cache, describe_model, size_cache
 from serve.engine.stream import RequestStream
 from serve.engine.tracked import TrackedRequest
-from serve.load.hf_model import with_dtype
+from serve.load.hf_model import with_dtype, with_quantization
 from serve.sampling_params import SamplingParams
 from serve.worker import sampler
 from serve.worker.logits_adjust import pack_bits
@@ -46,6 +46,7 @@ class Engine(EngineLoop, OutputProcessor):
     cfg.validate()
     if cfg.dtype != 'auto':   # the loaders take it too, and cast while loading
       served = with_dtype(served, cfg.dtype)
+    served = with_quantization(served, cfg.quantization)
     if cfg.generation_config == 'none' and served.sampling_defaults:
       served = dataclasses.replace(served, sampling_defaults={})
     self.served = served

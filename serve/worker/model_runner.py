@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from model import kv_quant, paged
+from model import kv_quant, paged, quant
 from model.config import ModelConfig
 from model.transformer import abstract_params, logical_axes, logits as model_logits
 from sharding.rules import REPLICATED, ShardingPlan, activation_rules, check_divisible
@@ -188,6 +188,7 @@ class ModelRunner:
     axes = logical_axes(self.model_cfg)
     check_divisible(self.plan, self.plan.params, abstract_params(self.model_cfg), axes,
                     _FIELD_OF_AXIS)
+    axes = quant.logical_axes(params, axes)   # scales split like their weight's outputs
     params = jax.device_put(params, self.plan.tree(self.plan.params, axes))
     return (paged.unstack_layers(params, self.model_cfg),
             tuple(self.plan.sharding(self.plan.params, axes)
