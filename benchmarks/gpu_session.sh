@@ -72,6 +72,11 @@
 #                 compilation cache the first filled. On 2026-11-26 the stage
 #                 without those two took 287 s by the device tool (warm-up
 #                 135 s)                                                       ~6 min
+#   quant         benchmarks.quantization --shapes=1b: the same random Llama-3.2-1B-shaped
+#                 model with bfloat16, int8 and fp8 layer weights (--quantization), 64
+#                 requests of 256 prompt and 128 output tokens at once: output tokens/s
+#                 and greedy agreement with bfloat16 (needs qwix: gpu_wheels.sh, .whl
+#                 carried; torch and transformers build the model)            ~4 min
 #
 # All of it is far more than the 15 minutes of device time a session has now (the
 # machine's start, a few minutes, counts too): take the stages the open issues need
@@ -231,8 +236,13 @@ benchmarks/results/planner_check_gpu_*.json | paste -sd,) --replan \
     # jax takes half the GPU, not its default 75%: torch runs in the same process.
     serve) stage serve "${SERVE_LIMIT:-570}" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 "$PY" -m \
       benchmarks.serve_throughput --shapes=1b --repeats="${SERVE_REPEATS:-1}" ;;
+    # Three engines alive at once (their passes interleave), each with its own KV blocks:
+    # jax allocates as it goes. QUANT_KV=auto,fp8,int8 adds the KV cache formats.
+    quant) stage quant "${QUANT_LIMIT:-420}" env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m \
+      benchmarks.quantization --shapes=1b --kv-cache-dtypes="${QUANT_KV:-auto}" --batch=64 \
+      --batch-tokens=2048 --num-prompts=64 --prompt-chars=256 --max-tokens=128 --repeats=3 ;;
     *) echo "unknown stage '$1': use machine, tests, pass_trace, attention, tiles, paged_decode, \
-tests_paged, paged_splits, tokamax, paged_tiles, paged_step, packed, planner, planner_64k, planner_mid, train_64k, train_8k or serve"
+tests_paged, paged_splits, tokamax, paged_tiles, paged_step, packed, planner, planner_64k, planner_mid, train_64k, train_8k, serve or quant"
        return 2 ;;
   esac
   # The JSON results this session wrote (at most 8 files come back from $OUT).
@@ -240,7 +250,7 @@ tests_paged, paged_splits, tokamax, paged_tiles, paged_step, packed, planner, pl
   return 0
 }
 
-for name in "${@:-machine tests pass_trace attention tiles paged_decode paged_tiles paged_step packed planner planner_64k planner_mid train_64k train_8k serve}"; do
+for name in "${@:-machine tests pass_trace attention tiles paged_decode paged_tiles paged_step packed planner planner_64k planner_mid train_64k train_8k serve quant}"; do
   for one in $name; do run_stage "$one"; done
 done
 ls "$OUT"

@@ -37,6 +37,14 @@ SERVE_MEANINGS = {
                "auto: the model's (a Hugging Face directory's config.json `dtype`; a "
                "`train.py` run's `model.dtype`, its float32 master weights checked, then "
                'cast)',
+    '--kv-cache-dtype': "KV pages: auto (`--dtype`'s), or 8-bit with a float32 scale per "
+                        'token and kv head: `int8`, `fp8` (= `fp8_e4m3`) or `fp8_e5m2`, '
+                        'about twice the tokens in the same memory '
+                        '([8-bit KV cache](../serving/kv-cache.md))',
+    '--quantization': 'the layers\' weights stored 8-bit, one scale per output channel, '
+                      'dequantized beside each matmul: `int8` or `fp8` (e4m3); `none`: as '
+                      'loaded. A compressed-tensors checkpoint is quantized already: give '
+                      'none ([quantized serving](../serving/quantization.md))',
     '--tensor': 'devices the heads and KV pages are split over',
     '--enable-prefix-caching': 'reuse the KV blocks of shared prompt prefixes',
     '--max-waiting-requests': 'queue bound; beyond it the server answers 429',

@@ -388,10 +388,29 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
   # jax on the host (the arrays come out as numpy arrays of ml_dtypes' bfloat16).
   with jax.default_device(host_device()):
     for file in files:
+      float8 = _float8_tensors(file)
       with safe_open(file, framework='flax') as f:
         for key in f.keys():
-          tensors[key] = np.asarray(f.get_tensor(key))
+          tensors[key] = float8[key] if key in float8 else np.asarray(f.get_tensor(key))
   return tensors
+
+
+# safetensors' readers make float8 tensors through numpy, which has no float8 types (the
+# FP8 checkpoints of model/compressed_tensors.py): those are read from their bytes.
+_FLOAT8 = {'F8_E4M3': jnp.float8_e4m3fn, 'F8_E5M2': jnp.float8_e5m2}
+
+
+def _float8_tensors(file: str) -> dict[str, np.ndarray]:
+  with open(file, 'rb') as f:
+    size = int.from_bytes(f.read(8), 'little')
+    header = json.loads(f.read(size))
+  data = np.memmap(file, np.uint8, 'r', offset=8 + size)
+  out = {}
+  for key, info in header.items():
+    if key != '__metadata__' and info['dtype'] in _FLOAT8:
+      lo, hi = info['data_offsets']
+      out[key] = np.array(data[lo:hi]).view(_FLOAT8[info['dtype']]).reshape(info['shape'])
+  return out
 
 
 def host_device():

@@ -16,7 +16,9 @@ prefill chunks) concatenated along one axis, then padding up to a bucketed size 
     the layer's pages are read in place in the stacked cache (layer_pages).
 
 The cache is a pair (k, v), each [L, P, page, Hkv, D], carried through the layer scan and
-updated in place (the caller donates it). Padding rows write to slot P * page_size, a
+updated in place (the caller donates it); an 8-bit cache (--kv-cache-dtype, model.kv_quant)
+is (k, v, k_scale, v_scale), the scales [L, P, page, Hkv] float32, one per slot and kv
+head, written by the same scatter. Padding rows write to slot P * page_size, a
 page index past the end that the scatter drops: a negative "no slot" index would wrap
 onto the last page.
 """
@@ -27,6 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from model import kv_quant
 from model import lora as lora_lib
 from model.config import ModelConfig
 from model.transformer import (RESIDUAL, Params, Rope, Ropes, by_layer_window,
@@ -37,6 +40,8 @@ from sharding.rules import ShardingPlan, constrain
 
 # Logical axes of one cache array [layers, pages, page slot, kv heads, head dim].
 KV_CACHE_AXES = ('layers', None, None, 'kv_heads', 'head_dim')
+# ... and of an 8-bit cache's scales [layers, pages, page slot, kv heads].
+KV_SCALE_AXES = KV_CACHE_AXES[:-1]
 # XLA attention of steps up to SMALL_STEP tokens: every row by itself over key blocks of
 # SMALL_STEP_BLOCK_K, which on CPU beat both the by-sequence split and larger blocks
 # (benchmarks/results/serving_model_cpu.md). Bigger steps keep the default split (long
@@ -48,7 +53,7 @@ SMALL_STEP, SMALL_STEP_BLOCK_K = 128, 32
 # the dense scores cost what they save (benchmarks/results/serving_model_cpu.md).
 STEP_DENSE_MAX_SCORES = 1 << 20
 
-KVCache = tuple[jax.Array, jax.Array]
+KVCache = tuple[jax.Array, ...]   # (k, v) or, 8-bit, (k, v, k_scale, v_scale)
 
 
 class PagedBatch(NamedTuple):
@@ -68,21 +73,39 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[in
   return (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.resolved_head_dim)
 
 
-def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, sharding=None) -> KVCache:
-  """Zeroed K and V pages in the compute dtype."""
+def kv_cache_axes(kv_cache_dtype: str = 'auto') -> tuple[tuple, ...]:
+  """Logical axes of each array of the cache init_kv_cache makes."""
+  scales = (KV_SCALE_AXES,) * 2 if kv_quant.is_quantized(kv_cache_dtype) else ()
+  return (KV_CACHE_AXES,) * 2 + scales
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, sharding=None,
+                  kv_cache_dtype: str = 'auto') -> KVCache:
+  """Zeroed K and V pages in the compute dtype (auto) or 8-bit with float32 scales.
+  sharding: one for every array, or a tuple of one per array (kv_cache_axes)."""
   shape = kv_cache_shape(cfg, num_pages, page_size)
-  zeros = jax.jit(lambda: jnp.zeros(shape, cfg.dtype), out_shardings=sharding)
-  return zeros(), zeros()
+  dtype = kv_quant.storage_dtype(kv_cache_dtype, cfg.dtype)
+  specs = [(shape, dtype)] * 2
+  if kv_quant.is_quantized(kv_cache_dtype):
+    specs += [(shape[:-1], kv_quant.SCALE_DTYPE)] * 2
+  if not isinstance(sharding, (tuple, list)):
+    sharding = (sharding,) * len(specs)
+  return tuple(jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sh)()
+               for (shape, dtype), sh in zip(specs, sharding))
 
 
 # ------------------------------------------------------------------------- write, attend
 
 def write_kv(cache: KVCache, layer: jax.Array, k, v, slots) -> KVCache:
-  """Scatters k, v [T, Hkv, D] into layer `layer`'s slots; out-of-range slots drop."""
+  """Scatters k, v [T, Hkv, D] into layer `layer`'s slots (an 8-bit cache: quantized,
+  with their scales); out-of-range slots drop."""
   page_size = cache[0].shape[2]
   pages, offsets = slots // page_size, slots % page_size
   put = lambda c, x: c.at[layer, pages, offsets].set(x.astype(c.dtype), mode='drop')
-  return put(cache[0], k), put(cache[1], v)
+  if len(cache) == 2:
+    return put(cache[0], k), put(cache[1], v)
+  (qk, sk), (qv, sv) = (kv_quant.quantize(x, cache[0].dtype) for x in (k, v))
+  return put(cache[0], qk), put(cache[1], qv), put(cache[2], sk), put(cache[3], sv)
 
 
 def _pallas_stacked(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer,
@@ -103,11 +126,12 @@ def check_impl(cfg: ModelConfig, impl: str) -> None:
 
 
 def paged_attend(q, k_pages, v_pages, meta, impl: str, plan, sliding_window: int = 0,
-                 sm_scale: float | None = None, softcap: float = 0.0):
+                 sm_scale: float | None = None, softcap: float = 0.0, scales=()):
   """q [T, Hq, D] over pages [..., page, Hkv, D] (layer_pages' form); with a plan, each
   tensor shard attends its own kv heads and their q heads (the kernel is opaque to the
   partitioner). sliding_window: model.sliding_window (xla only); softcap:
-  model.attn_softcap; sm_scale: the scores' scale (None: 1/sqrt(D))."""
+  model.attn_softcap; sm_scale: the scores' scale (None: 1/sqrt(D)). scales: an 8-bit
+  cache's (k_scale, v_scale) [..., page, Hkv] in the pages' form, sharded alike."""
   fn = functools.partial(PAGED_ATTENTION[impl], sm_scale=sm_scale)
   if sliding_window:
     fn = functools.partial(fn, sliding_window=sliding_window)
@@ -117,15 +141,27 @@ def paged_attend(q, k_pages, v_pages, meta, impl: str, plan, sliding_window: int
     fn = functools.partial(fn, block_k=SMALL_STEP_BLOCK_K, row_tokens=SMALL_STEP)
   if impl == 'xla' and q.shape[0] ** 2 * q.shape[1] <= STEP_DENSE_MAX_SCORES:
     fn = functools.partial(fn, step_dense=True)
+  if scales:
+    fn = _with_scales(fn, len(meta))
   if plan is None:
-    return fn(q, k_pages, v_pages, *meta)
+    return fn(q, k_pages, v_pages, *meta, *scales)
   spec = plan.activations.spec
   q_spec = spec((None, 'act_heads', None))
   kv_spec = spec((None,) * (k_pages.ndim - 2) + ('act_kv_heads', None))
+  scale_spec = spec((None,) * (k_pages.ndim - 2) + ('act_kv_heads',))
   rep = jax.sharding.PartitionSpec()
-  in_specs = (q_spec, kv_spec, kv_spec) + (rep,) * len(meta)
+  in_specs = (q_spec, kv_spec, kv_spec) + (rep,) * len(meta) + (scale_spec,) * len(scales)
   return jax.shard_map(fn, mesh=plan.mesh, in_specs=in_specs, out_specs=q_spec,
-                       check_vma=False)(q, k_pages, v_pages, *meta)
+                       check_vma=False)(q, k_pages, v_pages, *meta, *scales)
+
+
+def _with_scales(fn, num_meta: int):
+  """fn taking the scales as two more positional arguments after the metadata (what
+  shard_map passes) rather than as k_scale=, v_scale=."""
+  def call(q, k_pages, v_pages, *rest):
+    meta, (k_scale, v_scale) = rest[:num_meta], rest[num_meta:]
+    return fn(q, k_pages, v_pages, *meta, k_scale=k_scale, v_scale=v_scale)
+  return call
 
 
 def layer_pages(cache: KVCache, index, batch: PagedBatch, impl: str):
@@ -141,9 +177,17 @@ def layer_pages(cache: KVCache, index, batch: PagedBatch, impl: str):
   meta = (batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs)
   if impl == 'pallas':
     return cache[0], cache[1], meta + (jnp.asarray(index, jnp.int32).reshape(1),)
-  pool = [c.reshape(-1, *c.shape[2:]) for c in cache]
+  pool = [c.reshape(-1, *c.shape[2:]) for c in cache[:2]]
   offset = batch.page_indices + index * cache[0].shape[1]
   return pool[0], pool[1], (batch.kv_lens, offset, batch.cu_q_lens, batch.num_seqs)
+
+
+def layer_scales(cache: KVCache, impl: str) -> tuple:
+  """An 8-bit cache's scales in layer_pages' form (the same page offsets index them);
+  () for a cache of the model's dtype."""
+  if impl == 'pallas':
+    return tuple(cache[2:])
+  return tuple(c.reshape(-1, *c.shape[2:]) for c in cache[2:])
 
 
 def paged_attention_layer(x, layer, index, cache, batch, cfg, rope, impl, plan):
@@ -151,8 +195,9 @@ def paged_attention_layer(x, layer, index, cache, batch, cfg, rope, impl, plan):
   q, k, v = project_qkv(x, layer, cfg, rope, plan)
   cache = write_kv(cache, index, k[0], v[0], batch.slots)
   k_pages, v_pages, meta = layer_pages(cache, index, batch, impl)
+  scales = layer_scales(cache, impl)
   attend = lambda window: paged_attend(q[0], k_pages, v_pages, meta, impl, plan, window,
-                                       cfg.attention_scale, cfg.attn_softcap)
+                                       cfg.attention_scale, cfg.attn_softcap, scales)
   out = by_layer_window(layer.get('local'), attend, cfg.sliding_window)
   return output_projection(out[None], layer), cache
 

@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from model import lora as lora_lib
 from model import moe
+from model.quant import dense
 from model.config import ModelConfig
 # The parameters' declarations live below this module and model.lora; named here too.
 from model.params import (Params, ParamSpec, abstract_params, count_params, init_params,
@@ -207,9 +208,9 @@ def project_qkv(x, layer, cfg: ModelConfig, rope: Rope, plan):
   """q [b,t,h,e], k/v [b,t,k,e]: projections (with cfg.qkv_bias, biased; with
   cfg.qk_norm, each head normed) and RoPE, shared by training and serving."""
   dtype = x.dtype
-  q = lora_lib.apply(layer, 'q', x, jnp.einsum('btd,dhe->bthe', x, layer['wq'].astype(dtype)))
-  k = lora_lib.apply(layer, 'k', x, jnp.einsum('btd,dke->btke', x, layer['wk'].astype(dtype)))
-  v = lora_lib.apply(layer, 'v', x, jnp.einsum('btd,dke->btke', x, layer['wv'].astype(dtype)))
+  q = lora_lib.apply(layer, 'q', x, jnp.einsum('btd,dhe->bthe', x, dense(layer['wq'], dtype)))
+  k = lora_lib.apply(layer, 'k', x, jnp.einsum('btd,dke->btke', x, dense(layer['wk'], dtype)))
+  v = lora_lib.apply(layer, 'v', x, jnp.einsum('btd,dke->btke', x, dense(layer['wv'], dtype)))
   if cfg.qkv_bias:
     q, k, v = (y + layer[b].astype(dtype) for y, b in ((q, 'bq'), (k, 'bk'), (v, 'bv')))
   if cfg.qk_norm:
@@ -273,7 +274,7 @@ def output_projection(out, layer):
   # One [b, t, h*e] x [h*e, d] matmul: as a two-axis contraction, XLA:CPU copied wo into
   # another layout every call (benchmarks/results/serving_model_cpu.md).
   b, t, h, e = out.shape
-  wo = layer['wo'].astype(out.dtype)
+  wo = dense(layer['wo'], out.dtype)
   flat = out.reshape(b, t, h * e)
   projected = jnp.einsum('btx,xd->btd', flat, wo.reshape(h * e, -1))
   return lora_lib.apply(layer, 'o', flat, projected)
@@ -288,7 +289,7 @@ def mlp(x, layer, plan, activation: str = 'silu'):
   """The gated MLP: SwiGLU, or GeGLU with activation='gelu_tanh' (model.mlp_activation)."""
   dtype = x.dtype
   project = lambda name, target, h: lora_lib.apply(
-      layer, target, h, jnp.einsum('btd,df->btf', h, layer[name].astype(dtype)))
+      layer, target, h, jnp.einsum('btd,df->btf', h, dense(layer[name], dtype)))
   gate = checkpoint_name(project('w_gate', 'gate', x), 'mlp_gate')
   up = checkpoint_name(project('w_up', 'up', x), 'mlp_up')
   hidden = constrain(ACTIVATIONS[activation](gate) * up, ('batch', 'act_seq', 'act_mlp'), plan)

@@ -73,16 +73,20 @@ _MIN_DOT_ROWS = 16       # Triton's tl.dot needs M, N and K >= 16
 def paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                               num_seqs, *, sm_scale=None, num_kv_splits=None,
                               pages_per_block=None, interpret=None, sliding_window=0,
-                              softcap=0.0):
+                              softcap=0.0, k_scale=None, v_scale=None):
   """Float32 jnp version of `paged_attention` (splits/blocks/interpret are ignored);
   sliding_window > 0: each row sees only its last sliding_window positions; softcap > 0:
-  scores soft-capped, softcap * tanh(scores / softcap), before the mask.
+  scores soft-capped, softcap * tanh(scores / softcap), before the mask; k_scale,
+  v_scale: 8-bit pages, dequantized to float32 first.
 
   Gathers every token's whole sequence of K/V from the pages, so it needs
   O(T * pages_per_seq * page_size) memory: for tests and small batches only.
   """
   del num_kv_splits, pages_per_block, interpret
-  _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
+  _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, k_scale, v_scale)
+  if k_scale is not None:
+    k_pages, v_pages = (dequantize(x, s, jnp.float32)
+                        for x, s in ((k_pages, k_scale), (v_pages, v_scale)))
   t, hq, d = q.shape
   _, page_size, hkv, _ = k_pages.shape
   scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
@@ -138,7 +142,8 @@ _XLA_WINDOW = 32   # query rows per work item of the by-sequence path
 
 def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                         sm_scale=None, block_k=None, window=None, row_tokens=0,
-                        step_dense=False, sliding_window=0, softcap=0.0):
+                        step_dense=False, sliding_window=0, softcap=0.0, k_scale=None,
+                        v_scale=None):
   """Ragged paged attention in plain jnp for serving without the kernel (CPU default).
 
   Flash-style (online softmax over key blocks of `block_k` tokens), so no step ever
@@ -166,8 +171,9 @@ def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
   sliding_window > 0: each row sees only its last sliding_window positions (the keys
   before are still read, then masked). softcap > 0: scores soft-capped (Gemma 2), as in
   paged_attention_reference.
+  k_scale, v_scale [P, page_size, Hkv]: pages stored 8-bit (see `paged_attention`).
   """
-  _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
+  _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, k_scale, v_scale)
   page_size = k_pages.shape[1]
   ppb = max(1, min((block_k or _BLOCK_K_TOKENS) // page_size, page_indices.shape[1]))
   scale = 1.0 / math.sqrt(q.shape[2]) if sm_scale is None else sm_scale
@@ -176,7 +182,8 @@ def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
   num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
   # Whole blocks of table slots; slots past a sequence's pages read page 0 (masked).
   table = jnp.pad(page_indices, ((0, 0), (0, -page_indices.shape[1] % ppb)))
-  args = (q, (k_pages, v_pages), kv_lens, table, cu_q_lens, num_seqs)
+  pages = (k_pages, v_pages) if k_scale is None else (k_pages, v_pages, k_scale, v_scale)
+  args = (q, pages, kv_lens, table, cu_q_lens, num_seqs)
   by_row = functools.partial(_xla_by_row, ppb=ppb, scale=scale, sliding=sliding_window,
                              cap=softcap)
   by_seq = functools.partial(_xla_by_sequence, ppb=ppb, scale=scale,
@@ -211,7 +218,7 @@ def _xla_step_dense(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale
   qg = q.reshape(t, hkv, hq // hkv, d)
   # This step's K/V, read back from the slots the step has just written.
   page = jnp.where(live, table[seq, pos // page_size], 0)
-  k, v = (p[page, pos % page_size] for p in pages)                         # [T, Hkv, D]
+  k, v = _read_kv(pages, (page, pos % page_size), q.dtype)                  # [T, Hkv, D]
   v = jnp.where(live[:, None, None], v, 0)   # padding rows' slots hold junk, maybe NaN
   # A sequence's rows are contiguous and in position order: row r sees the rows from its
   # sequence's first up to itself. (Comparing row indices, not gathered sequence ids and
@@ -262,7 +269,7 @@ def _xla_row_block(j, carry, *, qg, pages, table, pos, row_len, ppb, scale, slid
   k_ok = k_pos[None, :] < row_len[:, None]                                  # [T, block_k]
   ids = lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=1)               # [T, ppb]
   ids = jnp.where(k_ok.reshape(t, ppb, -1)[:, :, 0], ids, 0)
-  k, v = (p[ids].reshape(t, block_k, *p.shape[2:]) for p in pages)
+  k, v = _read_kv(pages, (ids,), qg.dtype, (t, block_k, *pages[0].shape[2:]))
   # Junk past a sequence's end may be NaN, and 0 * NaN would poison p @ v.
   v = jnp.where(k_ok[..., None, None], v, 0)
   visible = k_ok & (k_pos[None, :] <= pos[:, None]) & _in_window(k_pos[None, :], pos[:, None],
@@ -314,12 +321,28 @@ def _xla_seq_block(j, carry, *, qw, pages, row, q_pos, kv_len, ppb, scale, slidi
   k_pos = j * block_k + jnp.arange(block_k)
   k_ok = k_pos < kv_len
   ids = jnp.where(k_ok.reshape(ppb, -1)[:, 0], lax.dynamic_slice_in_dim(row, j * ppb, ppb), 0)
-  k, v = (p[ids].reshape(block_k, *p.shape[2:]) for p in pages)
+  k, v = _read_kv(pages, (ids,), qw.dtype, (block_k, *pages[0].shape[2:]))
   v = jnp.where(k_ok[:, None, None], v, 0)   # junk past the end may be NaN
   visible = (k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
              & _in_window(k_pos[None, :], q_pos[:, None], sliding))[:, None, None]
   return _softmax_step(carry, qw, k, v, visible, scale, 'qkgd,skd->qkgs', 'qkgs,skd->qkgd',
                        cap)
+
+
+def _read_kv(pages, index, dtype, shape=None):
+  """K and V at `index` of pages (k, v) or, stored 8-bit, (k, v, k_scale, v_scale),
+  in `dtype`, each reshaped to `shape` if given (K's gather and reshape, then V's: the
+  order of the program before 8-bit pages, which auto keeps)."""
+  shaped = (lambda x: x) if shape is None else (lambda x: x.reshape(shape))
+  if len(pages) == 2:
+    return tuple(shaped(p[index]) for p in pages)
+  return tuple(shaped(dequantize(p[index], s[index], dtype))
+               for p, s in zip(pages[:2], pages[2:]))
+
+
+def dequantize(x, scale, dtype):
+  """8-bit values x [..., D] times their scales [...] (float32), in `dtype`."""
+  return (x.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
 def _softmax_init(rows_shape, d):
@@ -353,9 +376,11 @@ def _paged_attention_kernel(
     q_ref,           # [T, G, D]: the G q heads of this kv head
     k_ref,           # [L, P, page_size, D]: this kv head of every page of every layer
     v_ref,           # [L, P, page_size, D]
-    *out_refs,       # (aliased inputs, only when poisoned), o [T, G, D] f32, lse [T, G] f32
-    block_q, pages_per_block, num_kv_splits, sm_scale, softcap):
-  o_ref, lse_ref = out_refs[-2:]
+    *refs,           # 8-bit pages: k_scale, v_scale [L, P, page_size] f32; then (aliased
+                     # inputs, only when poisoned), o [T, G, D] f32, lse [T, G] f32
+    block_q, pages_per_block, num_kv_splits, sm_scale, softcap, quantized):
+  o_ref, lse_ref = refs[-2:]
+  kv_refs = (k_ref, v_ref) + (refs[:2] if quantized else ())
   # Program ids are read here, outside any control flow: interpret mode resolves them
   # only at the kernel's top level.
   s, split = pl.program_id(0), pl.program_id(2)
@@ -369,7 +394,7 @@ def _paged_attention_kernel(
                    pages_per_block=pages_per_block)
     lo, hi = _split_range(seq, split, num_kv_splits)
     attend = functools.partial(_attend_q_block, seq=seq, block_lo=lo, block_hi=hi,
-                               refs=(page_row_ref, q_ref, k_ref, v_ref, o_ref, lse_ref),
+                               refs=(page_row_ref, q_ref, kv_refs, o_ref, lse_ref),
                                block_q=block_q, sm_scale=sm_scale, softcap=softcap)
     # Every q block is visited even when the split holds no keys for it: that writes
     # o = 0 and lse = -inf, which the merge needs.
@@ -400,7 +425,7 @@ def _split_range(seq, split, num_kv_splits):
 
 def _attend_q_block(qb, *, seq, block_lo, block_hi, refs, block_q, sm_scale, softcap):
   """Online softmax of one block of query tokens (all G heads) over the split's keys."""
-  page_row_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+  page_row_ref, q_ref, kv_refs, o_ref, lse_ref = refs
   _, groups, d = q_ref.shape
   rows = block_q * groups
   tok = qb * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
@@ -418,7 +443,7 @@ def _attend_q_block(qb, *, seq, block_lo, block_hi, refs, block_q, sm_scale, sof
   carry = (jnp.full((rows,), _MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
            jnp.zeros((rows, d), jnp.float32))
   body = functools.partial(_attend_page_block, q=q, q_pos=q_pos, seq=seq,
-                           refs=(page_row_ref, k_ref, v_ref), sm_scale=sm_scale,
+                           refs=(page_row_ref, kv_refs), sm_scale=sm_scale,
                            softcap=softcap)
   m, l, acc = lax.fori_loop(block_lo, jnp.maximum(hi, block_lo), body, carry)
   # l == 0: no visible key in this split; o = 0 and lse = -inf give it weight 0.
@@ -432,7 +457,7 @@ def _attend_q_block(qb, *, seq, block_lo, block_hi, refs, block_q, sm_scale, sof
 
 def _attend_page_block(blk, carry, *, q, q_pos, seq, refs, sm_scale, softcap):
   """One flash-attention step over page block `blk` of the sequence."""
-  page_row_ref, k_ref, v_ref = refs
+  page_row_ref, kv_refs = refs
   m_prev, l_prev, acc_prev = carry
   ppb, d = seq.pages_per_block, q.shape[-1]
   slot = blk * ppb + lax.broadcasted_iota(jnp.int32, (ppb,), 0)
@@ -440,9 +465,12 @@ def _attend_page_block(blk, carry, *, q, q_pos, seq, refs, sm_scale, softcap):
   # Table slots past the sequence's last page hold junk ids: read page 0 instead.
   page_ids = _masked_load(page_row_ref, (pl.ds(blk * ppb, ppb),), mask=slot_ok, other=0)
   page_ids = jnp.where(slot_ok, page_ids, 0)
-  # Gather [ppb, page_size, D] -> [block_k, D] from this layer, in place in the stack.
-  k = k_ref[seq.layer, page_ids].reshape(seq.block_k, d)
-  v = v_ref[seq.layer, page_ids].reshape(seq.block_k, d)
+  # Gather [ppb, page_size, D] -> [block_k, D] from this layer, in place in the stack;
+  # 8-bit pages are dequantized right after the load, with their [ppb, page_size] scales.
+  k, v = (r[seq.layer, page_ids].reshape(seq.block_k, d) for r in kv_refs[:2])
+  if len(kv_refs) == 4:
+    k, v = (dequantize(x, r[seq.layer, page_ids].reshape(seq.block_k), q.dtype)
+            for x, r in zip((k, v), kv_refs[2:]))
   k_pos = blk * seq.block_k + lax.broadcasted_iota(jnp.int32, (seq.block_k,), 0)
   k_ok = k_pos < seq.kv_len
   # A page's tail past kv_len (and page 0 above) may hold NaN. NaN scores are replaced
@@ -466,7 +494,7 @@ def _attend_page_block(blk, carry, *, q, q_pos, seq, refs, sm_scale, softcap):
 def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                     layer=None, sm_scale=None, num_kv_splits=None, pages_per_block=None,
                     num_warps=None, num_stages=None, interpret=None, softcap=0.0,
-                    _block_q=None, _poison=None):
+                    k_scale=None, v_scale=None, _block_q=None, _poison=None):
   """Ragged paged attention; returns out [T, Hq, D] in q's dtype.
 
   q [T, Hq, D]; k_pages, v_pages [P, page_size, Hkv, D], or every layer's cache
@@ -479,6 +507,10 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   cu_q_lens [max_seqs + 1] (non-decreasing up to cu_q_lens[num_seqs] <= T; entries past
   num_seqs, like kv_lens and page_indices rows of dead sequences, are never read);
   num_seqs [1] or [].
+  k_scale, v_scale: pages stored 8-bit (int8, float8_e4m3fn or float8_e5m2), each slot's
+  kv head a vector of D values times its float32 scale: [P, page_size, Hkv], or
+  [L, P, page_size, Hkv] with a stacked cache; the kernel dequantizes a page block into
+  q's dtype right after loading it.
   num_kv_splits, pages_per_block: default from the shapes; num_warps, num_stages: Triton
   launch parameters on GPU (default 4 and 2; `benchmarks.paged_decode --tiles` times
   alternatives), ignored when interpreted. softcap > 0: scores soft-capped (Gemma 2), as
@@ -487,9 +519,13 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   their q is NaN). `_block_q` and `_poison` (a fill value for the per-split outputs before
   the kernel runs, to prove every live element gets written) are for tests.
   """
+  quantized = k_scale is not None
+  if quantized and k_pages.ndim == 4 and layer is None:
+    k_scale, v_scale = k_scale[None], v_scale[None]
   k_pages, v_pages, layer = _as_stacked(k_pages, v_pages, layer)
-  one_layer = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)   # no slice traced
-  _check_args(q, one_layer(k_pages), one_layer(v_pages), kv_lens, page_indices, cu_q_lens)
+  one_layer = lambda x: x if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+  _check_args(q, one_layer(k_pages), one_layer(v_pages), kv_lens, page_indices, cu_q_lens,
+              one_layer(k_scale), one_layer(v_scale))
   t, hq, d = q.shape
   _, _, page_size, hkv, _ = k_pages.shape
   max_seqs, pages_per_seq = page_indices.shape
@@ -518,8 +554,9 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   kernel = functools.partial(
       _paged_attention_kernel, block_q=block_q, pages_per_block=ppb, num_kv_splits=splits,
       sm_scale=1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale),
-      softcap=float(softcap or 0.0))
+      softcap=float(softcap or 0.0), quantized=quantized)
   args = (num_seqs, layer, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages)
+  args += (k_scale, v_scale) if quantized else ()
   o, lse = _call_kernel(kernel, args, grid=(max_seqs, hkv, splits), poison=_poison,
                         interpret=interpret, gpu_params=(num_warps or 4, num_stages or 2))
   out = _merge_splits(o, lse)
@@ -531,7 +568,7 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
 
 def _call_kernel(kernel, args, *, grid, poison, interpret, gpu_params):
   """pallas_call over (sequence, kv head, split); returns o [K, T, Hq, D], lse [K, T, Hq]."""
-  num_seqs, layer, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages = args
+  num_seqs, layer, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages = args[:8]
   t, hq, d = q.shape
   num_layers, num_pages, page_size, hkv, _ = k_pages.shape
   groups, splits = hq // hkv, grid[2]
@@ -546,6 +583,10 @@ def _call_kernel(kernel, args, *, grid, poison, interpret, gpu_params):
       pl.BlockSpec((None, page_indices.shape[1]), lambda s, h, k: (s, 0)),
       pl.BlockSpec((t, groups, d), lambda s, h, k: (0, h, 0)),
       pages, pages]
+  # 8-bit pages' scales [L, P, page_size, Hkv], this kv head's, like the pages.
+  scales = pl.BlockSpec((num_layers, num_pages, page_size, None),
+                        lambda s, h, k: (0, 0, 0, h))
+  in_specs += [scales] * (len(args) - 8)
   out_specs = [pl.BlockSpec((None, t, groups, d), lambda s, h, k: (k, 0, h, 0)),
                pl.BlockSpec((None, t, groups), lambda s, h, k: (k, 0, h))]
   # One split needs no merge, so it writes the final dtype (half the bytes for bf16).
@@ -632,7 +673,8 @@ def _as_stacked(k_pages, v_pages, layer):
   return k_pages, v_pages, jnp.asarray(layer, jnp.int32).reshape(1)
 
 
-def _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens):
+def _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, k_scale=None,
+                v_scale=None):
   if q.ndim != 3 or k_pages.ndim != 4:
     raise ValueError(f'paged_attention: q must be [T, Hq, D] and k_pages '
                      f'[P, page_size, Hkv, D]; got q {q.shape}, k_pages {k_pages.shape}.')
@@ -645,10 +687,30 @@ def _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens):
   if q.shape[1] % k_pages.shape[2]:
     raise ValueError(f'paged_attention: q heads ({q.shape[1]}) must be a multiple of kv '
                      f'heads ({k_pages.shape[2]}).')
-  if not (jnp.issubdtype(q.dtype, jnp.floating) and jnp.issubdtype(k_pages.dtype, jnp.floating)):
-    raise TypeError(f'paged_attention: q and pages must be floating; got {q.dtype}, '
-                    f'{k_pages.dtype}.')
+  if k_scale is not None or v_scale is not None:
+    _check_scales(k_pages, k_scale, v_scale)
+  elif not jnp.issubdtype(k_pages.dtype, jnp.floating):
+    raise TypeError(f'paged_attention: pages of dtype {k_pages.dtype} need k_scale and '
+                    'v_scale (8-bit pages); unscaled pages must be floating.')
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise TypeError(f'paged_attention: q must be floating; got {q.dtype}.')
   _check_int_arrays(kv_lens, page_indices, cu_q_lens)
+
+
+QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def _check_scales(k_pages, k_scale, v_scale):
+  if k_scale is None or v_scale is None:
+    raise ValueError('paged_attention: give both k_scale and v_scale, or neither.')
+  if k_pages.dtype not in QUANTIZED_DTYPES:
+    raise TypeError(f'paged_attention: scaled pages must be 8-bit '
+                    f'({", ".join(jnp.dtype(d).name for d in QUANTIZED_DTYPES)}); got '
+                    f'{k_pages.dtype}.')
+  for name, s in (('k_scale', k_scale), ('v_scale', v_scale)):
+    if s.shape != k_pages.shape[:-1] or s.dtype != jnp.float32:
+      raise ValueError(f'paged_attention: {name} must be float32 {k_pages.shape[:-1]} (one '
+                       f'per page slot and kv head); got {s.dtype} {s.shape}.')
 
 
 def _check_int_arrays(kv_lens, page_indices, cu_q_lens):

@@ -9,6 +9,9 @@ from sharding import compile_cache
 ATTENTION_CHOICES = ('auto', 'xla', 'pallas')
 DTYPE_CHOICES = ('auto', 'float32', 'bfloat16', 'float16')
 GENERATION_CONFIG_CHOICES = ('auto', 'none')
+# vLLM's names (fp8 is fp8_e4m3), and int8; model.kv_quant.KV_CACHE_DTYPES.
+KV_CACHE_DTYPE_CHOICES = ('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'int8')
+QUANTIZATION_CHOICES = ('none', 'int8', 'fp8')
 
 
 @dataclasses.dataclass
@@ -21,6 +24,8 @@ class ServeConfig:
   max_model_len: int = 0             # 0: the model's max_seq_len
   attention: str = 'auto'            # 'auto': pallas on GPU, xla on CPU
   dtype: str = 'auto'                # weights, activations, KV cache; 'auto': the model's
+  kv_cache_dtype: str = 'auto'       # KV pages: 'auto' (--dtype's), or 8-bit with scales
+  quantization: str = 'none'         # 8-bit layer weights at load: int8 or fp8 (model/quant.py)
   tensor: int = 1                    # devices over the mesh's 'tensor' axis
   enable_prefix_caching: bool = True
   max_waiting_requests: int = 256    # beyond it add_request raises QueueFull
@@ -55,6 +60,12 @@ class ServeConfig:
       raise ValueError(f'--attention={self.attention!r}: choose one of {ATTENTION_CHOICES}.')
     if self.dtype not in DTYPE_CHOICES:
       raise ValueError(f'--dtype={self.dtype!r}: choose one of {DTYPE_CHOICES}.')
+    if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+      raise ValueError(f'--kv-cache-dtype={self.kv_cache_dtype!r}: choose one of '
+                       f'{KV_CACHE_DTYPE_CHOICES}.')
+    if self.quantization not in QUANTIZATION_CHOICES:
+      raise ValueError(f'--quantization={self.quantization!r}: choose one of '
+                       f'{QUANTIZATION_CHOICES} (weight-only, per-channel scales).')
     if self.generation_config not in GENERATION_CONFIG_CHOICES:
       raise ValueError(f'--generation-config={self.generation_config!r}: choose one of '
                        f'{GENERATION_CONFIG_CHOICES}.')
@@ -142,16 +153,25 @@ def load_served_model(args: argparse.Namespace, mesh=None):
   """The ServedModel named by --checkpoint or --hf-model."""
   # pylint: disable=import-outside-toplevel
   template = _read_chat_template(args.chat_template) if args.chat_template else None
-  from model import paged
+  from model import kv_quant, paged
+  # Whether the device stores the --kv-cache-dtype format, before any weight.
+  kv_quant.check_backend(args.kv_cache_dtype, None, resolve_attention(args))
   # What the model needs of the attention (a sliding window: XLA's), before any weight.
-  check = lambda model_cfg: paged.check_impl(model_cfg, resolve_attention(args, model_cfg))
+  from model import quant
+
+  def check(model_cfg):
+    paged.check_impl(model_cfg, resolve_attention(args, model_cfg))
+    if args.quantization != 'none':   # the format on this device, before any weight
+      quant.check_format(args.quantization, model_cfg)
+
   if args.checkpoint:
     from serve.load.checkpoint import load_checkpoint
     served = load_checkpoint(args.checkpoint, mesh=mesh, dtype=args.dtype, check=check)
   else:
     from serve.load.hf_model import load_hf_model
     served = load_hf_model(args.hf_model, dtype=args.dtype,
-                           generation_config=args.generation_config, check=check)
+                           generation_config=args.generation_config, check=check,
+                           quantization=args.quantization)
   return served if template is None else dataclasses.replace(served, chat_template=template)
 
 

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 
+from model import kv_quant
 from serve.config import ServeConfig, resolve_attention
 from serve.engine import warmup
 from serve.engine.constraints import bad_word_ids
@@ -26,7 +27,7 @@ from serve.engine.scheduler import Scheduler, SchedulerConfig
 from serve.engine.sizing import build_mesh, describe_cache, describe_model, size_cache
 from serve.engine.stream import RequestStream
 from serve.engine.tracked import TrackedRequest
-from serve.load.hf_model import with_dtype
+from serve.load.hf_model import with_dtype, with_quantization
 from serve.sampling_params import SamplingParams
 from serve.worker import sampler
 from serve.worker.logits_adjust import pack_bits
@@ -46,6 +47,7 @@ class Engine(EngineLoop, OutputProcessor):
     cfg.validate()
     if cfg.dtype != 'auto':   # the loaders take it too, and cast while loading
       served = with_dtype(served, cfg.dtype)
+    served = with_quantization(served, cfg.quantization)
     if cfg.generation_config == 'none' and served.sampling_defaults:
       served = dataclasses.replace(served, sampling_defaults={})
     self.served = served
@@ -56,6 +58,8 @@ class Engine(EngineLoop, OutputProcessor):
       raise ValueError(f'--max-model-len={self.max_model_len} exceeds the model\'s context '
                        f'of {served.model_cfg.max_seq_len} tokens; give at most that.')
     self.mesh = build_mesh(cfg)
+    kv_quant.check_backend(cfg.kv_cache_dtype, self.mesh.devices.flat[0],
+                           resolve_attention(cfg, served.model_cfg))
     self.num_blocks = size_cache(served, cfg, self.mesh, self.max_model_len)
     print(describe_model(served), flush=True)
     if served.sampling_defaults:
@@ -109,6 +113,7 @@ class Engine(EngineLoop, OutputProcessor):
     runner = ModelRunner(self.served.params, self.served.model_cfg,
                          RunnerConfig(**shared,
                                       attention=resolve_attention(cfg, self.served.model_cfg),
+                                      kv_cache_dtype=cfg.kv_cache_dtype,
                                       num_speculative_tokens=(
                                           self.spec.num_speculative_tokens if self.spec
                                           else 0),

@@ -5,6 +5,7 @@ import math
 
 import jax
 
+from model import quant
 from serve.config import ServeConfig
 from serve.worker import kv_cache
 from sharding.mesh import MeshConfig, make_mesh
@@ -39,7 +40,8 @@ def _blocks_from_memory(served, cfg: ServeConfig, mesh, per_request: int) -> int
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(served.params)) // cfg.tensor
   blocks = kv_cache.num_blocks_for_memory(
       served.model_cfg, cfg.block_size, fraction=cfg.memory_fraction,
-      device=mesh.devices.flat[0], param_bytes=param_bytes, tensor_parallel=cfg.tensor)
+      device=mesh.devices.flat[0], param_bytes=param_bytes, tensor_parallel=cfg.tensor,
+      kv_cache_dtype=cfg.kv_cache_dtype)
   if mesh.devices.flat[0].platform == 'cpu':
     # CPU devices share the host's memory with everything else: no more than
     # max_num_seqs full-length requests can use at once.
@@ -48,17 +50,22 @@ def _blocks_from_memory(served, cfg: ServeConfig, mesh, per_request: int) -> int
 
 
 def describe_model(served) -> str:
-  leaves = jax.tree.leaves(served.params)
-  count, size = sum(x.size for x in leaves), sum(x.nbytes for x in leaves)
+  weights = jax.tree.leaves(served.params, is_leaf=quant.is_quantized)
+  count = sum(w.qvalue.size if quant.is_quantized(w) else w.size for w in weights)
+  size = sum(x.nbytes for x in jax.tree.leaves(served.params))   # scales included
   count = f'{count / 1e9:.2f}B' if count >= 1e9 else f'{count / 1e6:.2f}M'
   size = f'{size / 2**30:.2f} GiB' if size >= 2**30 else f'{size / 2**20:.2f} MiB'
   cfg = served.model_cfg
-  return (f'Model {served.name}: {count} parameters, {size} in {cfg.param_dtype}; '
-          f'activations and KV cache in {cfg.dtype}.')
+  kinds = quant.describe(served.params)
+  stored = (f', {kinds} layer weights, the rest in {cfg.param_dtype}' if kinds
+            else f' in {cfg.param_dtype}')
+  return (f'Model {served.name}: {count} parameters, {size}{stored}; activations and KV '
+          f'cache in {cfg.dtype}.')
 
 
 def describe_cache(num_blocks: int, cfg: ServeConfig, max_model_len: int) -> str:
   tokens = (num_blocks - 1) * cfg.block_size
-  return (f'KV cache: {num_blocks} blocks of {cfg.block_size} tokens = {tokens} tokens; '
+  stored = '' if cfg.kv_cache_dtype == 'auto' else f' ({cfg.kv_cache_dtype}, scaled)'
+  return (f'KV cache{stored}: {num_blocks} blocks of {cfg.block_size} tokens = {tokens} tokens; '
           f'{tokens / max_model_len:.1f} requests at the full context of {max_model_len} '
           'tokens at once.')

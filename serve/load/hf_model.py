@@ -11,6 +11,7 @@ import os
 
 import jax
 
+from model import compressed_tensors, quant
 from model.config import ModelConfig
 from model.hf import model_config, params_from_hf, read_safetensors
 from training.tokenizer import HFTokenizer
@@ -60,20 +61,39 @@ def with_dtype(served: ServedModel, dtype: str) -> ServedModel:
     return served
   params = served.params
   if params is not None:
-    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    # A quantized weight keeps its values; QArray.astype casts its scales.
+    params = jax.tree.map(lambda x: x.astype(dtype), params, is_leaf=quant.is_quantized)
   return dataclasses.replace(
       served, params=params,
       model_cfg=dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype))
 
 
+def with_quantization(served: ServedModel, fmt: str) -> ServedModel:
+  """`served` with its layers' weights quantized to `fmt` (model/quant.py; 'none': as it
+  is), scales in the weights' dtype, each weight keeping its sharding."""
+  if fmt == 'none':
+    return served
+  if served.params is not None and quant.describe(served.params):
+    raise ValueError(f'--quantization={fmt}: {served.name} is a pre-quantized checkpoint '
+                     f'({quant.describe(served.params)} weights); serve it without '
+                     '--quantization.')
+  quant.check_format(fmt, served.model_cfg)
+  params = None if served.params is None else quant.quantize_params(served.params, fmt)
+  return dataclasses.replace(served, params=params)
+
+
 def load_hf_model(path: str, dtype: str = 'auto',
-                  generation_config: str = 'auto', check=None) -> ServedModel:
+                  generation_config: str = 'auto', check=None,
+                  quantization: str = 'none') -> ServedModel:
   """The model in a local Hugging Face directory, weights cast to `dtype` ('auto':
   the dtype config.json names, float32 where it names none); its sampling defaults from
   generation_config.json unless generation_config is 'none'. `check`: called with the
-  model's config before any weight is read (raises to refuse it)."""
+  model's config before any weight is read (raises to refuse it). A compressed-tensors
+  checkpoint (model/compressed_tensors.py) keeps its 8-bit weights; `quantization`, the
+  --quantization the caller will apply, is refused for one."""
   path = os.path.expanduser(path)
   hf = _read_json(os.path.join(path, 'config.json'), required=True)
+  prequantized = _check_quantization(path, hf, quantization)
   if dtype == 'auto':
     # transformers >= 4.56 writes `dtype`, older versions `torch_dtype`.
     stored = hf.get('dtype') or hf.get('torch_dtype') or 'float32'
@@ -89,7 +109,11 @@ def load_hf_model(path: str, dtype: str = 'auto',
     raise ValueError(f'{path}: tokenizer.json has {tokenizer.vocab_size} tokens but '
                      f'config.json vocab_size={model_cfg.vocab_size}: they do not belong '
                      'together.')
-  params = params_from_hf(read_safetensors(path), model_cfg)
+  if prequantized:
+    _check_prequantized(hf, model_cfg)
+    params = compressed_tensors.params(read_safetensors(path), model_cfg)
+  else:
+    params = params_from_hf(read_safetensors(path), model_cfg)
   specials = {k: _token_text(tok_cfg.get(k)) for k in _SPECIAL_TOKENS}
   return ServedModel(model_cfg=model_cfg, params=params, tokenizer=tokenizer,
                      eos_token_ids=eos_ids or [tokenizer.eos_id],
@@ -99,6 +123,27 @@ def load_hf_model(path: str, dtype: str = 'auto',
                      sampling_defaults=({} if generation_config == 'none' else
                                         _sampling_defaults(path, gen_cfg,
                                                            tokenizer.vocab_size)))
+
+
+def _check_quantization(path: str, hf: dict, quantization: str) -> bool:
+  """Whether config.json names a quantization (then checked: ValueError naming the
+  field meshlm does not read, or --quantization given with it)."""
+  if 'quantization_config' not in hf:
+    return False
+  compressed_tensors.check_config(hf)
+  if quantization != 'none':
+    raise ValueError(f'--quantization={quantization}: {path} is already quantized '
+                     '(config.json quantization_config); serve it without --quantization.')
+  return True
+
+
+def _check_prequantized(hf: dict, model_cfg: ModelConfig) -> None:
+  if model_cfg.num_experts:
+    raise ValueError('config.json quantization_config: pre-quantized checkpoints are read '
+                     f'for dense models only; this one has {model_cfg.num_experts} experts.')
+  groups = hf['quantization_config']['config_groups'].values()
+  if any(g['weights']['type'] == 'float' for g in groups):
+    quant.check_backend('fp8', 'config.json quantization_config (float8_e4m3fn weights)')
 
 
 def _sampling_defaults(path: str, gen_cfg: dict, vocab_size: int) -> dict:

@@ -17,15 +17,20 @@ import os
 import jax
 import numpy as np
 
+from model import kv_quant
 from model.config import ModelConfig
 
 
 def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int,
-                       tensor_parallel: int = 1) -> int:
-  """Bytes of one block's K and V over all layers (on one device of `tensor_parallel`)."""
+                       tensor_parallel: int = 1, kv_cache_dtype: str = 'auto') -> int:
+  """Bytes of one block's K and V over all layers (on one device of `tensor_parallel`);
+  an 8-bit cache's: a byte a value and a float32 scale per token and kv head."""
   kv_heads = model_cfg.num_kv_heads // tensor_parallel
-  per_token = 2 * model_cfg.num_layers * kv_heads * model_cfg.resolved_head_dim
-  return per_token * block_size * np.dtype(model_cfg.dtype).itemsize
+  per_head = model_cfg.resolved_head_dim * kv_quant.storage_dtype(
+      kv_cache_dtype, model_cfg.dtype).itemsize
+  if kv_quant.is_quantized(kv_cache_dtype):
+    per_head += np.dtype(kv_quant.SCALE_DTYPE).itemsize
+  return 2 * model_cfg.num_layers * kv_heads * per_head * block_size
 
 
 def device_memory_bytes(device=None) -> int:
@@ -40,7 +45,8 @@ def device_memory_bytes(device=None) -> int:
 
 def num_blocks_for_memory(model_cfg: ModelConfig, block_size: int, *, fraction: float,
                           device=None, param_bytes: int, tensor_parallel: int = 1,
-                          memory_bytes: int | None = None) -> int:
+                          memory_bytes: int | None = None,
+                          kv_cache_dtype: str = 'auto') -> int:
   """Blocks that fit in `fraction` of the device memory left after `param_bytes` of
   weights (per device). `memory_bytes` overrides the measured device memory."""
   if not 0 < fraction <= 1:
@@ -49,7 +55,8 @@ def num_blocks_for_memory(model_cfg: ModelConfig, block_size: int, *, fraction: 
     raise ValueError(f'param_bytes={param_bytes} must be >= 0.')
   total = device_memory_bytes(device) if memory_bytes is None else memory_bytes
   left = total - param_bytes
-  blocks = int(fraction * left) // kv_bytes_per_block(model_cfg, block_size, tensor_parallel)
+  blocks = int(fraction * left) // kv_bytes_per_block(model_cfg, block_size, tensor_parallel,
+                                                      kv_cache_dtype)
   if blocks <= 0:
     raise ValueError(f'no KV cache blocks fit: the weights take {param_bytes / 2**30:.2f} '
                      f'GiB of {total / 2**30:.2f} GiB. Use a larger device, more tensor '

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from model import paged
+from model import kv_quant, paged, quant
 from serve.worker.lora_slots import LoraSlots
 from model.config import ModelConfig
 from model.transformer import abstract_params, logical_axes, logits as model_logits
@@ -50,6 +50,8 @@ class RunnerConfig:
   # the rank they are padded to; 0: no adapters (the step takes none).
   max_loras: int = 0
   max_lora_rank: int = 0
+  # The cache's storage (model.kv_quant): 'auto' (the model's dtype), or 8-bit with scales.
+  kv_cache_dtype: str = 'auto'
 
   @property
   def resolved_attention(self) -> str:
@@ -68,6 +70,7 @@ class RunnerConfig:
                  'max_model_len'):
       if getattr(self, name) <= 0:
         raise ValueError(f'runner {name}={getattr(self, name)} must be positive.')
+    kv_quant.check_name(self.kv_cache_dtype)
     if self.num_speculative_tokens < 0:
       raise ValueError(f'runner num_speculative_tokens={self.num_speculative_tokens} must '
                        'be 0 (off) or positive.')
@@ -166,14 +169,14 @@ class ModelRunner:
     out_sh = None
     if self.plan is not None:   # logits gathered whole for the sampler
       whole = NamedSharding(mesh, PartitionSpec())
-      out_sh = (whole, whole, (cache_sharding,) * 2)
+      out_sh = (whole, whole, cache_sharding)
     self._step = jax.jit(self._run, donate_argnums=(1,), out_shardings=out_sh)
     self._score = jax.jit(self._run_scored, donate_argnums=(1,), static_argnames=('top_n',),
                           out_shardings=out_sh and (*out_sh, out_sh[0]))
 
   def _empty_cache(self):
     return paged.init_kv_cache(self.model_cfg, self.cfg.num_blocks, self.cfg.block_size,
-                               self._cache_sharding)
+                               self._cache_sharding, self.cfg.kv_cache_dtype)
 
   def recover_cache(self) -> bool:
     """After a failed step: True if it consumed (donated) or broke the KV cache, which is
@@ -188,15 +191,17 @@ class ModelRunner:
     return True
 
   def _place(self, params):
-    """Parameters on the device(s), and the cache's sharding (None: one device)."""
+    """Parameters on the device(s), and the cache arrays' shardings (None: one device)."""
     if self.plan is None:
       return paged.unstack_layers(jax.device_put(params), self.model_cfg), None
     axes = logical_axes(self.model_cfg)
     check_divisible(self.plan, self.plan.params, abstract_params(self.model_cfg), axes,
                     _FIELD_OF_AXIS)
+    axes = quant.logical_axes(params, axes)   # scales split like their weight's outputs
     params = jax.device_put(params, self.plan.tree(self.plan.params, axes))
     return (paged.unstack_layers(params, self.model_cfg),
-            self.plan.sharding(self.plan.params, paged.KV_CACHE_AXES))
+            tuple(self.plan.sharding(self.plan.params, axes)
+                  for axes in paged.kv_cache_axes(self.cfg.kv_cache_dtype)))
 
   @property
   def _lora_arrays(self):
