@@ -218,11 +218,14 @@ def delta_rows(x: jax.Array, a_slots: jax.Array, b_slots: jax.Array,
   [..., T, out]. Every slot's A on every row, masked to the row's own slot, then every
   slot's B: two matmuls over the few slots, no per-row copy of any weight (a gather of
   each row's A and B would hold T x (in + out) x r) and no merged base; the masked terms
-  are exact zeros, so each row gets its own adapter's product alone."""
+  are selected away (exact zeros; adapters are refused at load unless finite), so each row
+  gets its own adapter's product alone."""
   lead, fan_in = x.shape[:-1], x.shape[-1]
   rows = x.reshape(-1, fan_in)
   h = jnp.einsum('ti,sir->tsr', rows, a_slots.astype(x.dtype))          # [T, S, r]
-  h = h * jax.nn.one_hot(row_slot, a_slots.shape[0], dtype=h.dtype)[:, :, None]
+  # A select, not a multiply: 0 * inf is NaN, and another slot's product may overflow.
+  own = row_slot[:, None] == jnp.arange(a_slots.shape[0])[None, :]     # [T, S]
+  h = jnp.where(own[:, :, None], h, jnp.zeros((), h.dtype))
   return jnp.einsum('tsr,sro->to', h, b_slots.astype(x.dtype)).reshape(*lead, -1)
 
 

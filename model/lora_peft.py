@@ -76,6 +76,11 @@ def read_peft_adapter(directory: str, cfg: ModelConfig) -> tuple[dict, LoraConfi
   of cfg's shape; ValueError with one line where it does not fit."""
   hf = _read_config(directory)
   tensors = {k: np.asarray(v, np.float32) for k, v in read_safetensors(directory).items()}
+  bad = sorted(k for k, v in tensors.items() if not np.isfinite(v).all())
+  if bad:
+    raise ValueError(f'{directory}: {bad[0]} has non-finite values (NaN or inf)'
+                     + (f', and {len(bad) - 1} more tensors' if len(bad) > 1 else '')
+                     + '; an adapter must be finite to be served or trained.')
   found = _parse_keys(tensors, directory)
   targets = tuple(t for t in TARGETS if any(t == k[1] for k in found))
   layer_sets = {t: sorted({i for i, tt in found if tt == t}) for t in targets}

@@ -160,3 +160,32 @@ def test_serving_forward_with_attached_adapter_equals_training_forward(unstacked
   want = _logits(cfg, params, jnp.asarray(tokens)[None], form)[0]
   assert np.abs(want - _logits(cfg, params, jnp.asarray(tokens)[None])[0]).max() > 1e-2
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+def test_rows_never_see_another_slots_non_finite_product():
+  """delta_rows applies every slot's A to every row: a slot whose product overflows (or an
+  adapter with an inf) must not reach the rows of other slots, base rows included."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(4, 8)) * 40, jnp.float16)
+  a = np.zeros((3, 8, 2), np.float16)
+  a[1] = rng.normal(size=(8, 2)) * 0.01
+  a[2] = 30.0                                   # x @ a[2] overflows float16 on every row
+  b = np.zeros((3, 2, 5), np.float16)
+  b[1] = rng.normal(size=(2, 5)) * 0.01
+  row_slot = jnp.asarray([0, 1, 1, 0])
+  got = np.asarray(lora.delta_rows(x, jnp.asarray(a), jnp.asarray(b), row_slot), np.float32)
+  assert np.isfinite(got).all(), got
+  assert (got[[0, 3]] == 0).all()
+  want = (np.asarray(x, np.float32)[1:3] @ a[1].astype(np.float32)) @ b[1].astype(np.float32)
+  np.testing.assert_allclose(got[1:3], want, rtol=2e-2, atol=1e-3)
+
+
+def test_a_non_finite_peft_adapter_is_refused(tmp_path):
+  from model import lora_peft  # pylint: disable=import-outside-toplevel
+  cfg = tiny_cfg()
+  lcfg = lora.LoraConfig(rank=2, alpha=4.0, targets=('q',))
+  adapter = jax.tree.map(np.asarray, lora.init_adapter(cfg, lcfg, jax.random.key(0)))
+  adapter['layers']['q']['b'] = np.full_like(adapter['layers']['q']['b'], np.inf)
+  lora_peft.write_peft_adapter(str(tmp_path), adapter, lcfg, cfg)
+  with pytest.raises(ValueError, match='non-finite values'):
+    lora_peft.read_peft_adapter(str(tmp_path), cfg)

@@ -114,3 +114,12 @@ def test_export_onto_a_changed_base_is_refused(lora_workdir, hf_base, tmp_path, 
   assert hf_export.main(['--checkpoint', str(workdir), '--output', str(tmp_path / 'x')]) == 2
   err = capsys.readouterr().err.strip()
   assert 'were trained on a base of checksum' in err and '\n' not in err
+
+
+def test_serving_a_lora_workdir_directly_says_how_to_serve_it(lora_workdir):
+  """Its checkpoints hold the adapters only: load_checkpoint (python -m serve
+  --checkpoint, serve.generate) refuses it in one line naming both ways to serve it,
+  instead of failing to restore a full model from them."""
+  from serve.load.checkpoint import load_checkpoint  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match=r'is a LoRA run: .*--merge.*--lora-modules'):
+    load_checkpoint(lora_workdir)

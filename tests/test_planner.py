@@ -750,3 +750,18 @@ def test_search_stops_at_its_time_budget_and_vouches_only_for_what_it_proved(mon
   assert found.compiled == len(calls) == 1 and len(found.pruned) == 2
   least = min(planner.rank_key(b) for _, b in found.pruned)
   assert found.exact == sum(planner.rank_key(r['prediction']) < least for r in found.rows)
+
+
+@pytest.mark.parametrize('remat', ['none', 'full'])
+def test_lower_bound_of_a_lora_run_is_below_its_compiled_step(remat):
+  """A LoRA run's frozen base has no weight gradients: its compiled step does about two
+  forwards of the base, not three, and the floor must stay below it (a floor above the
+  compile would prune layouts that rank first)."""
+  cfg = planner_config()
+  cfg.lora = dataclasses.replace(cfg.lora, rank=4)
+  for lay in (layout(data=8, remat=remat), layout(fsdp=4, tensor=2, zero=3, remat=remat)):
+    size = describe.run_size(plan.configure(cfg, lay), 8)
+    floor = plan_bound.floor(plan.configure(cfg, lay), lay, size)
+    got = plan.compile_layout(cfg, lay)
+    assert 0.5 * got.dot_flops < floor.dot_flops <= got.dot_flops, (lay.name(), floor, got)
+    assert floor.memory_bytes <= got.argument_bytes, lay.name()

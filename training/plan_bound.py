@@ -63,11 +63,19 @@ def dot_flops(cfg: config_lib.Config, layout: planner.Layout) -> float:
   layer_params = model.count_params(m) - norms - lookup - routed - head
   attention = 2 * 2 * m.num_layers * t * m.num_heads * m.resolved_head_dim * 0.5
   layer_forward = 2 * layer_params + attention      # per token
-  layers = 3 * layer_forward + (_recomputed(m, attention) if m.remat == 'full' else 0)
+  recompute = _recomputed(m, attention) if m.remat == 'full' else 0
+  if cfg.lora.rank:
+    # A frozen base has no weight gradients: its weights' matmuls run forward and for the
+    # input gradient only, which the first layer's input (the frozen embedding) does not
+    # need; the adapters' own matmuls are left out (a floor may leave out).
+    layers = (2 * layer_params * (2 - 1 / m.num_layers) + 3 * attention + recompute)
+    head_passes = 2
+  else:
+    layers, head_passes = 3 * layer_forward + recompute, 3
   stages, micro = layout.mesh['stage'], _microbatches(cfg, layout)
   bubble = (micro + stages - 1) / micro
   tokens = cfg.data.batch_size * t
-  return tokens * (layers * bubble + 3 * 2 * head) / math.prod(layout.mesh.values())
+  return tokens * (layers * bubble + head_passes * 2 * head) / math.prod(layout.mesh.values())
 
 
 def _recomputed(m, attention: float) -> float:

@@ -53,6 +53,12 @@ def load_checkpoint(workdir: str, mesh: Mesh | None = None,
   called with the model's config before any weight is read (raises to refuse it)."""
   workdir = os.path.expanduser(workdir)
   raw = _read_run_config(workdir)
+  if (raw.get('lora') or {}).get('rank'):
+    raise ValueError(f'{workdir} is a LoRA run: its checkpoints hold the adapters only. '
+                     f'Serve it merged (python -m serve.hf_export --checkpoint {workdir} '
+                     '--merge --output DIR, then --hf-model DIR), or export its PEFT adapter '
+                     '(the same without --merge) and serve the base with --enable-lora '
+                     '--lora-modules NAME=DIR.')
   model_cfg = _model_config(raw, workdir)
   if check is not None:
     check(model_cfg)

@@ -5,6 +5,8 @@ Their shapes never change, so writing an adapter into a slot or clearing it reco
 no step; under tensor parallelism each is split like its base weight (B on the output
 of q, k, v, gate and up; A on the input of o and down)."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +50,7 @@ class LoraSlots:
       self.arrays[t] = {k: self._put(np.zeros(s, cfg.dtype), t, k) for k, s in shapes.items()}
     # Not donated: a step dispatched before the write may still read the old arrays.
     self._write = jax.jit(lambda arr, slot, value: arr.at[:, slot].set(value))
+    self._lock = threading.Lock()
 
   def _put(self, x, target: str, half: str):
     sharding = None if self._shardings is None else self._shardings[target][half]
@@ -58,6 +61,10 @@ class LoraSlots:
     folded into b; zero-padded to max_rank; targets it lacks are zeroed."""
     if not 1 <= slot <= self.max_loras:
       raise ValueError(f'LoRA slot {slot} is outside 1..{self.max_loras}.')
+    with self._lock:   # loads, unloads and the engine's releases write from their threads
+      self._write_locked(slot, weights)
+
+  def _write_locked(self, slot: int, weights: dict) -> None:
     for t, arrs in self.arrays.items():
       new = {k: np.zeros((x.shape[0],) + x.shape[2:], x.dtype) for k, x in arrs.items()}
       if t in weights:
