@@ -176,6 +176,27 @@ def test_dropout_masks_the_adapter_input_by_key():
   assert np.abs(b(one) - b(other)).max() > 1e-6 and np.abs(b(one) - b(plain)).max() > 1e-6
 
 
+def test_each_microbatch_draws_its_own_dropout_masks():
+  """grad_accum=2 over a batch whose two microbatches are the same rows: with one mask for
+  both (the key reused), the loss would equal those rows' loss alone, bit for bit."""
+  cfg = tiny('/tmp', '/tmp')
+  cfg.lora = dataclasses.replace(LORA, dropout=0.5)
+  st = state.init_state(cfg, trainer.build_plan(cfg, jax.devices()[:1]),
+                        optimizer.make_optimizer(cfg.optim, cfg.steps))
+  st = st.replace(params=jax.tree.map(lambda x: x + 0.05, st.params))   # b != 0: masks show
+  rng = np.random.default_rng(0)
+  half = {'inputs': rng.integers(0, 256, (4, 32)).astype(np.int32),
+          'targets': rng.integers(0, 256, (4, 32)).astype(np.int32),
+          'weights': np.ones((4, 32), np.float32)}
+  # Microbatch i takes rows i, i + accum, ...: interleave so both are `half`.
+  doubled = {k: np.repeat(v, 2, axis=0) for k, v in half.items()}
+  key = jax.random.key(3)
+  alone = state.loss_and_grads(st.params, half, cfg, None, frozen=st.frozen, key=key)[0]
+  cfg.optim = dataclasses.replace(cfg.optim, grad_accum=2)
+  both = state.loss_and_grads(st.params, doubled, cfg, None, frozen=st.frozen, key=key)[0]
+  assert float(both) != float(alone)
+
+
 def test_checkpoints_saved_before_the_frozen_field_still_restore(tmp_path):
   """A state item of the three fields checkpoints held before TrainState.frozen (a flax
   dataclass step, params, opt_state) restores into TrainState."""

@@ -135,6 +135,10 @@ def init_state(cfg: Config, plan: ShardingPlan, tx, params=None, base=None,
   return init(params)
 
 
+# The batch's row indices, added for LoRA dropout only (see loss_and_grads).
+LORA_ROW = 'lora_row'
+
+
 def objective(cfg: Config, frozen=None, key=None):
   """(params, batch, model config, plan) -> (summed nll, MoE aux): the whole model's, or
   with `frozen` (LoRA's base) the base with the adapters `params` (dropout by `key`); a
@@ -146,7 +150,10 @@ def objective(cfg: Config, frozen=None, key=None):
     return model.summed_nll_and_aux
 
   def with_adapters(adapter, batch, m, plan):
-    form = lora.layer_form(adapter, cfg.lora, m, key)
+    rows = batch.get(LORA_ROW)
+    batch = {k: v for k, v in batch.items() if k != LORA_ROW}
+    salted = key if key is None or rows is None else jax.random.fold_in(key, rows[0])
+    form = lora.layer_form(adapter, cfg.lora, m, salted)
     return model.summed_nll_and_aux(frozen, batch, m, plan, lora=form)
 
   return with_adapters
@@ -177,6 +184,10 @@ def loss_and_grads(params, batch: dict, cfg: Config, plan: ShardingPlan | None,
   """
   weight = jnp.maximum(jnp.sum(batch['weights'].astype(jnp.float32)), 1.0)
   batch = context.reorder_batch(batch, plan)   # causal load balance under CP
+  if key is not None:
+    # Each microbatch and batch shard draws its own dropout masks: the objective folds the
+    # index of the first row it computes into the key (microbatches take rows i, i+accum..).
+    batch = {**batch, LORA_ROW: jnp.arange(batch['inputs'].shape[0], dtype=jnp.int32)}
   accum = cfg.optim.grad_accum
   aux = moe.zero_aux()
   nll_and_aux = objective(cfg, frozen, key)
