@@ -211,6 +211,8 @@ def parse_args(argv=None):
   parser.add_argument('--batch-tokens', type=int, default=512, help='max_num_batched_tokens')
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--name', default=None,
+                      help='result file name (default quantization_cpu, or _1b_gpu)')
   parser.add_argument('--smoke', action='store_true',
                       help='the tiny model trained here, small sizes; prints, writes nothing')
   return parser.parse_args(argv)
@@ -237,8 +239,8 @@ def main(argv=None) -> dict:
           f'x{row["speed_vs_unquantized"]:.2f}')
   if not args.smoke:
     device = 'gpu' if args.shapes == '1b' else 'cpu'
-    print('wrote', write_result(f'quantization_{args.shapes}_{device}'.replace(
-        'default_', ''), result))
+    name = args.name or f'quantization_{args.shapes}_{device}'.replace('default_', '')
+    print('wrote', write_result(name, result))
   return result
 
 
