@@ -128,12 +128,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 def resolve_attention(cfg, model_cfg=None) -> str:
   """The paged attention of --attention (cfg.attention): 'auto' is the Pallas kernel on a
-  GPU and XLA's elsewhere, and XLA's for a model with a sliding window (the one that
-  computes it)."""
+  GPU and XLA's elsewhere (both compute sliding windows and soft caps)."""
+  del model_cfg
   if cfg.attention != 'auto':
     return cfg.attention
-  if model_cfg is not None and model_cfg.sliding_window:
-    return 'xla'
   import jax  # pylint: disable=import-outside-toplevel
   return 'pallas' if jax.default_backend() == 'gpu' else 'xla'
 
@@ -143,7 +141,7 @@ def load_served_model(args: argparse.Namespace, mesh=None):
   # pylint: disable=import-outside-toplevel
   template = _read_chat_template(args.chat_template) if args.chat_template else None
   from model import paged
-  # What the model needs of the attention (a sliding window: XLA's), before any weight.
+  # The attention named is one that exists, before any weight is read.
   check = lambda model_cfg: paged.check_impl(model_cfg, resolve_attention(args, model_cfg))
   if args.checkpoint:
     from serve.load.checkpoint import load_checkpoint
