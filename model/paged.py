@@ -109,31 +109,37 @@ def write_kv(cache: KVCache, layer: jax.Array, k, v, slots) -> KVCache:
 
 
 def _pallas_stacked(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer,
-                    **kwargs):
-  """The kernel on the stacked cache [L, P, page, Hkv, D], reading layer `layer` ([1])."""
+                    window, **kwargs):
+  """The kernel on the stacked cache [L, P, page, Hkv, D], reading layer `layer` ([1])
+  with sliding window `window` ([1]; 0: none), both runtime values."""
   return paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                         layer=layer, **kwargs)
+                         layer=layer, sliding_window=window, **kwargs)
 
 
 PAGED_ATTENTION = {'xla': paged_attention_xla, 'pallas': _pallas_stacked}
 
 
 def check_impl(cfg: ModelConfig, impl: str) -> None:
-  """ValueError where `impl` cannot compute cfg's attention."""
-  if cfg.sliding_window and impl != 'xla':
-    raise ValueError(f'model.sliding_window={cfg.sliding_window}: the {impl!r} paged '
-                     "attention sees the whole context; serve this model with --attention xla.")
+  """ValueError where `impl` is no paged attention (both compute every model's, sliding
+  windows and soft caps included)."""
+  del cfg
+  if impl not in PAGED_ATTENTION:
+    raise ValueError(f'paged attention {impl!r} is unknown; use one of '
+                     f'{sorted(PAGED_ATTENTION)}.')
 
 
 def paged_attend(q, k_pages, v_pages, meta, impl: str, plan, sliding_window: int = 0,
                  sm_scale: float | None = None, softcap: float = 0.0, scales=()):
   """q [T, Hq, D] over pages [..., page, Hkv, D] (layer_pages' form); with a plan, each
   tensor shard attends its own kv heads and their q heads (the kernel is opaque to the
-  partitioner). sliding_window: model.sliding_window (xla only); softcap:
-  model.attn_softcap; sm_scale: the scores' scale (None: 1/sqrt(D)). scales: an 8-bit
-  cache's (k_scale, v_scale) [..., page, Hkv] in the pages' form, sharded alike."""
+  partitioner). sliding_window: the layer's window (0: none); an int, or for pallas also
+  an int32 array (traced in the layer scan: one kernel for local and global layers);
+  softcap: model.attn_softcap; sm_scale: the scores' scale (None: 1/sqrt(D)). scales: an
+  8-bit cache's (k_scale, v_scale) [..., page, Hkv] in the pages' form, sharded alike."""
   fn = functools.partial(PAGED_ATTENTION[impl], sm_scale=sm_scale)
-  if sliding_window:
+  if impl == 'pallas':   # an operand, replicated like the layer index
+    meta = meta + (jnp.asarray(sliding_window, jnp.int32).reshape(1),)
+  elif sliding_window:
     fn = functools.partial(fn, sliding_window=sliding_window)
   if softcap:
     fn = functools.partial(fn, softcap=softcap)
@@ -198,8 +204,21 @@ def paged_attention_layer(x, layer, index, cache, batch, cfg, rope, impl, plan):
   scales = layer_scales(cache, impl)
   attend = lambda window: paged_attend(q[0], k_pages, v_pages, meta, impl, plan, window,
                                        cfg.attention_scale, cfg.attn_softcap, scales)
-  out = by_layer_window(layer.get('local'), attend, cfg.sliding_window)
+  if impl == 'pallas':
+    out = attend(_layer_window(layer.get('local'), cfg.sliding_window))
+  else:   # XLA's window is static: a traced layer kind is a cond of both
+    out = by_layer_window(layer.get('local'), attend, cfg.sliding_window)
   return output_projection(out[None], layer), cache
+
+
+def _layer_window(local, window: int):
+  """The layer's sliding window for the kernel: `window` where `local` (by_layer_window's
+  flag: None, a bool, or traced in the scan), else 0."""
+  if local is None:
+    return window
+  if not isinstance(local, jax.Array):   # a Python or numpy bool: the unrolled layers
+    return window if local else 0
+  return jnp.where(local, window, 0).astype(jnp.int32)
 
 
 # -------------------------------------------------------------------------------- forward

@@ -20,6 +20,11 @@ split's page blocks, gathering pages through the page table; each page block is 
 once per q block for the whole head group, never once per q head. Each split writes a
 normalized partial output and its log-sum-exp; `_merge_splits` combines them.
 
+A sliding window (an int32 operand like the layer, so a model's local and global layers
+share one compiled kernel) moves where the walk starts: the splits divide a sequence's
+blocks from the first one inside its earliest query's window, and each q block starts at
+its own first query's window; blocks before it are never loaded.
+
 A model carrying every layer's cache as one stack [L, P, page_size, Hkv, D] passes it
 whole with the layer's index (`layer=`): the kernel adds the layer to its own page
 reads, so no layer is copied out of the stack (one layer's pages are a stack of one).
@@ -370,6 +375,7 @@ def _softmax_step(carry, q, k, v, visible, scale, qk, pv, cap=0.0):
 def _paged_attention_kernel(
     num_seqs_ref,    # [1] int32
     layer_ref,       # [1] int32: the layer of the stacked cache to read
+    window_ref,      # [1] int32: the sliding window (0: the whole context)
     kv_lens_ref,     # [max_seqs] int32
     cu_q_lens_ref,   # [max_seqs + 1] int32
     page_row_ref,    # [pages_per_seq] int32: this sequence's page table row
@@ -384,14 +390,14 @@ def _paged_attention_kernel(
   # Program ids are read here, outside any control flow: interpret mode resolves them
   # only at the kernel's top level.
   s, split = pl.program_id(0), pl.program_id(2)
-  layer = layer_ref[0]
+  layer, window = layer_ref[0], window_ref[0]
 
   @pl.when(s < num_seqs_ref[0])
   def _():
     q_start = cu_q_lens_ref[s]
     seq = _SeqInfo(q_start=q_start, q_len=cu_q_lens_ref[s + 1] - q_start,
-                   kv_len=kv_lens_ref[s], layer=layer, page_size=k_ref.shape[2],
-                   pages_per_block=pages_per_block)
+                   kv_len=kv_lens_ref[s], layer=layer, window=window,
+                   page_size=k_ref.shape[2], pages_per_block=pages_per_block)
     lo, hi = _split_range(seq, split, num_kv_splits)
     attend = functools.partial(_attend_q_block, seq=seq, block_lo=lo, block_hi=hi,
                                refs=(page_row_ref, q_ref, kv_refs, o_ref, lse_ref),
@@ -407,19 +413,28 @@ def _paged_attention_kernel(
 class _SeqInfo:
   """Scalars of the sequence a program works on (traced values)."""
 
-  def __init__(self, *, q_start, q_len, kv_len, layer, page_size, pages_per_block):
+  def __init__(self, *, q_start, q_len, kv_len, layer, window, page_size, pages_per_block):
     self.q_start, self.q_len, self.kv_len, self.layer = q_start, q_len, kv_len, layer
+    self.window = window
     self.page_size, self.pages_per_block = page_size, pages_per_block
     self.block_k = page_size * pages_per_block
     self.num_pages = pl.cdiv(kv_len, page_size)
     self.num_blocks = pl.cdiv(kv_len, self.block_k)
+    # The block holding the first key any of this step's queries sees.
+    self.first_block = self.window_block(kv_len - q_len)
+
+  def window_block(self, q_pos):
+    """The page block of query position q_pos's first visible key (0 without a window)."""
+    first_key = jnp.where(self.window > 0, q_pos - self.window + 1, 0)
+    return jnp.maximum(first_key, 0) // self.block_k
 
 
 def _split_range(seq, split, num_kv_splits):
-  # Splits divide this sequence's own page blocks (not the padded table), so a short
-  # sequence keeps all its keys in split 0 and its later splits are empty.
-  per_split = pl.cdiv(seq.num_blocks, num_kv_splits)
-  lo = jnp.minimum(split * per_split, seq.num_blocks)
+  # Splits divide this sequence's own page blocks from the first inside its window (not
+  # the padded table, nor the blocks before the window), so a short sequence or a short
+  # window keeps all its keys in split 0 and its later splits are empty.
+  per_split = pl.cdiv(seq.num_blocks - seq.first_block, num_kv_splits)
+  lo = jnp.minimum(seq.first_block + split * per_split, seq.num_blocks)
   return lo, jnp.minimum(lo + per_split, seq.num_blocks)
 
 
@@ -440,12 +455,14 @@ def _attend_q_block(qb, *, seq, block_lo, block_hi, refs, block_q, sm_scale, sof
   # Causal: no key past the block's last live query is needed.
   last_pos = seq.kv_len - seq.q_len + jnp.minimum((qb + 1) * block_q, seq.q_len) - 1
   hi = jnp.minimum(block_hi, last_pos // seq.block_k + 1)
+  # Window: no key before the block's first query's window is needed (never loaded).
+  lo = jnp.maximum(block_lo, seq.window_block(seq.kv_len - seq.q_len + qb * block_q))
   carry = (jnp.full((rows,), _MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
            jnp.zeros((rows, d), jnp.float32))
   body = functools.partial(_attend_page_block, q=q, q_pos=q_pos, seq=seq,
                            refs=(page_row_ref, kv_refs), sm_scale=sm_scale,
                            softcap=softcap)
-  m, l, acc = lax.fori_loop(block_lo, jnp.maximum(hi, block_lo), body, carry)
+  m, l, acc = lax.fori_loop(lo, jnp.maximum(hi, lo), body, carry)
   # l == 0: no visible key in this split; o = 0 and lse = -inf give it weight 0.
   has_keys = l > 0
   out = acc / jnp.where(has_keys, l, 1.0)[:, None]
@@ -480,6 +497,9 @@ def _attend_page_block(blk, carry, *, q, q_pos, seq, refs, sm_scale, softcap):
   scores = _cap(lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32) * sm_scale, softcap)
   visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+  # The window's first block may start before some rows' windows: mask those keys (they
+  # are real, finite keys of the sequence).
+  visible &= (seq.window <= 0) | (k_pos[None, :] > q_pos[:, None] - seq.window)
   scores = jnp.where(visible, scores, _MASK_VALUE)
   m = jnp.maximum(m_prev, scores.max(axis=1))
   p = jnp.where(visible, jnp.exp(scores - m[:, None]), 0.0)
@@ -494,7 +514,8 @@ def _attend_page_block(blk, carry, *, q, q_pos, seq, refs, sm_scale, softcap):
 def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                     layer=None, sm_scale=None, num_kv_splits=None, pages_per_block=None,
                     num_warps=None, num_stages=None, interpret=None, softcap=0.0,
-                    k_scale=None, v_scale=None, _block_q=None, _poison=None):
+                    sliding_window=0, k_scale=None, v_scale=None, _block_q=None,
+                    _poison=None):
   """Ragged paged attention; returns out [T, Hq, D] in q's dtype.
 
   q [T, Hq, D]; k_pages, v_pages [P, page_size, Hkv, D], or every layer's cache
@@ -515,6 +536,12 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   launch parameters on GPU (default 4 and 2; `benchmarks.paged_decode --tiles` times
   alternatives), ignored when interpreted. softcap > 0: scores soft-capped (Gemma 2), as
   in paged_attention_reference.
+  sliding_window: each row sees only its last sliding_window positions (0: the whole
+  context), as in paged_attention_reference; an int or an int32 [] / [1] array, traced or
+  not, so one compiled kernel serves a model's local and global layers. Each q block's loop
+  over page blocks starts at the block of its first query's first visible key: blocks
+  wholly before it are never loaded; the keys of that first block before a row's window
+  are loaded and masked (they must be finite, as a sequence's kept pages are).
   Rows at or past cu_q_lens[num_seqs] are padding: their output is exactly 0 (even if
   their q is NaN). `_block_q` and `_poison` (a fill value for the per-split outputs before
   the kernel runs, to prove every live element gets written) are for tests.
@@ -523,6 +550,7 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   if quantized and k_pages.ndim == 4 and layer is None:
     k_scale, v_scale = k_scale[None], v_scale[None]
   k_pages, v_pages, layer = _as_stacked(k_pages, v_pages, layer)
+  window = _as_window(sliding_window)
   one_layer = lambda x: x if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
   _check_args(q, one_layer(k_pages), one_layer(v_pages), kv_lens, page_indices, cu_q_lens,
               one_layer(k_scale), one_layer(v_scale))
@@ -555,7 +583,7 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
       _paged_attention_kernel, block_q=block_q, pages_per_block=ppb, num_kv_splits=splits,
       sm_scale=1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale),
       softcap=float(softcap or 0.0), quantized=quantized)
-  args = (num_seqs, layer, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages)
+  args = (num_seqs, layer, window, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages)
   args += (k_scale, v_scale) if quantized else ()
   o, lse = _call_kernel(kernel, args, grid=(max_seqs, hkv, splits), poison=_poison,
                         interpret=interpret, gpu_params=(num_warps or 4, num_stages or 2))
@@ -568,7 +596,7 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
 
 def _call_kernel(kernel, args, *, grid, poison, interpret, gpu_params):
   """pallas_call over (sequence, kv head, split); returns o [K, T, Hq, D], lse [K, T, Hq]."""
-  num_seqs, layer, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages = args[:8]
+  num_seqs, layer, window, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages = args[:9]
   t, hq, d = q.shape
   num_layers, num_pages, page_size, hkv, _ = k_pages.shape
   groups, splits = hq // hkv, grid[2]
@@ -579,14 +607,14 @@ def _call_kernel(kernel, args, *, grid, poison, interpret, gpu_params):
   pages = pl.BlockSpec((num_layers, num_pages, page_size, None, d),
                        lambda s, h, k: (0, 0, 0, h, 0))
   in_specs = [
-      whole(num_seqs), whole(layer), whole(kv_lens), whole(cu_q_lens),
+      whole(num_seqs), whole(layer), whole(window), whole(kv_lens), whole(cu_q_lens),
       pl.BlockSpec((None, page_indices.shape[1]), lambda s, h, k: (s, 0)),
       pl.BlockSpec((t, groups, d), lambda s, h, k: (0, h, 0)),
       pages, pages]
   # 8-bit pages' scales [L, P, page_size, Hkv], this kv head's, like the pages.
   scales = pl.BlockSpec((num_layers, num_pages, page_size, None),
                         lambda s, h, k: (0, 0, 0, h))
-  in_specs += [scales] * (len(args) - 8)
+  in_specs += [scales] * (len(args) - 9)
   out_specs = [pl.BlockSpec((None, t, groups, d), lambda s, h, k: (k, 0, h, 0)),
                pl.BlockSpec((None, t, groups), lambda s, h, k: (k, 0, h))]
   # One split needs no merge, so it writes the final dtype (half the bytes for bf16).
@@ -671,6 +699,23 @@ def _as_stacked(k_pages, v_pages, layer):
     raise ValueError(f'paged_attention: layer={known} is outside the stacked cache\'s '
                      f'{k_pages.shape[0]} layers.')
   return k_pages, v_pages, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def _as_window(sliding_window):
+  """The sliding window as [1] int32 (0: none); ValueError for a known negative one."""
+  if jnp.size(sliding_window) != 1 or not jnp.issubdtype(jnp.result_type(sliding_window),
+                                                          jnp.integer):
+    raise TypeError(f'paged_attention: sliding_window must be one integer (an int or an '
+                    f'int32 [] or [1] array; 0: no window); got shape '
+                    f'{jnp.shape(sliding_window)} dtype {jnp.result_type(sliding_window)}.')
+  try:
+    known = int(np.asarray(sliding_window).reshape(-1)[0])
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    known = None   # traced: a negative value acts as no window
+  if known is not None and known < 0:
+    raise ValueError(f'paged_attention: sliding_window={known} must be >= 0 (0: the whole '
+                     f'context).')
+  return jnp.asarray(sliding_window, jnp.int32).reshape(1)
 
 
 def _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, k_scale=None,

@@ -139,12 +139,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 def resolve_attention(cfg, model_cfg=None) -> str:
   """The paged attention of --attention (cfg.attention): 'auto' is the Pallas kernel on a
-  GPU and XLA's elsewhere, and XLA's for a model with a sliding window (the one that
-  computes it)."""
+  GPU and XLA's elsewhere (both compute sliding windows and soft caps)."""
+  del model_cfg
   if cfg.attention != 'auto':
     return cfg.attention
-  if model_cfg is not None and model_cfg.sliding_window:
-    return 'xla'
   import jax  # pylint: disable=import-outside-toplevel
   return 'pallas' if jax.default_backend() == 'gpu' else 'xla'
 
@@ -153,13 +151,12 @@ def load_served_model(args: argparse.Namespace, mesh=None):
   """The ServedModel named by --checkpoint or --hf-model."""
   # pylint: disable=import-outside-toplevel
   template = _read_chat_template(args.chat_template) if args.chat_template else None
-  from model import kv_quant, paged
+  from model import kv_quant, paged, quant
   # Whether the device stores the --kv-cache-dtype format, before any weight.
   kv_quant.check_backend(args.kv_cache_dtype, None, resolve_attention(args))
-  # What the model needs of the attention (a sliding window: XLA's), before any weight.
-  from model import quant
 
   def check(model_cfg):
+    # The attention named is one that exists, before any weight is read.
     paged.check_impl(model_cfg, resolve_attention(args, model_cfg))
     if args.quantization != 'none':   # the format on this device, before any weight
       quant.check_format(args.quantization, model_cfg)

@@ -4,6 +4,7 @@ windows in training, equal loss and gradients on sharded layouts, the scanned se
 forward, and what is refused where it is not computed."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +124,58 @@ def test_the_pallas_paged_kernel_soft_caps_as_xla():
   want = run('xla', cfg)
   assert rel_err(run('pallas', cfg), want) < 1e-5
   assert rel_err(run('xla', dataclasses.replace(cfg, attn_softcap=0.0)), want) > 1e-4
+
+
+def two_step_batches(a, b, page=4):
+  """Two sequences in two steps: a[:12] and b[:8] as prefill chunks, then a[12:] (a chunk
+  continuing its cached prefix) and b[8] (a decode row); pages of 4, a's 0-4, b's 5-7."""
+  table = jnp.asarray([[0, 1, 2, 3, 4], [5, 6, 7, 0, 0]], jnp.int32)
+  def batch(parts):
+    tokens, positions, slots, cu = [], [], [], [0]
+    for s, (seq, lo, hi) in enumerate(parts):
+      pos = np.arange(lo, hi)
+      tokens += list(seq[lo:hi])
+      positions += list(pos)
+      slots += list(np.asarray(table)[s, pos // page] * page + pos % page)
+      cu.append(cu[-1] + hi - lo)
+    as32 = lambda x: jnp.asarray(x, jnp.int32)
+    return paged.PagedBatch(tokens=as32(tokens), positions=as32(positions),
+                            slots=as32(slots), kv_lens=as32([hi for _, _, hi in parts]),
+                            page_indices=table, cu_q_lens=as32(cu), num_seqs=as32([2]),
+                            sample_rows=as32(np.arange(cu[-1])))
+  return batch([(a, 0, 12), (b, 0, 8)]), batch([(a, 12, len(a)), (b, 8, len(b))])
+
+
+@pytest.mark.parametrize('fields', [GEMMA2, dict(sliding_window=5)], ids=['gemma2', 'mistral'])
+def test_windowed_models_served_through_the_pallas_paged_kernel_equal_xla(fields):
+  """A tiny Gemma 2 (local and global layers alternating, soft caps) and a Mistral with a
+  window of 5, served in two steps (prefill chunks, then a continuing chunk and a decode
+  row) through the Pallas paged kernel (interpreted), scanned and unrolled: XLA's paged
+  logits, and the training forward's at the same positions."""
+  cfg = ModelConfig(vocab_size=64, num_layers=4, embed_dim=32, num_heads=4, num_kv_heads=2,
+                    max_seq_len=64, init_std=0.3, **fields)
+  params = random_norms(model.init_params(cfg, jax.random.key(0)))
+  rng = np.random.default_rng(0)
+  a, b = (rng.integers(0, 64, n).astype(np.int32) for n in (20, 9))
+  steps = two_step_batches(a, b)
+  def serve(p, impl):
+    cache, out = paged.init_kv_cache(cfg, 8, 4), []
+    for batch in steps:
+      logits, cache = jax.jit(functools.partial(paged.sampled_logits, batch=batch, cfg=cfg,
+                                                impl=impl))(p, cache)
+      out.append(logits)
+    return jnp.concatenate(out)
+  want = serve(params, 'xla')
+  dense = lambda t: model.logits(params, model.forward(params, jnp.asarray(t[None]), cfg),
+                                 cfg)[0]
+  da, db = dense(a), dense(b)
+  assert rel_err(want, jnp.concatenate([da[:12], db[:8], da[12:], db[8:]])) < 1e-5
+  for p in (params, paged.unstack_layers(params, cfg)):
+    assert rel_err(serve(p, 'pallas'), want) < 1e-5
+  whole = dataclasses.replace(cfg, sliding_window=0, global_every=0)
+  assert rel_err(jax.jit(functools.partial(paged.sampled_logits, batch=steps[0], cfg=whole,
+                                           impl='pallas'))(
+      params, paged.init_kv_cache(cfg, 8, 4))[0], want[:20]) > 1e-4
 
 
 def test_soft_capping_is_refused_where_it_is_not_computed():

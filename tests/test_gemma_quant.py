@@ -94,6 +94,20 @@ def test_the_pallas_kernel_soft_caps_an_8bit_cache_as_xla():
   assert rel_err(paged_logits(params, capless, batch, 'pallas'), want) > 10 * TOL
 
 
+def test_the_pallas_kernel_computes_a_windowed_gemma_over_an_8bit_cache():
+  """Gemma 2's local (window 5) and global layers in one scan over an int8 cache with
+  int8 weights: the Pallas paged kernel (interpreted), each layer's window its operand,
+  gives the dense forward's logits; with no layer windowed it does not."""
+  cfg = gemma_cfg()
+  params = quant.quantize_params(random_norms(model.init_params(cfg, jax.random.key(2))),
+                                 'int8')
+  batch = prefill_batch(12)
+  want = dense_logits(numpy_dequantized(params, 'float32'), cfg, np.asarray(batch.tokens))
+  assert rel_err(paged_logits(params, cfg, batch, 'pallas'), want) < TOL
+  windowless = gemma_cfg(global_every=0, sliding_window=0)
+  assert rel_err(paged_logits(params, windowless, batch, 'pallas'), want) > 10 * TOL
+
+
 def test_the_engine_serves_a_gemma_with_both_flags_as_the_dense_forward(capsys):
   """Engine(--quantization int8, --kv-cache-dtype int8) on a Gemma 2: greedy tokens
   (prefill, then decode steps reading the 8-bit pages back) are the dense forward's

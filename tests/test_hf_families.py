@@ -164,41 +164,37 @@ def test_the_xla_paged_attention_keeps_to_the_sliding_window(kw):
 
 
 def test_sliding_window_is_refused_where_it_is_not_computed():
-  """cuDNN, the Pallas paged kernel and context parallelism, which attend the whole
-  context, are refused by name at start."""
+  """cuDNN and context parallelism, which attend the whole context, are refused by name
+  at start; both paged attentions (XLA and the Pallas kernel) compute the window."""
   with pytest.raises(ValueError, match="sliding_window=8 runs with attention_impl xla or "
                                        "pallas \\(it is 'cudnn'\\)"):
     ModelConfig(sliding_window=8, attention_impl='cudnn').validate()
-  with pytest.raises(ValueError, match="the 'pallas' paged attention sees the whole context; "
-                                       'serve this model with --attention xla'):
-    paged.check_impl(ModelConfig(sliding_window=8), 'pallas')
-  paged.check_impl(ModelConfig(sliding_window=8), 'xla')
+  for impl in ('xla', 'pallas'):
+    paged.check_impl(ModelConfig(sliding_window=8), impl)
+  with pytest.raises(ValueError, match="paged attention 'cuda' is unknown"):
+    paged.check_impl(ModelConfig(sliding_window=8), 'cuda')
   cfg = train_config.Config()
   cfg.model.sliding_window, cfg.mesh.context, cfg.mesh.data = 8, 2, 4
   with pytest.raises(ValueError, match='mesh.context=2 with model.sliding_window=8'):
     train_config.validate(cfg, 8)
 
 
-def test_serving_a_windowed_model_takes_xla_or_refuses_before_any_weight(tmp_path,
-                                                                          monkeypatch):
-  """--attention auto serves a sliding-window model with XLA's paged attention (the one
-  that computes the window), on a GPU too; --attention pallas is refused before the
-  weights are read."""
+def test_serving_a_windowed_model_takes_pallas_on_a_gpu(tmp_path, monkeypatch):
+  """--attention auto serves a sliding-window model with the Pallas paged kernel on a GPU,
+  as any other model, and with XLA's on CPU; the loader's check passes --attention pallas."""
   import argparse  # pylint: disable=import-outside-toplevel
   from serve import config as serve_config  # pylint: disable=import-outside-toplevel
-  from serve.load import hf_model  # pylint: disable=import-outside-toplevel
   path = tmp_path / 'mistral'
   save_hf(path, **CASES['mistral_window'])
   parse = lambda *flags: serve_config.add_engine_args(argparse.ArgumentParser()).parse_args(
       ['--hf-model', str(path), *flags])
-  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
   window = ModelConfig(sliding_window=8)
-  assert serve_config.resolve_attention(parse(), window) == 'xla'
+  assert serve_config.resolve_attention(parse(), window) == 'xla'   # CPU
+  pallas = parse('--attention', 'pallas')
+  paged.check_impl(window, serve_config.resolve_attention(pallas, window))   # as the loader
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  assert serve_config.resolve_attention(parse(), window) == 'pallas'
   assert serve_config.resolve_attention(parse(), ModelConfig()) == 'pallas'
-  monkeypatch.setattr(hf_model, 'read_safetensors',
-                      lambda *a: pytest.fail('weights read before the refusal'))
-  with pytest.raises(ValueError, match="the 'pallas' paged attention sees the whole context"):
-    serve_config.load_served_model(parse('--attention', 'pallas'))
 
 
 def test_the_flash_kernel_keeps_to_the_same_sliding_window():

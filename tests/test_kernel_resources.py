@@ -102,6 +102,17 @@ def test_paged_attention_compiles_without_spills(batch, context, q_tokens, q_hea
   assert res.mma, res
 
 
+@pytest.mark.parametrize('q_tokens', [None, 200])
+def test_paged_attention_with_a_runtime_window_compiles_without_spills(q_tokens):
+  """The sliding window as a traced operand (Gemma's layer scan), with a soft cap: still
+  wgmma, no spills."""
+  fn, args = kr.paged_case(16, 1024, q_tokens=q_tokens)
+  windowed = lambda *a: fn(*a[:-1], sliding_window=a[-1], softcap=50.0)
+  [res] = _compile(windowed, args + (jax.ShapeDtypeStruct((1,), jnp.int32),))
+  _assert_fits(res)
+  assert res.mma, res
+
+
 def test_every_paged_tile_choice_the_benchmark_sweeps_fits():
   from benchmarks import paged_decode
   from pallas_kernels import paged_attention as pa

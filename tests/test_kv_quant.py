@@ -79,8 +79,9 @@ def quantized_case(name, poison=True, **kw):
   return case, (k8, v8, ks, vs)
 
 
-def float64_attention(case, pages) -> np.ndarray:
-  """Causal attention of every live row over its sequence's dequantized keys, float64."""
+def float64_attention(case, pages, window: int = 0) -> np.ndarray:
+  """Causal attention of every live row over its sequence's dequantized keys, float64;
+  window > 0: each row over its last `window` positions only."""
   q, _, _, kv_lens, table, cu, num_seqs = (np.asarray(a) for a in case.args)
   k8, v8, ks, vs = (np.asarray(a, np.float64) for a in pages)
   k, v = k8 * ks[..., None], v8 * vs[..., None]
@@ -93,10 +94,11 @@ def float64_attention(case, pages) -> np.ndarray:
     keys, vals = (x[table[s, pos // page], pos % page] for x in (k, v))   # [L, Hkv, D]
     for i in range(q_len):
       row, seen = cu[s] + i, kv_len - q_len + i + 1
+      first = max(seen - window, 0) if window else 0
       for h in range(hq):
-        scores = keys[:seen, h // group] @ q[row, h].astype(np.float64) / np.sqrt(d)
+        scores = keys[first:seen, h // group] @ q[row, h].astype(np.float64) / np.sqrt(d)
         p = np.exp(scores - scores.max())
-        out[row, h] = p @ vals[:seen, h // group] / p.sum()
+        out[row, h] = p @ vals[first:seen, h // group] / p.sum()
   return out
 
 
@@ -129,6 +131,25 @@ def test_attention_over_quantized_cache_equals_float64_over_dequantized(name, pa
   # The 8-bit rounding is visible: the unquantized pages give another answer.
   assert np.abs(float64_attention(case, (*case.args[1:3], jnp.ones_like(ks),
                                          jnp.ones_like(vs))) - want).max() > 10 * TOL
+
+
+@pytest.mark.parametrize('window', [3, 6])
+def test_kernel_with_a_sliding_window_over_int8_pages_equals_float64(window):
+  """A window under a page (3) and one across pages (6, pages of 4), under splits and
+  page blocks: the kernel dequantizes the blocks its walk loads (those before a q block's
+  window are skipped) as float64 windowed attention over the dequantized K/V; a poisoned
+  slot past a sequence's end would show as NaN."""
+  case, pages = quantized_case('int8', seed=7)
+  q, _, _, *meta = case.args
+  k8, v8, ks, vs = pages
+  want = float64_attention(case, pages, window)
+  for kw in (dict(num_kv_splits=2, pages_per_block=2), dict(num_kv_splits=3,
+                                                            pages_per_block=1)):
+    out = pa.paged_attention(q, k8, v8, *meta, k_scale=ks, v_scale=vs,
+                             sliding_window=window, _poison=np.nan, **kw)
+    assert_equals_float64(out, want, case.live_rows)
+  # The window is visible: the whole context gives another answer.
+  assert np.abs(float64_attention(case, pages) - want).max() > 10 * TOL
 
 
 @pytest.mark.parametrize('name', FORMATS)

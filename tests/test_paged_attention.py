@@ -77,9 +77,9 @@ def rel_err(out, ref):
   return np.abs(out - ref).max() / np.abs(ref).max()
 
 
-def check(case, dtype=jnp.float32, **kwargs):
+def check(case, dtype=jnp.float32, _ref=None, **kwargs):
   out = pa.paged_attention(*case.args, **kwargs)
-  ref = pa.paged_attention_reference(*case.args)
+  ref = pa.paged_attention_reference(*case.args) if _ref is None else _ref
   assert out.shape == case.args[0].shape and out.dtype == case.args[0].dtype
   live = np.asarray(out[:case.live_rows], np.float32)
   assert np.isfinite(live).all(), 'a live output is NaN: unwritten or read a poisoned page'
@@ -199,6 +199,90 @@ def test_soft_capping_matches_reference(dtype):
              dict(block_k=8, step_dense=True)):
     got = pa.paged_attention_xla(*case.args, softcap=1.5, **kw)
     assert rel_err(got[:case.live_rows], ref[:case.live_rows]) < TOL[dtype], kw
+
+
+# ------------------------------------------------------------------------ sliding window
+
+DECODES = [(1, 30), (1, 17), (1, 5), (1, 9)]
+CHUNKS = [(12, 30), (9, 9), (6, 21)]
+
+
+@pytest.mark.parametrize('window', [3, 6, 100], ids=['under_a_page', 'not_page_multiple',
+                                                     'over_the_context'])
+@pytest.mark.parametrize('seqs', [DECODES, CHUNKS, MIXED], ids=['decode', 'prefill', 'mixed'])
+@pytest.mark.parametrize('softcap', [0.0, 1.5])
+def test_sliding_window_matches_reference(window, seqs, softcap):
+  """The kernel with a sliding window (pages of 4) under splits, page blocks and q blocks:
+  the reference's output, and the XLA path's; a window under the context changes it."""
+  case = make_case(seqs, hq=8, hkv=2, max_seqs=6, seed=window)
+  live = case.live_rows
+  ref = pa.paged_attention_reference(*case.args, sliding_window=window, softcap=softcap)
+  for kw in (dict(num_kv_splits=2, pages_per_block=2, _block_q=4),
+             dict(num_kv_splits=3, pages_per_block=1, _block_q=2)):
+    check(case, sliding_window=window, softcap=softcap, _ref=ref, **kw)
+  xla = pa.paged_attention_xla(*case.args, sliding_window=window, softcap=softcap, block_k=8)
+  assert rel_err(xla[:live], ref[:live]) < 1e-5
+  whole = pa.paged_attention_reference(*case.args, softcap=softcap)
+  assert (rel_err(whole[:live], ref[:live]) > 1e-2) == (window < 30)
+
+
+def test_sliding_window_in_bf16():
+  case = make_case(MIXED, hq=8, hkv=2, max_seqs=6, dtype=jnp.bfloat16, seed=12)
+  ref = pa.paged_attention_reference(*case.args, sliding_window=6, softcap=1.5)
+  check(case, jnp.bfloat16, sliding_window=6, softcap=1.5, num_kv_splits=2,
+        pages_per_block=2, _ref=ref)
+
+
+def test_sliding_window_is_a_runtime_value():
+  """One compiled kernel serves a local layer (window 5) and a global one (0), as a
+  model's layer scan passes them; each equals the reference."""
+  case = make_case(MIXED, hq=4, hkv=2, max_seqs=6, seed=13)
+  fn = jax.jit(lambda w, *a: pa.paged_attention(*a, sliding_window=w, num_kv_splits=2,
+                                                pages_per_block=2, _block_q=4))
+  for window in (5, 0, 11):
+    out = fn(jnp.int32(window), *case.args)
+    ref = pa.paged_attention_reference(*case.args, sliding_window=window)
+    assert rel_err(out, ref) < 1e-5, window
+  assert fn._cache_size() == 1
+
+
+@pytest.mark.parametrize('ppb,splits', [(1, 1), (1, 3), (2, 2)])
+def test_pages_before_the_window_are_never_read(ppb, splits):
+  """Window 5, pages of 4: NaN in the pages that lie wholly before where a q block's walk
+  starts. A decode row at 29 needs keys 25.. (pages 0-5 never read); a chunk at 18..29 in
+  q blocks of 4 tokens: its 2nd and 3rd blocks start at keys 18 and 22, so pages 0-3 are
+  never read for them (its 1st block, from key 14, does read page 3, and is not checked).
+  The checked rows are finite and bitwise the clean run's."""
+  case = make_case([(1, 30), (12, 30), (1, 7)], hq=4, hkv=2, page_size=4, seed=14)
+  q, kp, vp, kv_lens, table, cu, n = case.args
+  kw = dict(sliding_window=5, num_kv_splits=splits, pages_per_block=ppb, _block_q=4)
+  clean = pa.paged_attention(*case.args, **kw)
+  bad = np.concatenate([np.asarray(table)[0, :6], np.asarray(table)[1, :4]])
+  out = pa.paged_attention(q, kp.at[bad].set(jnp.nan), vp.at[bad].set(jnp.nan), kv_lens,
+                           table, cu, n, **kw)
+  rows = np.r_[0, 5:13, 13]   # seq 0's decode, seq 1's 2nd and 3rd q blocks, seq 2
+  assert np.isfinite(np.asarray(out)[rows]).all(), 'a page before the window was read'
+  np.testing.assert_array_equal(np.asarray(out)[rows], np.asarray(clean)[rows])
+  assert np.isnan(np.asarray(out)[1]).all()   # the poison reaches a row that reads it
+
+
+def test_splits_divide_the_blocks_inside_the_window():
+  """200 cached keys, blocks of 8, a decode row's window of 40 (keys 160..199, blocks
+  20-24): the splits share those 5 blocks, none before them."""
+  seq = pa._SeqInfo(q_start=0, q_len=1, kv_len=200, layer=0, window=jnp.int32(40),
+                    page_size=4, pages_per_block=2)
+  ranges = [tuple(int(x) for x in pa._split_range(seq, k, 3)) for k in range(3)]
+  assert ranges == [(20, 22), (22, 24), (24, 25)]
+  seq.window, seq.first_block = jnp.int32(0), 0
+  assert [int(pa._split_range(seq, k, 3)[0]) for k in range(3)] == [0, 9, 18]
+
+
+def test_bad_sliding_window_refused():
+  case = make_case([(2, 5)], seed=9)
+  with pytest.raises(ValueError, match='sliding_window=-1 must be >= 0'):
+    pa.paged_attention(*case.args, sliding_window=-1)
+  with pytest.raises(TypeError, match='sliding_window must be one integer'):
+    pa.paged_attention(*case.args, sliding_window=2.5)
 
 
 # -------------------------------------------------------------------- written, gathered
