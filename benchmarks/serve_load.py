@@ -113,9 +113,10 @@ async def probe(client: httpx.AsyncClient, url: str, interval_s: float, done: as
     await asyncio.sleep(interval_s)
 
 
-def _probe_process(url: str, interval_s: float, stop, out) -> None:
+def _probe_process(url: str, interval_s: float, ready, stop, out) -> None:
   """Blocking GET /v1/models every interval_s on one kept-alive connection until `stop`
-  is set; puts the list of answer seconds on `out`. Runs in a spawned process."""
+  is set, setting `ready` at its first answer; puts the list of answer seconds on `out`.
+  Runs in a spawned process."""
   parts = urllib.parse.urlsplit(url)
   conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
   latencies = []
@@ -126,6 +127,7 @@ def _probe_process(url: str, interval_s: float, stop, out) -> None:
     resp.read()
     if resp.status == 200:
       latencies.append(time.perf_counter() - start)
+    ready.set()
     time.sleep(interval_s)
   conn.close()
   out.put(latencies)
@@ -137,13 +139,23 @@ class ProbeProcesses:
   def __init__(self, urls: list[str], interval_s: float):
     ctx = multiprocessing.get_context('spawn')   # no fork of a process that may hold jax
     self._stop, self._queues = ctx.Event(), [ctx.Queue() for _ in urls]
-    self._procs = [ctx.Process(target=_probe_process, args=(u, interval_s, self._stop, q),
-                               daemon=True) for u, q in zip(urls, self._queues)]
+    self._ready = [ctx.Event() for _ in urls]
+    self._procs = [ctx.Process(target=_probe_process, args=(u, interval_s, r, self._stop, q),
+                               daemon=True)
+                   for u, r, q in zip(urls, self._ready, self._queues)]
     self._results = None
 
   def __enter__(self):
     for proc in self._procs:
       proc.start()
+    # The load starts only once every probe has had an answer: a spawned process imports
+    # for a second or more on a busy machine, longer than a short load runs.
+    for proc, ready in zip(self._procs, self._ready):
+      while not ready.wait(0.1):
+        if not proc.is_alive():
+          self._stop.set()
+          raise RuntimeError(f'the probe process exited with code {proc.exitcode} before '
+                             'its first answer; is the server up?')
     return self
 
   def __exit__(self, *exc):
@@ -402,7 +414,6 @@ def benchmark(url: str, args: argparse.Namespace) -> dict:
     control = stack.enter_context(ControlServer()) if args.control else None
     probing = stack.enter_context(
         ProbeProcesses([url] + ([control.url] if control else []), interval))
-    time.sleep(0.5)   # the probe processes import and connect before the load starts
     results, wall, _ = asyncio.run(run_load(url, prompts, rate=args.request_rate, **load))
   probes = probing.results()
   return summarize(results, wall, probes[0], probes[1] if control else None)

@@ -40,9 +40,11 @@ def run(tmp_path_factory):
   trainer.train(cfg)
   plan = make_plan(make_mesh(MeshConfig(data=1), jax.devices()[:1]), 0)
   target = state.abstract_state(cfg, plan, optimizer.make_optimizer(cfg.optim, cfg.steps))
-  # Reference: each step's whole train state through plain orbax, not our code.
-  full = {step: ocp.StandardCheckpointer().restore(
-      root / 'run' / 'checkpoints' / str(step) / 'state', target) for step in (1, 2)}
+  # Reference: each step's whole train state through plain orbax, not our code. The item
+  # holds the state's saved fields (a LoRA run's frozen base is never written).
+  saved = {'step': target.step, 'params': target.params, 'opt_state': target.opt_state}
+  full = {step: state.TrainState(**ocp.StandardCheckpointer().restore(
+      root / 'run' / 'checkpoints' / str(step) / 'state', saved)) for step in (1, 2)}
   return root / 'run', cfg, full
 
 
