@@ -354,3 +354,23 @@ def test_quantization_benchmark_counts_agreement_up_to_the_first_difference():
   got = quantization.agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]])
   assert got == {'tokens_before_first_difference': 6, 'of_tokens': 8, 'fraction': 0.75,
                  'identical_requests': 1}
+
+
+def test_quantization_benchmark_gpu_stage_runs_at_a_tiny_shape(monkeypatch, capsys):
+  """gpu_session.sh's quant stage (--shapes=1b) end to end, with the 1B shape swapped for a
+  tiny bfloat16 one: what a GPU session runs must not fail on its first try there."""
+  # pylint: disable=import-outside-toplevel
+  import dataclasses
+  from benchmarks import quantization, serve_throughput
+  tiny = dataclasses.replace(serve_throughput.SMOKE, dtype='bfloat16')
+  monkeypatch.setattr(serve_throughput, 'LLAMA_1B', tiny)
+  result = quantization.main(['--shapes=1b', '--smoke', '--kv-cache-dtypes=auto,int8',
+                              '--batch=4', '--batch-tokens=64', '--num-prompts=4',
+                              '--prompt-chars=8', '--max-tokens=4', '--repeats=1'])
+  assert set(result['results']) == {f'{w}/{kv}' for w in quantization.WEIGHTS
+                                    for kv in ('auto', 'int8')}
+  assert result['model']['dtype'] == 'bfloat16' and result['model']['embed_dim'] == 64
+  for row in result['results'].values():
+    assert row['perplexity'] is None and row['tokens_per_s'] > 0
+    assert row['greedy_agreement']['of_tokens'] == 4 * 4
+  assert 'tokens/s' in capsys.readouterr().out
