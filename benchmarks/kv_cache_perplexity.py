@@ -4,8 +4,7 @@
 
 Trains the config (its evaluation batches held out of training) unless --workdir holds a
 run, then scores the held-out windows two ways:
-- served: the serving engine scores every token of each window after its first
-  (benchmarks/quantization.py's perplexity), with each KV cache format (every key and
+- served: through the serving ModelRunner with each KV cache format (every key and
   value the attention reads comes from the cache, quantized as serving stores it);
 - simulated: the training forward with K and V quantized and dequantized right after
   their projection, at each scale granularity (per token and kv head: what the cache
@@ -15,6 +14,7 @@ Writes results/kv_cache_perplexity_<variant>_cpu.json.
 """
 
 import argparse
+import dataclasses
 import math
 import os
 import tempfile
@@ -24,12 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import quantization
 from benchmarks.common import write_result
 from model import kv_quant, loss, transformer
-from serve.config import ServeConfig
-from serve.engine.core import Engine
 from serve.load.checkpoint import load_checkpoint
+from serve.worker.model_runner import ModelRunner, RunnerConfig
 from training import data, trainer
 from training.cli import load_config_file
 
@@ -38,6 +36,20 @@ FORMATS = ('auto', 'int8', 'fp8_e4m3', 'fp8_e5m2')
 GRANULARITIES = {'token_head': (-1,), 'token': (-2, -1), 'block_head': 'block',
                  'window_head': (1, 3)}
 BLOCK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+  token_ids: list
+  start_position: int
+  block_ids: list
+  sample: bool = False
+  spec_token_ids: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Out:
+  chunks: list
 
 
 def train(config: str, steps: int, workdir: str, eval_batches: int):
@@ -60,17 +72,26 @@ def windows(cfg) -> np.ndarray:
   return np.concatenate(rows)
 
 
-def served_perplexity(served, wins: np.ndarray, kv_cache_dtype: str) -> float:
-  """exp(mean NLL) of each window's next tokens, each window a prompt scored by an engine
-  whose cache has that format (benchmarks/quantization.py's perplexity)."""
-  length, seqs = wins.shape[1], 4
-  per_seq = -(-(length + 1) // 16)   # the prompt and the one token generated after it
-  cfg = ServeConfig(num_blocks=seqs * per_seq + 1, max_num_seqs=seqs,
-                    max_num_batched_tokens=seqs * length, max_model_len=length + 1,
-                    attention='xla', kv_cache_dtype=kv_cache_dtype,
-                    enable_prefix_caching=False)
-  with Engine(served, cfg) as engine:
-    return quantization.perplexity(engine, [[int(t) for t in w] for w in wins])
+def served_perplexity(params, model_cfg, wins: np.ndarray, kv_cache_dtype: str) -> float:
+  """exp(mean NLL) of each window's next tokens, each window a prefill through the cache."""
+  n, length = wins.shape
+  block = 16
+  per_seq = -(-length // block)
+  seqs = 4
+  rc = RunnerConfig(block_size=block, num_blocks=seqs * per_seq + 1, max_num_seqs=seqs,
+                    max_num_batched_tokens=seqs * length, max_model_len=length,
+                    attention='xla', kv_cache_dtype=kv_cache_dtype)
+  runner = ModelRunner(params, model_cfg, rc)
+  nll, count = 0.0, 0
+  for lo in range(0, n, seqs):
+    group = wins[lo:lo + seqs]
+    chunks = [Chunk([int(t) for t in w[:-1]], 0,
+                    list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
+              for i, w in enumerate(group)]
+    res = runner.step(Out(chunks), targets=[[int(t) for t in w[1:]] for w in group])
+    logp = np.asarray(res.scores[0])[:len(group) * (length - 1)]
+    nll, count = nll - float(logp.sum()), count + logp.size
+  return math.exp(nll / count)
 
 
 def fake_quant(x, dtype, granularity):
@@ -125,7 +146,7 @@ def main(argv=None) -> dict:
   result = {'config': args.config, 'steps': args.steps, 'windows': list(wins.shape),
             'model_dtype': str(model_cfg.dtype), 'served': {}, 'simulated': {}}
   for name in FORMATS:
-    result['served'][name] = served_perplexity(served, wins, name)
+    result['served'][name] = served_perplexity(params, model_cfg, wins, name)
     print('served', name, result['served'][name], flush=True)
   result['simulated']['none'] = simulated_perplexity(params, model_cfg, wins, None, None)
   for name in FORMATS[1:]:

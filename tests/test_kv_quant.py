@@ -373,7 +373,7 @@ def test_served_perplexity_equals_training_forward_with_quantized_kv(tiny_served
   params, cfg = tiny_served.params, tiny_served.model_cfg
   for name in ('auto', 'int8', 'fp8_e5m2'):
     dtype = None if name == 'auto' else kv_quant.STORAGE[name]
-    served = bench.served_perplexity(tiny_served, wins, name)
+    served = bench.served_perplexity(params, cfg, wins, name)
     dense = bench.simulated_perplexity(params, cfg, wins, dtype, 'token_head')
     assert served == pytest.approx(dense, rel=1e-5), name
 
