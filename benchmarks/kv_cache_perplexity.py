@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import write_result
-from model import kv_quant, transformer
+from model import kv_quant, loss, transformer
 from serve.load.checkpoint import load_checkpoint
 from serve.worker.model_runner import ModelRunner, RunnerConfig
 from training import data, trainer
@@ -127,7 +127,7 @@ def simulated_perplexity(params, model_cfg, wins: np.ndarray, dtype, granularity
   batch = {'inputs': jnp.asarray(wins[:, :-1]), 'targets': jnp.asarray(wins[:, 1:]),
            'weights': jnp.ones(wins[:, 1:].shape, jnp.float32)}
   with mock.patch.object(transformer, 'project_qkv', quantized_qkv):
-    nll = jax.jit(lambda p, b: transformer.summed_nll(p, b, model_cfg))(params, batch)
+    nll = jax.jit(lambda p, b: loss.summed_nll(p, b, model_cfg))(params, batch)
   return math.exp(float(nll) / wins[:, 1:].size)
 
 

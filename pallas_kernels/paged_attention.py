@@ -38,6 +38,7 @@ stores, fori_loop) for the Triton backend on GPU; on CPU it runs in interpret mo
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -546,28 +547,15 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   their q is NaN). `_block_q` and `_poison` (a fill value for the per-split outputs before
   the kernel runs, to prove every live element gets written) are for tests.
   """
-  quantized = k_scale is not None
-  if quantized and k_pages.ndim == 4 and layer is None:
-    k_scale, v_scale = k_scale[None], v_scale[None]
-  k_pages, v_pages, layer = _as_stacked(k_pages, v_pages, layer)
-  window = _as_window(sliding_window)
-  one_layer = lambda x: x if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-  _check_args(q, one_layer(k_pages), one_layer(v_pages), kv_lens, page_indices, cu_q_lens,
-              one_layer(k_scale), one_layer(v_scale))
+  ops = _operands(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                  layer=layer, sliding_window=sliding_window, k_scale=k_scale,
+                  v_scale=v_scale)
   t, hq, d = q.shape
-  _, _, page_size, hkv, _ = k_pages.shape
-  max_seqs, pages_per_seq = page_indices.shape
-  kv_lens, cu_q_lens, page_indices = (
-      jnp.asarray(x, jnp.int32) for x in (kv_lens, cu_q_lens, page_indices))
-  num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(1)
+  _, _, page_size, hkv, _ = ops.k_pages.shape
+  max_seqs, pages_per_seq = ops.page_indices.shape
   groups = hq // hkv
   padded_groups = pl.next_power_of_2(groups)
-  if padded_groups != groups:
-    # Triton tiles need power-of-2 sizes, and a q block holds a whole head group: give each
-    # group zero heads up to the next power of two (Qwen2.5-7B has 7), dropped after.
-    q = jnp.pad(q.reshape(t, hkv, groups, d),
-                ((0, 0), (0, 0), (0, padded_groups - groups), (0, 0)))
-    q = q.reshape(t, hkv * padded_groups, d)
+  ops = ops._replace(q=_pad_groups(q, hkv, padded_groups))
   if interpret is None:
     interpret = jax.default_backend() == 'cpu'
   ppb = pages_per_block
@@ -582,23 +570,66 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
   kernel = functools.partial(
       _paged_attention_kernel, block_q=block_q, pages_per_block=ppb, num_kv_splits=splits,
       sm_scale=1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale),
-      softcap=float(softcap or 0.0), quantized=quantized)
-  args = (num_seqs, layer, window, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages)
-  args += (k_scale, v_scale) if quantized else ()
-  o, lse = _call_kernel(kernel, args, grid=(max_seqs, hkv, splits), poison=_poison,
+      softcap=float(softcap or 0.0), quantized=ops.k_scale is not None)
+  o, lse = _call_kernel(kernel, ops, grid=(max_seqs, hkv, splits), poison=_poison,
                         interpret=interpret, gpu_params=(num_warps or 4, num_stages or 2))
   out = _merge_splits(o, lse)
   if padded_groups != groups:
     out = out.reshape(t, hkv, padded_groups, d)[:, :, :groups].reshape(t, hq, d)
-  live = jnp.arange(t) < cu_q_lens[num_seqs[0]]
+  live = jnp.arange(t) < ops.cu_q_lens[ops.num_seqs[0]]
   return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
 
 
-def _call_kernel(kernel, args, *, grid, poison, interpret, gpu_params):
-  """pallas_call over (sequence, kv head, split); returns o [K, T, Hq, D], lse [K, T, Hq]."""
-  num_seqs, layer, window, kv_lens, cu_q_lens, page_indices, q, k_pages, v_pages = args[:9]
+class _Operands(NamedTuple):
+  """The kernel's inputs by name, in the order of _paged_attention_kernel's refs; the
+  scales are None for pages not stored 8-bit (and then not passed)."""
+  num_seqs: jax.Array       # [1] int32
+  layer: jax.Array          # [1] int32
+  window: jax.Array         # [1] int32
+  kv_lens: jax.Array        # [max_seqs] int32
+  cu_q_lens: jax.Array      # [max_seqs + 1] int32
+  page_indices: jax.Array   # [max_seqs, pages_per_seq] int32
+  q: jax.Array              # [T, Hkv * padded groups, D]
+  k_pages: jax.Array        # [L, P, page_size, Hkv, D]
+  v_pages: jax.Array        # [L, P, page_size, Hkv, D]
+  k_scale: jax.Array | None = None   # [L, P, page_size, Hkv] f32
+  v_scale: jax.Array | None = None
+
+
+def _operands(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, layer,
+              sliding_window, k_scale, v_scale) -> _Operands:
+  """paged_attention's arguments checked and in the kernel's form: pages (and scales) as
+  a stack of layers, layer and window as [1] int32, the index arrays int32."""
+  if k_scale is not None and k_pages.ndim == 4 and layer is None:
+    k_scale, v_scale = k_scale[None], v_scale[None]
+  k_pages, v_pages, layer = _as_stacked(k_pages, v_pages, layer)
+  window = _as_window(sliding_window)
+  one_layer = lambda x: x if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+  _check_args(q, one_layer(k_pages), one_layer(v_pages), kv_lens, page_indices, cu_q_lens,
+              one_layer(k_scale), one_layer(v_scale))
+  kv_lens, cu_q_lens, page_indices = (
+      jnp.asarray(x, jnp.int32) for x in (kv_lens, cu_q_lens, page_indices))
+  return _Operands(jnp.asarray(num_seqs, jnp.int32).reshape(1), layer, window, kv_lens,
+                   cu_q_lens, page_indices, q, k_pages, v_pages, k_scale, v_scale)
+
+
+def _pad_groups(q, hkv, padded_groups):
+  """q [T, Hq, D] with each kv head's group of q heads padded with zero heads to
+  padded_groups: Triton tiles need power-of-2 sizes, and a q block holds a whole head
+  group (Qwen2.5-7B has 7); the padding's rows are dropped after."""
   t, hq, d = q.shape
-  num_layers, num_pages, page_size, hkv, _ = k_pages.shape
+  groups = hq // hkv
+  if padded_groups == groups:
+    return q
+  q = jnp.pad(q.reshape(t, hkv, groups, d),
+              ((0, 0), (0, 0), (0, padded_groups - groups), (0, 0)))
+  return q.reshape(t, hkv * padded_groups, d)
+
+
+def _call_kernel(kernel, ops: _Operands, *, grid, poison, interpret, gpu_params):
+  """pallas_call over (sequence, kv head, split); returns o [K, T, Hq, D], lse [K, T, Hq]."""
+  t, hq, d = ops.q.shape
+  num_layers, num_pages, page_size, hkv, _ = ops.k_pages.shape
   groups, splits = hq // hkv, grid[2]
   whole = lambda x: pl.BlockSpec(x.shape, lambda s, h, k: (0,) * x.ndim)
   # Every layer's pages in the block: Triton has no scalar prefetch to put the layer in
@@ -606,26 +637,29 @@ def _call_kernel(kernel, args, *, grid, poison, interpret, gpu_params):
   # copy; interpret mode, a CPU loop over the programs, copies the stack in).
   pages = pl.BlockSpec((num_layers, num_pages, page_size, None, d),
                        lambda s, h, k: (0, 0, 0, h, 0))
-  in_specs = [
-      whole(num_seqs), whole(layer), whole(window), whole(kv_lens), whole(cu_q_lens),
-      pl.BlockSpec((None, page_indices.shape[1]), lambda s, h, k: (s, 0)),
-      pl.BlockSpec((t, groups, d), lambda s, h, k: (0, h, 0)),
-      pages, pages]
   # 8-bit pages' scales [L, P, page_size, Hkv], this kv head's, like the pages.
   scales = pl.BlockSpec((num_layers, num_pages, page_size, None),
                         lambda s, h, k: (0, 0, 0, h))
-  in_specs += [scales] * (len(args) - 9)
+  specs = _Operands(
+      num_seqs=whole(ops.num_seqs), layer=whole(ops.layer), window=whole(ops.window),
+      kv_lens=whole(ops.kv_lens), cu_q_lens=whole(ops.cu_q_lens),
+      page_indices=pl.BlockSpec((None, ops.page_indices.shape[1]), lambda s, h, k: (s, 0)),
+      q=pl.BlockSpec((t, groups, d), lambda s, h, k: (0, h, 0)),
+      k_pages=pages, v_pages=pages, k_scale=scales, v_scale=scales)
+  given = [name for name in _Operands._fields if getattr(ops, name) is not None]
+  args = [getattr(ops, name) for name in given]
+  in_specs = [getattr(specs, name) for name in given]
   out_specs = [pl.BlockSpec((None, t, groups, d), lambda s, h, k: (k, 0, h, 0)),
                pl.BlockSpec((None, t, groups), lambda s, h, k: (k, 0, h))]
   # One split needs no merge, so it writes the final dtype (half the bytes for bf16).
-  out_dtype = q.dtype if splits == 1 else jnp.float32
+  out_dtype = ops.q.dtype if splits == 1 else jnp.float32
   out_shape = [jax.ShapeDtypeStruct((splits, t, hq, d), out_dtype),
                jax.ShapeDtypeStruct((splits, t, hq), jnp.float32)]
   aliases = {}
   if poison is not None:
-    args += tuple(jnp.full(s.shape, poison, s.dtype) for s in out_shape)
+    aliases = {len(args): 0, len(args) + 1: 1}
+    args += [jnp.full(s.shape, poison, s.dtype) for s in out_shape]
     in_specs += out_specs
-    aliases = {len(args) - 2: 0, len(args) - 1: 1}
   return pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       input_output_aliases=aliases, interpret=interpret, name='ragged_paged_attention',

@@ -14,7 +14,7 @@ import pytest
 import model
 from model import paged
 from model.config import ModelConfig
-from tests import test_parallel
+from tests import flash_cases, test_parallel
 from tests.test_paged_attention import rel_err
 from training import config as train_config
 
@@ -39,21 +39,10 @@ def test_the_flash_kernel_computes_gemma_attention_as_xla():
   """attention_impl=pallas (the flash kernels interpreted on CPU: soft cap, the query
   scale, the window of every other layer chosen in the scan) gives the XLA attention's
   loss and gradients; dropping the cap or the alternation changes the loss."""
-  cfg = ModelConfig(vocab_size=64, num_layers=4, embed_dim=32, num_heads=4, num_kv_heads=2,
-                    max_seq_len=32, init_std=0.3, **GEMMA2)
-  params = random_norms(model.init_params(cfg, jax.random.key(0)))
-  tokens = np.random.default_rng(0).integers(0, 64, (2, 32)).astype(np.int32)
-  batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-           'weights': np.ones((2, 31), np.float32)}
-
-  def loss_and_grads(**fields):
-    model_cfg = dataclasses.replace(cfg, **fields)
-    return jax.jit(jax.value_and_grad(lambda p: model.summed_nll(p, batch, model_cfg)))(params)
-
-  (want, want_grads), (got, got_grads) = (loss_and_grads(attention_impl=impl)
-                                          for impl in ('xla', 'pallas'))
-  assert rel_err(got, want) < 1e-5
-  assert max(jax.tree.leaves(jax.tree.map(rel_err, got_grads, want_grads))) < 1e-5
+  cfg = flash_cases.tiny_config(num_layers=4, **GEMMA2)
+  loss_and_grads = flash_cases.loss_and_grads_of(
+      cfg, random_norms(model.init_params(cfg, jax.random.key(0))))
+  want = flash_cases.assert_flash_equals_xla(loss_and_grads)
   for other in (dict(attn_softcap=0.0), dict(global_every=0), dict(sliding_window=0,
                                                                     global_every=0)):
     assert rel_err(loss_and_grads(**other)[0], want) > 1e-4, other

@@ -23,6 +23,7 @@ from pallas_kernels import paged_attention as pa
 from serve import hf_export
 from serve.load.checkpoint import load_checkpoint
 from serve.load.hf_model import load_hf_model
+from tests import flash_cases
 from tests.test_paged_attention import MIXED, make_case, rel_err
 from tests.test_paged_forward import Chunk, Out, tiny_runner
 from tests.test_serve_hf import CASES, our_logits, save_hf, write_tokenizer
@@ -200,19 +201,7 @@ def test_serving_a_windowed_model_takes_pallas_on_a_gpu(tmp_path, monkeypatch):
 def test_the_flash_kernel_keeps_to_the_same_sliding_window():
   """attention_impl=pallas (the flash kernels, interpreted on CPU) with model.sliding_window:
   the loss and gradients of the XLA attention's window, not the whole context's."""
-  cfg = ModelConfig(vocab_size=64, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
-                    max_seq_len=32, sliding_window=5, init_std=0.3)
-  params = model.init_params(cfg, jax.random.key(0))
-  tokens = np.random.default_rng(0).integers(0, 64, (2, 32)).astype(np.int32)
-  batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-           'weights': np.ones((2, 31), np.float32)}
-
-  def loss_and_grads(**fields):
-    model_cfg = dataclasses.replace(cfg, **fields)
-    return jax.jit(jax.value_and_grad(lambda p: model.summed_nll(p, batch, model_cfg)))(params)
-
-  (want, want_grads), (got, got_grads) = (loss_and_grads(attention_impl=impl)
-                                          for impl in ('xla', 'pallas'))
-  assert rel_err(got, want) < 1e-5
-  assert max(jax.tree.leaves(jax.tree.map(rel_err, got_grads, want_grads))) < 1e-5
+  cfg = flash_cases.tiny_config(sliding_window=5)
+  loss_and_grads = flash_cases.loss_and_grads_of(cfg, model.init_params(cfg, jax.random.key(0)))
+  want = flash_cases.assert_flash_equals_xla(loss_and_grads)
   assert rel_err(loss_and_grads(sliding_window=0)[0], want) > 1e-3

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import model
+from model import loss as loss_lib
 from model import transformer
 from model.config import ModelConfig
 
@@ -180,7 +181,7 @@ def make_batch(cfg, batch=2, seq=12, packed=False, seed=3):
 
 
 def loss_and_grads(cfg, params, batch):
-  return jax.jit(jax.value_and_grad(lambda p: transformer.summed_nll(p, batch, cfg)))(params)
+  return jax.jit(jax.value_and_grad(lambda p: loss_lib.summed_nll(p, batch, cfg)))(params)
 
 
 def assert_trees_close(a, b):
@@ -270,7 +271,7 @@ def test_save_attention_runs_no_attention_forward_in_the_backward(moe):
     loss, grads = loss_and_grads(cfg, params, batch)
     assert rel_err(loss, loss0) < RTOL, policy
     assert_trees_close(grads, grads0)
-    step = jax.jit(jax.grad(lambda p, cfg=cfg: transformer.summed_nll(p, batch, cfg)))
+    step = jax.jit(jax.grad(lambda p, cfg=cfg: loss_lib.summed_nll(p, batch, cfg)))
     calls[policy] = hlo.hlo_stats(step.lower(params).compile().as_text()).kernel_calls
   layers = base.num_layers
   backward = {'flash_attention_dq': layers, 'flash_attention_dkv': layers}
@@ -367,11 +368,11 @@ def test_head_logits_backward_runs_in_the_compute_dtype():
   plain = lambda h, head: jnp.einsum('sbcd,sdv->sbcv', h, head.astype(h.dtype),
                                      preferred_element_type=jnp.float32)
   h32, head32 = jnp.asarray(h, jnp.float32), jnp.asarray(head, jnp.float32)
-  for got, want in zip(vjp(transformer.head_logits, h32, head32), vjp(plain, h32, head32)):
+  for got, want in zip(vjp(loss_lib.head_logits, h32, head32), vjp(plain, h32, head32)):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
   h16 = jnp.asarray(h, jnp.bfloat16)
-  dh, dhead = vjp(transformer.head_logits, h16, head32)
+  dh, dhead = vjp(loss_lib.head_logits, h16, head32)
   assert dh.dtype == jnp.bfloat16 and dhead.dtype == jnp.float32
   h64 = np.asarray(h16, np.float64)
   head64 = np.asarray(head32.astype(jnp.bfloat16), np.float64)   # as the forward uses it
@@ -381,7 +382,7 @@ def test_head_logits_backward_runs_in_the_compute_dtype():
     got = np.asarray(got, np.float64)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2   # bfloat16: 2^-8
   # Every matmul of the forward and the backward, in the program jax emits: its operands.
-  text = jax.jit(lambda h, head: vjp(transformer.head_logits, h, head)).lower(
+  text = jax.jit(lambda h, head: vjp(loss_lib.head_logits, h, head)).lower(
       h16, head32).as_text()
   operands = re.findall(r'stablehlo.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\)', text)
   assert len(operands) == 2, text   # dh and dhead (the unused logits are dropped)
@@ -401,7 +402,7 @@ def test_summed_nll_matches_reference(packed):
   cfg = tiny_cfg(tie_embeddings=not packed)
   params = make_params(cfg)
   batch = make_batch(cfg, packed=packed)
-  got = jax.jit(lambda p: transformer.summed_nll(p, batch, cfg))(params)
+  got = jax.jit(lambda p: loss_lib.summed_nll(p, batch, cfg))(params)
   assert rel_err(got, ref_summed_nll(to64(params), batch, cfg)) < RTOL
 
 

@@ -44,7 +44,7 @@ def test_bf16_compute_keeps_fp32_master_weights():
           if jnp.issubdtype(x.dtype, jnp.floating)} == {jnp.dtype(jnp.float32)}
   # The matmuls run in bf16: 30 dots, 24 bf16 x bf16 -> bf16 (the accumulator type of
   # those is the backend's; GPUs use f32); 4 bf16 x bf16 -> f32: attention scores and
-  # logits, which feed a softmax, and the logits' two gradients (transformer.head_logits
+  # logits, which feed a softmax, and the logits' two gradients (loss.head_logits
   # rounds their float32 cotangent); 2 f32 ones: the attention scores' two gradients (this
   # config's XLA attention keeps its softmax's float32 cotangent).
   assert all(d == ('f32', 'f32', 'f32') for d in dots32) and len(dots16) == len(dots32)

@@ -341,67 +341,114 @@ def search(cfg: config_lib.Config, devices: int, device: str = 'h100', *, top: i
     size = _run_size(cfg, layout, devices, sizes)
     floor = plan_bound.floor(configure(cfg, layout), layout, size)
     bounds.append(planner.lower_bound(floor, layout, hw))
+  row = lambda i, m: _row(cfg, layouts[i], m, hw, model_flops, tokens, devices, sizes,
+                          bounds[i])
   # Cached layouts cost nothing: known before the first compile, they tighten the cut.
   measured = {i: m for i, layout in enumerate(layouts)
               if (m := _from_cache(cfg, layout, layers, cache)) is not None}
-  cached = len(measured)
   keys = {i: planner.rank_key(b) for i, b in enumerate(bounds)}
   order = sorted((i for i in keys if i not in measured), key=lambda i: (keys[i], i))
-  rows = {i: _row(cfg, layouts[i], measured[i], hw, model_flops, tokens, devices, sizes,
-                  bounds[i]) for i in measured}
-  program = {i: program_key(l) if alike else i for i, l in enumerate(layouts)}
-  compiled = shared = 0
-  started, running = time.monotonic(), {}   # future -> the layouts' indices
-  spent = lambda: ((max_compiles and compiled >= max_compiles) or
-                   (max_seconds and compiled and time.monotonic() - started > max_seconds))
-
-  def finish(wait_for_all=False):
-    nonlocal shared
-    done, _ = concurrent.futures.wait(
-        running, return_when=(concurrent.futures.ALL_COMPLETED if wait_for_all else
-                              concurrent.futures.FIRST_COMPLETED))
-    for future in done:
-      group = running.pop(future)
-      shared += len(group) - 1
-      for j, m in zip(group, future.result()):
-        rows[j] = _row(cfg, layouts[j], m, hw, model_flops, tokens, devices, sizes,
-                       bounds[j])
-
+  schedule = _Schedule(
+      layouts, keys, {i: program_key(l) if alike else i for i, l in enumerate(layouts)},
+      {i: row(i, m) for i, m in measured.items()}, row, top=top, jobs=jobs,
+      max_compiles=max_compiles, max_seconds=max_seconds, progress=progress)
   with _compiler(jobs, compile_on, cache) as compile_group:
-    busy = lambda j: j in rows or any(j in g for g in running.values())
-    position = 0
-    while position < len(order):
-      i = order[position]
-      if busy(i):
-        position += 1
-        continue
-      cut = _cut(rows, top)
-      if keys[i] > cut or spent():
-        if running:   # a compile under way may lower the cut: wait for it, look again
-          finish()
-          continue
-        break
-      left = len({program[j] for j in order[position + 1:]
-                  if not busy(j) and keys[j] <= cut} - {program[i]})
-      if max_compiles:
-        left = min(left, max_compiles - compiled - 1)
-      if progress:
-        best = min(rows.values(), key=lambda r: planner.rank_key(r['prediction']),
-                   default=None)
-        progress(compiled + 1, compiled + 1 + left, layouts[i], left, best)
-      group = [j for j in order[position:] if program[j] == program[i] and not busy(j)]
-      running[compile_group(cfg, [layouts[j] for j in group], layers)] = group
-      compiled += 1
-      if len(running) >= max(jobs, 1):
-        finish()
-    if running:
-      finish(wait_for_all=True)
+    schedule.run(order, lambda group: compile_group(cfg, [layouts[j] for j in group],
+                                                    layers))
+  ranked, pruned, exact = _ranked(layouts, bounds, keys, order, schedule.rows)
+  return Search(ranked, rejected, pruned, schedule.compiled, len(measured), exact,
+                schedule.shared)
+
+
+def _ranked(layouts, bounds, keys, order, rows) -> tuple[list, list, int]:
+  """(ranked rows, pruned layouts with their bounds, how many leading rows are the full
+  search's: those no uncompiled layout's bound could beat)."""
   # Enumeration order before ranking: ties fall as in a full search.
   ranked = planner.rank([rows[i] for i in sorted(rows)])
   pruned = [(layouts[i], bounds[i]) for i in order if i not in rows]
   least = min((keys[i] for i in order if i not in rows), default=None)
   exact = sum(least is None or planner.rank_key(r['prediction']) < least for r in ranked)
-  return Search(ranked, rejected, pruned, compiled, cached, exact, shared)
+  return ranked, pruned, exact
+
+
+@dataclasses.dataclass
+class _Schedule:
+  """search's compile loop: takes layouts in bound order, submits each program (its
+  layouts of one program_key together) while the bound is under the cut and the budget
+  (max_compiles, max_seconds) lasts, at most `jobs` under way, and fills `rows` with each
+  finished compile's rows."""
+  layouts: list
+  keys: dict          # layout index -> rank key of its lower bound
+  program: dict       # layout index -> what it compiles as (layouts alike share one)
+  rows: dict          # layout index -> row; cached ones before the loop
+  row: object         # (index, Measured) -> row
+  top: int = 0
+  jobs: int = 1
+  max_compiles: int = 0
+  max_seconds: float = 0.0
+  progress: object = None
+  compiled: int = 0
+  shared: int = 0     # layouts read off another layout's compile
+  running: dict = dataclasses.field(default_factory=dict)   # future -> its indices
+
+  def run(self, order: list, submit) -> None:
+    """Compiles down `order` through `submit` (group of indices -> future of their
+    Measured list) until the cut or the budget stops it, then waits for all."""
+    started, position = time.monotonic(), 0
+    while position < len(order):
+      i = order[position]
+      if self._busy(i):
+        position += 1
+        continue
+      cut = _cut(self.rows, self.top)
+      if self.keys[i] > cut or self._spent(started):
+        if self.running:   # a compile under way may lower the cut: wait for it, look again
+          self._finish()
+          continue
+        break
+      self._report(i, self._left(order, position, cut))
+      group = [j for j in order[position:]
+               if self.program[j] == self.program[i] and not self._busy(j)]
+      self.running[submit(group)] = group
+      self.compiled += 1
+      if len(self.running) >= max(self.jobs, 1):
+        self._finish()
+    if self.running:
+      self._finish(wait_for_all=True)
+
+  def _busy(self, j) -> bool:
+    return j in self.rows or any(j in g for g in self.running.values())
+
+  def _spent(self, started: float) -> bool:
+    return bool((self.max_compiles and self.compiled >= self.max_compiles) or
+                (self.max_seconds and self.compiled and
+                 time.monotonic() - started > self.max_seconds))
+
+  def _left(self, order, position, cut) -> int:
+    """The programs after order[position] that could still need a compile."""
+    i = order[position]
+    left = len({self.program[j] for j in order[position + 1:]
+                if not self._busy(j) and self.keys[j] <= cut} - {self.program[i]})
+    if self.max_compiles:
+      left = min(left, self.max_compiles - self.compiled - 1)
+    return left
+
+  def _report(self, i, left) -> None:
+    if self.progress:
+      best = min(self.rows.values(), key=lambda r: planner.rank_key(r['prediction']),
+                 default=None)
+      self.progress(self.compiled + 1, self.compiled + 1 + left, self.layouts[i], left,
+                    best)
+
+  def _finish(self, wait_for_all=False) -> None:
+    done, _ = concurrent.futures.wait(
+        self.running, return_when=(concurrent.futures.ALL_COMPLETED if wait_for_all else
+                                   concurrent.futures.FIRST_COMPLETED))
+    for future in done:
+      group = self.running.pop(future)
+      self.shared += len(group) - 1
+      for j, m in zip(group, future.result()):
+        self.rows[j] = self.row(j, m)
 
 
 @contextlib.contextmanager
