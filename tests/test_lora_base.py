@@ -25,6 +25,7 @@ from training.trainer import ConfigError
 
 LORA = LoraConfig(rank=4, alpha=8.0, targets=('q', 'k', 'v', 'o', 'gate', 'up', 'down'))
 PROMPT = list(b'def main(argv):\n    ')
+TOP = 20   # log-probabilities compared per step: the head of each distribution
 ENGINE = dict(num_blocks=32, block_size=8, max_num_seqs=4, max_num_batched_tokens=64)
 
 
@@ -56,10 +57,12 @@ def test_the_frozen_base_is_the_checkpoints_params_bitwise(tiny_workdir, lora_wo
 
 
 def greedy(engine, lora_name=None):
-  params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
+  """Greedy tokens, and per step the top TOP (token ids [n, TOP], log-probabilities)."""
+  params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=TOP, ignore_eos=True)
   res = engine.add_request(PROMPT, params, lora=lora_name).result()
   assert res.error is None, res.error
-  return res.token_ids, np.array([lp.logprob for lp in res.logprobs])
+  top = np.array([[pair for pair in lp.top] for lp in res.logprobs])   # [n, TOP, 2]
+  return res.token_ids, top[..., 0].astype(int), top[..., 1]
 
 
 def merged_logprobs(run, tokens):
@@ -77,14 +80,15 @@ def test_the_workdir_served_as_adapter_equals_the_merged_weights(tiny_workdir, l
   with Engine(load_checkpoint(tiny_workdir),
               ServeConfig(**ENGINE, enable_lora=True, max_lora_rank=4,
                           lora_modules=(f'mine={lora_workdir}',))) as eng:
-    tokens, logps = greedy(eng, 'mine')
-    base_tokens, base_logps = greedy(eng)
+    tokens, ids, logps = greedy(eng, 'mine')
+    _, base_ids, base_logps = greedy(eng)
   # the base hf_export --merge reads, with the adapters merged into it
   want = merged_logprobs(load_lora_checkpoint(lora_workdir), tokens)
   assert tokens == list(want.argmax(-1))
-  np.testing.assert_allclose(logps, want[np.arange(len(tokens)), tokens], rtol=0, atol=1e-5)
+  rows = np.arange(len(tokens))[:, None]
+  np.testing.assert_allclose(logps, want[rows, ids], rtol=0, atol=1e-5)
   # the adapter trained: it moves what the base alone gives
-  assert base_tokens != tokens or np.abs(base_logps - logps).max() > 1e-2
+  assert np.abs(want[rows, base_ids] - base_logps).max() > 1e-2
 
 
 def test_a_base_of_another_model_is_refused_in_one_line(tiny_workdir, cache_dir, tmp_path):
@@ -114,3 +118,10 @@ def test_an_adapter_on_another_base_is_refused_in_one_line(tiny_workdir, lora_wo
     Engine(other, ServeConfig(**ENGINE, enable_lora=True, max_lora_rank=4,
                               lora_modules=(f'mine={lora_workdir}',)))
   assert '\n' not in str(e.value)
+
+
+def test_serving_the_lora_workdir_itself_names_its_base(tiny_workdir, lora_workdir):
+  """--checkpoint of a LoRA workdir (adapters only) says which command serves it."""
+  with pytest.raises(ValueError, match=rf'serve its base \(--checkpoint {tiny_workdir}\) with '
+                     rf'--enable-lora --lora-modules NAME={lora_workdir}\.$'):
+    load_checkpoint(lora_workdir)
