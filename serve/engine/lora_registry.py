@@ -45,8 +45,9 @@ class LoraRegistry:
       return [{'name': r.name, 'path': r.path} for r in self._by_name.values()]
 
   def load(self, name: str, path: str) -> None:
-    """Reads the adapter at `path` (PEFT, or a LoRA workdir) and puts it in a free slot; ValueError saying why
-    not (a taken name, no free slot, or an adapter that does not fit the base)."""
+    """Reads the adapter at `path` (PEFT, or a LoRA workdir) and puts it in a free slot;
+    ValueError saying why not (a taken name, no free slot, or an adapter that does not fit
+    the base)."""
     with self._lock:
       self._check_name(name)
       if not self._free:
