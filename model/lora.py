@@ -70,6 +70,10 @@ class LoraConfig:
   init_from_peft: str = ''
   """Training: a PEFT LoRA adapter directory whose adapters start the run (their rank,
   alpha, targets, layers and rslora must be this section's); '': new adapters."""
+  base_checkpoint: str = ''
+  """Training: WORKDIR[:STEP], a train.py run whose checkpoint (the newest intact one, or
+  STEP's) is the frozen base, its parameters only; its model section must be this run's.
+  '': init_from_hf's weights, else the seed's."""
 
   @property
   def scale(self) -> float:

@@ -84,7 +84,8 @@ class ServeConfig:
     for item in self.lora_modules:
       name, sep, path = item.partition('=')
       if not sep or not name or not path:
-        raise ValueError(f'--lora-modules {item!r}: give NAME=DIR (a PEFT adapter directory).')
+        raise ValueError(f'--lora-modules {item!r}: give NAME=DIR (a PEFT adapter directory '
+                         'or a LoRA run\'s workdir).')
       if name in out:
         raise ValueError(f'--lora-modules: the name {name!r} is given twice.')
       out[name] = path
@@ -120,8 +121,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag = f'--{_flag(field.name)}'
     if field.name == 'lora_modules':
       group.add_argument(flag, nargs='+', default=(), metavar='NAME=DIR',
-                         help='LoRA adapters (PEFT directories) to serve, each under its '
-                         'name (the request\'s "model"); needs --enable-lora')
+                         help='LoRA adapters (PEFT directories, or LoRA runs\' workdirs) to '
+                         'serve, each under its name (the request\'s "model"); needs '
+                         '--enable-lora')
     elif field.type in (bool, 'bool'):
       group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
     else:

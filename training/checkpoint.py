@@ -182,8 +182,9 @@ class Checkpointer:
 
 
 
-def restore_params(directory: str, target) -> tuple[object, int]:
-  """(params, step) of the newest checkpoint whose parameters are intact, for serving.
+def restore_params(directory: str, target, step: int | None = None) -> tuple[object, int]:
+  """(params, step) of the newest checkpoint whose parameters are intact (or of `step`
+  alone), for serving and as a LoRA run's base.
 
   Reads the `params` subtree of `state` only (orbax partial restore: the optimizer state
   is never read) onto the shardings in `target` (ShapeDtypeStructs in the model's param
@@ -199,6 +200,11 @@ def restore_params(directory: str, target) -> tuple[object, int]:
   if not steps:
     raise FileNotFoundError(f'{directory} holds no checkpoint yet: train until one is '
                             'saved (checkpoint.every_steps) or pass another workdir.')
+  if step is not None and step not in steps:
+    raise FileNotFoundError(f'{directory} has no checkpoint of step {step} (it holds steps '
+                            f'{steps}): name one of those, or none for the newest.')
+  if step is not None:
+    steps = [step]
   last_error = None
   for step in reversed(steps):
     try:

@@ -284,6 +284,7 @@ def validate(cfg: Config, num_devices: int, platform: str | None = None) -> None
     cfg.model.validate()
     if cfg.lora.rank:
       cfg.lora.validate(cfg.model)
+    validate_lora_base(cfg)
   if cfg.parallel.zero_stage not in (0, 1, 2, 3):
     raise ValueError(f'parallel.zero_stage={cfg.parallel.zero_stage}: choose 0, 1, 2 or 3.')
   if platform not in (None, 'gpu') and cfg.model.attention_impl == 'cudnn':
@@ -341,6 +342,17 @@ def validate(cfg: Config, num_devices: int, platform: str | None = None) -> None
   if cfg.eval.every_steps < 0 or cfg.eval.batches < 1:
     raise ValueError(f'eval.every_steps={cfg.eval.every_steps} must be >= 0 (0: no '
                      f'evaluation) and eval.batches={cfg.eval.batches} >= 1.')
+
+
+def validate_lora_base(cfg: Config) -> None:
+  """Before init_from_hf is read: a LoRA run takes one base."""
+  if cfg.lora.base_checkpoint and not cfg.lora.rank:
+    raise ValueError(f'lora.base_checkpoint={cfg.lora.base_checkpoint!r} is the frozen base '
+                     'of a LoRA run: set lora.rank > 0 too (a full-model run starts from '
+                     'init_from_hf or its own workdir).')
+  if cfg.lora.base_checkpoint and cfg.init_from_hf:
+    raise ValueError(f'init_from_hf={cfg.init_from_hf!r} and lora.base_checkpoint='
+                     f'{cfg.lora.base_checkpoint!r} both name the base: keep one.')
 
 
 def _validate_user_model(cfg: Config, sizes: dict[str, int]) -> None:

@@ -53,6 +53,7 @@ def setup(cfg: config_lib.Config) -> Trainer:
   """Everything a run needs, each config problem reported before any device work."""
   from_hf = []
   try:
+    config_lib.validate_lora_base(cfg)
     cfg, from_hf = pretrained.with_pretrained(cfg)
     processes.check_agree(cfg)
     config_lib.validate(cfg, jax.device_count(), jax.default_backend())
@@ -180,12 +181,14 @@ def restore_or_init(t: Trainer):
 
 
 def _lora_base(t: Trainer):
-  """The frozen base (init_from_hf's weights or the seed's), its identity in t.lora_base."""
+  """The frozen base (lora.base_checkpoint's, init_from_hf's or the seed's weights), its
+  identity in t.lora_base."""
   start = time.perf_counter()
   try:
     base, t.lora_base = lora_run.load_base(t.cfg, t.plan)
-  except (ValueError, FileNotFoundError) as e:
-    raise ConfigError(f'init_from_hf={t.cfg.init_from_hf!r}: {e}') from e
+  except (ValueError, FileNotFoundError, checkpoint.CheckpointError) as e:
+    where = '' if t.cfg.lora.base_checkpoint else f'init_from_hf={t.cfg.init_from_hf!r}: '
+    raise ConfigError(f'{where}{e}') from e
   if t.is_main:
     console.print(f'LoRA base: {t.lora_base["source"]} (checksum {t.lora_base["checksum"]}, '
                   f'{time.perf_counter() - start:.1f}s), frozen in {t.cfg.model.dtype}',

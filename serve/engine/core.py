@@ -28,6 +28,7 @@ from serve.engine.sizing import build_mesh, describe_cache, describe_model, size
 from serve.engine.stream import RequestStream
 from serve.engine.tracked import TrackedRequest
 from serve.load.hf_model import with_dtype, with_quantization
+from serve.load.lora_workdir import BaseIdentity
 from serve.sampling_params import SamplingParams
 from serve.worker import sampler
 from serve.worker.logits_adjust import pack_bits
@@ -47,6 +48,8 @@ class Engine(EngineLoop, OutputProcessor):
     cfg.validate()
     if cfg.dtype != 'auto':   # the loaders take it too, and cast while loading
       served = with_dtype(served, cfg.dtype)
+    # A LoRA workdir's adapters are checked against the weights as loaded, unquantized.
+    self._lora_base = BaseIdentity.of(served) if cfg.enable_lora else None
     served = with_quantization(served, cfg.quantization)
     if cfg.generation_config == 'none' and served.sampling_defaults:
       served = dataclasses.replace(served, sampling_defaults={})
@@ -126,7 +129,8 @@ class Engine(EngineLoop, OutputProcessor):
     """The registry of LoRA adapters (--enable-lora), --lora-modules loaded into it."""
     if self.runner.lora is None:
       return None
-    registry = LoraRegistry(self.served.model_cfg, self.runner.lora, self.served.name)
+    registry = LoraRegistry(self.served.model_cfg, self.runner.lora, self.served.name,
+                            base=self._lora_base)
     for name, path in self.cfg.lora_module_paths().items():
       registry.load(name, path)
     loaded = ', '.join(f'{name} (rank {registry.rank(name)})' for name in

@@ -12,7 +12,7 @@ import dataclasses
 import threading
 
 from serve.engine.errors import UnknownAdapter
-from serve.load.peft_adapter import read_peft_adapter
+from serve.load.lora_workdir import read_adapter
 
 
 @dataclasses.dataclass
@@ -29,8 +29,9 @@ class _Resident:
 class LoraRegistry:
   """Adapters in the runner's LoraSlots (serve.worker.lora_slots), thread-safe."""
 
-  def __init__(self, model_cfg, slots, base_name: str):
+  def __init__(self, model_cfg, slots, base_name: str, base=None):
     self.model_cfg, self.slots, self.base_name = model_cfg, slots, base_name
+    self.base = base   # the served weights' BaseIdentity, checked by LoRA workdirs
     self._by_name: dict[str, _Resident] = {}
     self._by_id: dict[int, _Resident] = {}
     self._free = list(range(1, slots.max_loras + 1))
@@ -44,8 +45,9 @@ class LoraRegistry:
       return [{'name': r.name, 'path': r.path} for r in self._by_name.values()]
 
   def load(self, name: str, path: str) -> None:
-    """Reads the PEFT adapter at `path` and puts it in a free slot; ValueError saying why
-    not (a taken name, no free slot, or an adapter that does not fit the base)."""
+    """Reads the adapter at `path` (PEFT, or a LoRA workdir) and puts it in a free slot;
+    ValueError saying why not (a taken name, no free slot, or an adapter that does not fit
+    the base)."""
     with self._lock:
       self._check_name(name)
       if not self._free:
@@ -56,7 +58,7 @@ class LoraRegistry:
       slot = self._free.pop(0)
       self._loading.add(name)
     try:
-      adapter = read_peft_adapter(name, path, self.model_cfg, self.slots.max_rank)
+      adapter = read_adapter(name, path, self.model_cfg, self.slots.max_rank, self.base)
       self.slots.write(slot, adapter.weights)
     except Exception:
       with self._lock:

@@ -14,7 +14,7 @@ import model
 from model.config import ModelConfig
 from serve.load.hf_model import ServedModel, with_dtype
 from sharding.rules import REPLICATED
-from training import checkpoint
+from training import checkpoint, lora_run
 from training.config import read_config_json
 from training.tokenizer import load_tokenizer
 
@@ -56,9 +56,8 @@ def load_checkpoint(workdir: str, mesh: Mesh | None = None,
   if (raw.get('lora') or {}).get('rank'):
     raise ValueError(f'{workdir} is a LoRA run: its checkpoints hold the adapters only. '
                      f'Serve it merged (python -m serve.hf_export --checkpoint {workdir} '
-                     '--merge --output DIR, then --hf-model DIR), or export its PEFT adapter '
-                     '(the same without --merge) and serve the base with --enable-lora '
-                     '--lora-modules NAME=DIR.')
+                     '--merge --output DIR, then --hf-model DIR), or serve its base '
+                     f'({_base_flag(raw)}) with --enable-lora --lora-modules NAME={workdir}.')
   model_cfg = _model_config(raw, workdir)
   if check is not None:
     check(model_cfg)
@@ -71,6 +70,13 @@ def load_checkpoint(workdir: str, mesh: Mesh | None = None,
                        eos_token_ids=[tokenizer.eos_id], chat_template=None,
                        name=os.path.basename(os.path.normpath(os.path.abspath(workdir))))
   return with_dtype(served, model_cfg.dtype if dtype == 'auto' else dtype)
+
+
+def _base_flag(raw: dict) -> str:
+  """How to serve a LoRA run's base, from its config.json."""
+  if raw['lora'].get('base_checkpoint'):
+    return f'--checkpoint {lora_run.parse_base_checkpoint(raw["lora"]["base_checkpoint"])[0]}'
+  return f'--hf-model {raw["init_from_hf"]}' if raw.get('init_from_hf') else 'its seed\'s weights'
 
 
 def _read_run_config(workdir: str) -> dict:

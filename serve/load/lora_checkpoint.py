@@ -1,8 +1,9 @@
 """A LoRA run's workdir (train.py with a lora section): its base and its adapters.
 
 The checkpoints hold the adapters only; the base is read again from where the run took
-it (init_from_hf's directory, or the seed's random weights) and checked against the
-checksum the checkpoint recorded, so adapters are never put on another base.
+it (lora.base_checkpoint's run at the step it read, init_from_hf's directory, or the
+seed's random weights) and checked against the checksum the checkpoint recorded, so
+adapters are never put on another base.
 """
 
 import dataclasses
@@ -47,8 +48,11 @@ def load_lora_checkpoint(workdir: str, mesh=None) -> LoraRun:
   model_cfg, lcfg = _model_config(raw, workdir), lora_section(workdir)
   lcfg.validate(model_cfg)
   source = os.path.expanduser(raw.get('init_from_hf') or '')
-  base = _base(model_cfg, source, raw.get('seed', 0), mesh)
   directory = os.path.join(workdir, 'checkpoints')
+  saved = checkpoint.latest_meta(directory) or {}
+  base_run = _base_run(saved, lcfg)
+  base = (_checkpoint_base(model_cfg, *base_run, mesh) if base_run else
+          _base(model_cfg, source, raw.get('seed', 0), mesh))
   _check_base(base, model_cfg, directory)
   target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=_one(mesh)),
                         lora.abstract_adapter(model_cfg, lcfg, model_cfg.param_dtype))
@@ -74,6 +78,24 @@ def _base(model_cfg, source: str, seed: int, mesh) -> dict:
   else:
     host = jax.jit(model.init_params, static_argnums=0)(model_cfg, jax.random.key(seed))
   return jax.tree.map(jax.device_put, host, shardings)
+
+
+def _base_run(meta: dict, lcfg: LoraConfig) -> tuple[str, int | None] | None:
+  """(workdir, step) of a run whose checkpoint is the base (lora.base_checkpoint), else
+  None. The step the adapters recorded, not the newest: that run may have trained on."""
+  source = (meta.get('lora_base') or {}).get('source', '')
+  if source.startswith(lora_run.CHECKPOINT_SOURCE):
+    return lora_run.parse_base_checkpoint(source[len(lora_run.CHECKPOINT_SOURCE):])
+  return lora_run.parse_base_checkpoint(lcfg.base_checkpoint) if lcfg.base_checkpoint else None
+
+
+def _checkpoint_base(model_cfg, workdir: str, step: int | None, mesh) -> dict:
+  """The base run's parameters at `step`, in its param_dtype."""
+  dtype = lora_run.base_model_config(workdir).param_dtype
+  target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
+                        model.abstract_params(model_cfg), param_shardings(model_cfg, mesh))
+  params, _ = checkpoint.restore_params(os.path.join(workdir, 'checkpoints'), target, step)
+  return params
 
 
 def _check_base(base: dict, model_cfg, directory: str) -> None:

@@ -1,0 +1,91 @@
+"""A LoRA run's workdir (train.py with a lora section) as an adapter --lora-modules serves,
+with no conversion: its newest intact adapters, put on the served base only where the
+checksum the run recorded of its frozen base is that of the weights served."""
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+
+from model import lora as lora_lib
+from model import quant
+from model.config import ModelConfig
+from serve.load.checkpoint import _model_config, _read_run_config
+from serve.load.lora_checkpoint import _one, lora_section
+from serve.load.peft_adapter import LoraAdapter, read_peft_adapter
+from training import checkpoint, lora_run
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseIdentity:
+  """What a LoRA run recorded of its base, taken of the served weights before any
+  quantization: their dtype and lora_run.checksum (None: weights quantized when loaded)."""
+  dtype: str
+  checksum: str | None
+
+  @classmethod
+  def of(cls, served) -> 'BaseIdentity':
+    leaves = jax.tree.leaves(served.params, is_leaf=quant.is_quantized)
+    known = not any(quant.is_quantized(x) for x in leaves)
+    return cls(served.model_cfg.dtype, lora_run.checksum(served.params) if known else None)
+
+
+def is_lora_workdir(path: str) -> bool:
+  """A train.py workdir of a LoRA run (a PEFT directory has adapter_config.json instead)."""
+  path = os.path.expanduser(str(path))
+  return os.path.isfile(os.path.join(path, 'config.json')) and lora_section(path) is not None
+
+
+def read_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int,
+                 base: BaseIdentity | None = None) -> LoraAdapter:
+  """The adapter in `path` (a PEFT directory or a meshlm LoRA workdir) as the slots hold
+  it; ValueError with one line naming what does not fit the served model."""
+  if is_lora_workdir(path):
+    return read_lora_workdir(name, path, cfg, max_rank, base)
+  return read_peft_adapter(name, path, cfg, max_rank)
+
+
+def read_lora_workdir(name: str, path: str, cfg: ModelConfig, max_rank: int,
+                      base: BaseIdentity | None) -> LoraAdapter:
+  """The newest intact adapters of the LoRA run in `path`, checked against the served
+  model's config `cfg` and its base identity."""
+  path = os.path.abspath(os.path.expanduser(str(path)))
+  where = f'LoRA adapter {name!r} ({path})'
+  run_cfg, lcfg = _model_config(_read_run_config(path), path), lora_section(path)
+  differ = lora_run.model_differences(run_cfg, cfg)
+  if differ:
+    shown = ', '.join(d.replace('this run', 'served') for d in differ)
+    raise ValueError(f'{where}: trained on a model with {shown}; serve it on its own base.')
+  if run_cfg.num_experts:
+    raise ValueError(f'{where}: adapters on a mixture-of-experts model are not served.')
+  if lcfg.rank > max_rank:
+    raise ValueError(f'{where}: rank {lcfg.rank} exceeds --max-lora-rank={max_rank}; restart '
+                     f'with --max-lora-rank {lcfg.rank} or more.')
+  directory = os.path.join(path, 'checkpoints')
+  _check_base((checkpoint.latest_meta(directory) or {}).get('lora_base'), run_cfg.dtype,
+              base, where)
+  target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=_one(None)),
+                        lora_lib.abstract_adapter(run_cfg, lcfg, run_cfg.param_dtype))
+  adapter, _ = checkpoint.restore_params(directory, target)
+  scale = lora_lib.layer_scales(cfg, lcfg)['layers'][:, None, None]
+  weights = {t: (np.asarray(ab['a'], np.float32), np.asarray(ab['b'], np.float32) * scale)
+             for t, ab in adapter['layers'].items()}
+  return LoraAdapter(name, path, lcfg.rank, weights, None)
+
+
+def _check_base(saved: dict | None, dtype: str, base: BaseIdentity | None, where: str) -> None:
+  """Refuses adapters whose recorded base is not the served weights."""
+  if saved is None or base is None:
+    return   # no checkpoint: restore_params says so; no identity: an engine built bare
+  if base.checksum is None:
+    raise ValueError(f'{where}: the served weights were quantized when loaded, so they '
+                     'cannot be checked against the base the adapters were trained on; '
+                     'serve the unquantized base (--quantization applies after the check).')
+  if base.dtype != dtype:
+    raise ValueError(f'{where}: its base was frozen in model.dtype={dtype}, the served '
+                     f'weights are {base.dtype}: serve the base with --dtype {dtype}.')
+  if base.checksum != saved['checksum']:
+    raise ValueError(f'{where}: trained on another base ({saved["source"]}, checksum '
+                     f'{saved["checksum"]}; the served weights\' is {base.checksum}): serve '
+                     'it on its own base.')

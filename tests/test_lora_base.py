@@ -1,0 +1,127 @@
+"""A meshlm checkpoint as a LoRA run's frozen base (lora.base_checkpoint), and that run's
+workdir served as an adapter with no conversion (--lora-modules NAME=WORKDIR): the base
+is the checkpoint's parameters bitwise, a request on the adapter equals the same request
+on the merged weights, and a base of another shape, two bases, or an adapter on another
+base are each refused in one line."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import model
+from model import lora
+from model.lora import LoraConfig
+from serve.config import ServeConfig
+from serve.engine.core import Engine
+from serve.load.checkpoint import load_checkpoint
+from serve.load.lora_checkpoint import load_lora_checkpoint
+from serve.sampling_params import SamplingParams
+from tests.test_train import cache_dir, tiny  # pylint: disable=unused-import
+from training import checkpoint, lora_run, trainer
+from training.trainer import ConfigError
+
+LORA = LoraConfig(rank=4, alpha=8.0, targets=('q', 'k', 'v', 'o', 'gate', 'up', 'down'))
+PROMPT = list(b'def main(argv):\n    ')
+TOP = 20   # log-probabilities compared per step: the head of each distribution
+ENGINE = dict(num_blocks=32, block_size=8, max_num_seqs=4, max_num_batched_tokens=64)
+
+
+def lora_cfg(workdir, cache_dir, base, steps=3, **overrides):
+  cfg = tiny(workdir, cache_dir, steps=steps, sample__num_tokens=0, optim__warmup_steps=0,
+             optim__learning_rate=3e-2, checkpoint__every_steps=steps, **overrides)
+  cfg.lora = dataclasses.replace(LORA, base_checkpoint=base)
+  return cfg
+
+
+@pytest.fixture(scope='module')
+def lora_workdir(tiny_workdir, cache_dir, tmp_path_factory):
+  """A LoRA run of 3 steps on the shared tiny model's newest checkpoint."""
+  cfg = lora_cfg(tmp_path_factory.mktemp('lora') / 'run', cache_dir, tiny_workdir)
+  trainer.train(cfg)
+  return cfg.workdir
+
+
+def test_the_frozen_base_is_the_checkpoints_params_bitwise(tiny_workdir, lora_workdir,
+                                                            cache_dir):
+  cfg = lora_cfg(lora_workdir, cache_dir, tiny_workdir)
+  meta = checkpoint.latest_meta(f'{lora_workdir}/checkpoints')
+  step = checkpoint.latest_meta(f'{tiny_workdir}/checkpoints')['step']
+  assert meta['lora_base']['source'] == f'base_checkpoint={tiny_workdir}:{step}'
+  base, identity = lora_run.load_base(cfg, trainer.build_plan(cfg))
+  assert identity == meta['lora_base']   # what the run froze is what a restart loads
+  served = load_checkpoint(tiny_workdir).params   # the serving loader: another path
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(base), jax.device_get(served))
+
+
+def greedy(engine, lora_name=None):
+  """Greedy tokens, and per step the top TOP (token ids [n, TOP], log-probabilities)."""
+  params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=TOP, ignore_eos=True)
+  res = engine.add_request(PROMPT, params, lora=lora_name).result()
+  assert res.error is None, res.error
+  top = np.array([[pair for pair in lp.top] for lp in res.logprobs])   # [n, TOP, 2]
+  return res.token_ids, top[..., 0].astype(int), top[..., 1]
+
+
+def merged_logprobs(run, tokens):
+  """Teacher-forced on the served tokens, one forward of the merged weights: each
+  position's log-probabilities over the tokenizer's ids (float32)."""
+  cfg = run.served.model_cfg
+  params = lora.merge(run.served.params, run.adapter, run.lcfg, cfg)
+  ids = jnp.asarray([PROMPT + tokens[:-1]], jnp.int32)
+  logits = model.logits(params, model.forward(params, ids, cfg), cfg)[0, len(PROMPT) - 1:]
+  vocab = run.served.tokenizer.vocab_size
+  return np.asarray(jax.nn.log_softmax(logits[:, :vocab].astype(jnp.float32)))
+
+
+def test_the_workdir_served_as_adapter_equals_the_merged_weights(tiny_workdir, lora_workdir):
+  with Engine(load_checkpoint(tiny_workdir),
+              ServeConfig(**ENGINE, enable_lora=True, max_lora_rank=4,
+                          lora_modules=(f'mine={lora_workdir}',))) as eng:
+    tokens, ids, logps = greedy(eng, 'mine')
+    _, base_ids, base_logps = greedy(eng)
+  # the base hf_export --merge reads, with the adapters merged into it
+  want = merged_logprobs(load_lora_checkpoint(lora_workdir), tokens)
+  assert tokens == list(want.argmax(-1))
+  rows = np.arange(len(tokens))[:, None]
+  np.testing.assert_allclose(logps, want[rows, ids], rtol=0, atol=1e-5)
+  # the adapter trained: it moves what the base alone gives
+  assert np.abs(want[rows, base_ids] - base_logps).max() > 1e-2
+
+
+def test_a_base_of_another_model_is_refused_in_one_line(tiny_workdir, cache_dir, tmp_path):
+  cfg = lora_cfg(tmp_path, cache_dir, tiny_workdir, steps=1, model__mlp_dim=64,
+                 model__rope_theta=500.0)
+  with pytest.raises(ConfigError, match=r"is a model with mlp_dim=0 \(this run: 64\), "
+                     r"rope_theta=10000.0 \(this run: 500.0\): set those model fields") as e:
+    trainer.train(cfg)
+  assert '\n' not in str(e.value)
+
+
+def test_two_bases_are_refused_in_one_line(tiny_workdir, cache_dir, tmp_path):
+  cfg = lora_cfg(tmp_path, cache_dir, tiny_workdir, steps=1, init_from_hf=str(tmp_path))
+  with pytest.raises(ConfigError, match=r'init_from_hf=.* and lora.base_checkpoint=.* both '
+                     'name the base: keep one') as e:
+    trainer.train(cfg)
+  assert '\n' not in str(e.value)
+
+
+def test_an_adapter_on_another_base_is_refused_in_one_line(tiny_workdir, lora_workdir):
+  """The same shapes, other weights: only the recorded checksum tells them apart."""
+  served = load_checkpoint(tiny_workdir)
+  other = dataclasses.replace(served, params=jax.tree.map(lambda w: w * 1.5, served.params))
+  with pytest.raises(ValueError, match=r"LoRA adapter 'mine' .*: trained on another base "
+                     r'\(base_checkpoint=.*; the served weights\' is \w+\): serve it on '
+                     'its own base') as e:
+    Engine(other, ServeConfig(**ENGINE, enable_lora=True, max_lora_rank=4,
+                              lora_modules=(f'mine={lora_workdir}',)))
+  assert '\n' not in str(e.value)
+
+
+def test_serving_the_lora_workdir_itself_names_its_base(tiny_workdir, lora_workdir):
+  """--checkpoint of a LoRA workdir (adapters only) says which command serves it."""
+  with pytest.raises(ValueError, match=rf'serve its base \(--checkpoint {tiny_workdir}\) with '
+                     rf'--enable-lora --lora-modules NAME={lora_workdir}\.$'):
+    load_checkpoint(lora_workdir)
