@@ -242,6 +242,10 @@ def test_responses_name_the_adapter_the_request_named(server):
                   if line.startswith('data: ') and line != 'data: [DONE]']
       assert chunks and {c['model'] for c in chunks} == {model}, chunks
   leak_free(engine)
+  metrics = httpx.get(srv.url + '/metrics').text
+  assert re.search(r'meshlm:lora_requests_info\{max_lora="2",running_lora_adapters="",'
+                   r'waiting_lora_adapters=""\} \d', metrics), metrics
+  assert 'meshlm:lora_adapters_loaded 1.0' in metrics
 
 
 def test_load_serve_unload_reload_while_others_stream(lora_dirs, server):
