@@ -91,7 +91,8 @@ def test_an_idle_slot_goes_to_the_least_recently_used_adapter_and_claims_lapse()
   table.prune_claims(set())                               # 4's requests went away
   assert table.place(1, {1, 2}) == (1, False)
   table.forget(3)
-  assert table.owner == [0, 1, 0] and table.place(5, {1}) == (2, True)
+  assert table.owner == [0, 1, 0] and table.place_in_empty(5) == 2
+  assert table.place_in_empty(6) is None and table.place(6, set()) == (1, True)
 
 
 # ------------------------------------------------------------------- the engine

@@ -2,9 +2,10 @@
 loaded in host memory, up to --max-loras of them in device slots at once; loaded and
 unloaded while requests run.
 
-A load reads the adapter into host arrays; the scheduler writes it into a slot when it
-admits a request for it (serve.engine.lora_residency decides which slot, evicting the
-least recently used idle one). Each load gets a fresh adapter id (never reused, unlike
+A load reads the adapter into host arrays, and into an empty slot if there is one; else
+the scheduler writes it into a slot when it admits a request for it
+(serve.engine.lora_residency decides which slot, evicting the least recently used idle
+one). Each load gets a fresh adapter id (never reused, unlike
 slots): the prefix cache keys blocks by it, so two adapters, an adapter and the base, or
 an adapter and its reloaded self never share KV blocks. An unload takes the name away at
 once (new requests get 404); requests already queued or running on it finish first, and
@@ -69,6 +70,9 @@ class LoraRegistry:
       self._next_id += 1
       self._by_name[name] = entry
       self._by_id[entry.adapter_id] = entry
+      slot = self.table.place_in_empty(entry.adapter_id)
+      if slot is not None:   # an empty slot no row reads: written now, not in a step
+        self.slots.write(slot, entry.weights)
 
   def _check_name(self, name: str) -> None:
     if not name or name == self.base_name:

@@ -51,6 +51,13 @@ class SlotTable:
       self._claims[min(unclaimed, key=lambda s: self._used[s])] = adapter_id
     return None
 
+  def place_in_empty(self, adapter_id: int) -> int | None:
+    """An empty, unclaimed slot for a newly loaded adapter (None if there is none): it
+    is written at load, ahead of its first request."""
+    empty = [s for s in range(1, self.num_slots + 1)
+             if not self.owner[s] and s not in self._claims]
+    return self._take(empty[0], adapter_id) if empty else None
+
   def _take(self, slot: int, adapter_id: int) -> int:
     self._claims.pop(slot, None)
     self.owner[slot] = adapter_id
