@@ -138,8 +138,12 @@ def test_more_adapters_than_slots_give_each_request_what_it_gets_alone(lora_dirs
     engine.shutdown()
 
 
-def test_loads_past_max_cpu_loras_are_refused_in_one_line(lora_dirs):
-  base, dirs, _ = lora_dirs
+def test_loads_past_max_cpu_loras_are_refused_and_unloads_wait_for_queued_requests(
+    lora_dirs):
+  """A load past --max-cpu-loras: one line naming the flag and the adapters loaded. An
+  unload while a request waits for a slot for it: the request still runs on it, and the
+  adapter goes after it, nothing leaked."""
+  base, dirs, merged = lora_dirs
   engine = make_engine(base, {'all8': dirs['all8']}, max_loras=1, max_cpu_loras=2)
   try:
     engine.lora.load('attn4', str(dirs['attn4']))
@@ -147,6 +151,16 @@ def test_loads_past_max_cpu_loras_are_refused_in_one_line(lora_dirs):
       engine.lora.load('mlp2', str(dirs['mlp2']))
     assert '--max-cpu-loras=2 adapters are loaded (all8, attn4); unload one first' in str(
         e.value) and '\n' not in str(e.value)
+    with engine._lock:   # pylint: disable=protected-access  # both queued before a step
+      streams = [engine.add_request(PROMPTS[0], greedy(), lora=a) for a in ('all8', 'attn4')]
+      assert engine.lora.unload('attn4') == 1
+    for a, s in zip(('all8', 'attn4'), streams):
+      res = s.result()
+      check_equal((res.token_ids, [lp.logprob for lp in res.logprobs]),
+                  reference(merged[a], PROMPTS[0]))
+    assert [a['name'] for a in engine.lora.names()] == ['all8']
+    leak_free(engine)
+    engine.lora.load('mlp2', str(dirs['mlp2']))   # attn4's host memory is free again
   finally:
     engine.shutdown()
 
