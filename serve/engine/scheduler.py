@@ -290,27 +290,29 @@ class Scheduler:
 
   def _schedule_waiting(self, budget: int, chunks: list) -> int:
     passed_over, busy = [], self._busy_slots()
-    while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-      request = self.waiting[0]
-      slot = self._lora_slot(request, busy)
-      if slot is None:   # its adapter waits for a slot: the requests behind it go on
-        passed_over.append(self.waiting.popleft())
-        continue
-      hits = self.kv.get_computed_blocks(request)
-      num_computed = len(hits) * self.cfg.block_size
-      num_tokens = request.num_tokens
-      num_new = self._num_new_tokens(num_tokens, num_computed, budget)
-      if self.kv.allocate_slots(request, num_new, hits) is None:
-        break   # first come, first served: nobody overtakes the head of the queue
-      self.waiting.popleft()
-      request.num_computed_tokens = num_computed
-      request.status = RequestStatus.RUNNING
-      request.lora_slot = slot
-      busy.add(slot)
-      self.running.append(request)
-      chunks.append(self._chunk(request, num_new, num_tokens))
-      budget -= num_new
-    self.waiting.extendleft(reversed(passed_over))
+    try:
+      while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        request = self.waiting[0]
+        slot = self._lora_slot(request, busy)
+        if slot is None:   # its adapter waits for a slot: the requests behind it go on
+          passed_over.append(self.waiting.popleft())
+          continue
+        hits = self.kv.get_computed_blocks(request)
+        num_computed = len(hits) * self.cfg.block_size
+        num_tokens = request.num_tokens
+        num_new = self._num_new_tokens(num_tokens, num_computed, budget)
+        if self.kv.allocate_slots(request, num_new, hits) is None:
+          break   # first come, first served: nobody overtakes the head of the queue
+        self.waiting.popleft()
+        request.num_computed_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        request.lora_slot = slot
+        busy.add(slot)
+        self.running.append(request)
+        chunks.append(self._chunk(request, num_new, num_tokens))
+        budget -= num_new
+    finally:   # also when a slot write raises: the passed-over keep their places
+      self.waiting.extendleft(reversed(passed_over))
     return budget
 
   def _busy_slots(self) -> set[int]:
