@@ -67,7 +67,8 @@ SERVE_MEANINGS = {
                            'defaults',
     '--enable-lora': 'serve LoRA adapters, picked per request by `model` '
                      '([LoRA adapters](../serving/lora.md))',
-    '--max-loras': 'LoRA adapters resident at once (device slots)',
+    '--max-loras': 'LoRA adapters in one batch (device slots)',
+    '--max-cpu-loras': 'LoRA adapters loaded in host memory at once (0: --max-loras)',
     '--max-lora-rank': 'the largest rank a LoRA adapter may have (slots are padded to it)',
 }
 GENERATE_MEANINGS = {

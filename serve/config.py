@@ -37,11 +37,13 @@ class ServeConfig:
   # vLLM's JSON, e.g. '{"method": "ngram", "num_speculative_tokens": 4}'; '': off
   speculative_config: str = ''
   # LoRA adapters (vLLM's flags): NAME=DIR PEFT directories loaded at start, how many
-  # may be resident at once, and the largest rank any may have.
+  # may be in one batch (device slots), the largest rank any may have, and how many may
+  # be loaded in host memory (0: max_loras).
   enable_lora: bool = False
   lora_modules: tuple = ()
   max_loras: int = 1
   max_lora_rank: int = 16
+  max_cpu_loras: int = 0
 
   def validate(self) -> None:
     """Raises ValueError naming the flag and the fix."""
@@ -74,12 +76,16 @@ class ServeConfig:
 
   def lora_module_paths(self) -> dict[str, str]:
     """--lora-modules as {name: directory}, checked."""
-    if (self.lora_modules or self.max_loras != 1 or self.max_lora_rank != 16) and (
-        not self.enable_lora):
-      raise ValueError('--lora-modules, --max-loras and --max-lora-rank need --enable-lora.')
+    if (self.lora_modules or self.max_loras != 1 or self.max_lora_rank != 16
+        or self.max_cpu_loras) and not self.enable_lora:
+      raise ValueError('--lora-modules, --max-loras, --max-lora-rank and --max-cpu-loras '
+                       'need --enable-lora.')
     for name in ('max_loras', 'max_lora_rank'):
       if getattr(self, name) < 1:
         raise ValueError(f'--{_flag(name)}={getattr(self, name)}: must be at least 1.')
+    if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
+      raise ValueError(f'--max-cpu-loras={self.max_cpu_loras} is less than --max-loras='
+                       f'{self.max_loras}: give at least as many (or 0: --max-loras).')
     out = {}
     for item in self.lora_modules:
       name, sep, path = item.partition('=')
@@ -89,9 +95,10 @@ class ServeConfig:
       if name in out:
         raise ValueError(f'--lora-modules: the name {name!r} is given twice.')
       out[name] = path
-    if len(out) > self.max_loras:
-      raise ValueError(f'--lora-modules names {len(out)} adapters, more than --max-loras='
-                       f'{self.max_loras} resident at once; raise --max-loras to {len(out)}.')
+    cpu = self.max_cpu_loras or self.max_loras
+    if len(out) > cpu:
+      raise ValueError(f'--lora-modules names {len(out)} adapters, more than --max-cpu-loras='
+                       f'{cpu} loaded at once; raise --max-cpu-loras to {len(out)}.')
     return out
 
   def speculative(self) -> SpeculativeConfig | None:

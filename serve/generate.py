@@ -10,8 +10,10 @@ stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, logprobs, th
 penalties, logit_bias, allowed_token_ids, bad_words, skip_special_tokens, guided_regex,
 guided_grammar, prompt_logprobs, truncate_prompt_tokens; response_format, guided_json,
 guided_choice and structured_outputs for structured output; those left out take the
-model's generation_config.json defaults) and an optional
-`id` copied to the output. Output lines come in input order. A bad line stops the run
+model's generation_config.json defaults), an optional
+`id` copied to the output, and an optional `model`: a LoRA adapter's name from
+--lora-modules (with --enable-lora, as the server's requests name one) or the base
+model's, copied to the output. Output lines come in input order. A bad line stops the run
 before any generation, with one line naming the line and the field (exit status 2).
 """
 
@@ -32,7 +34,7 @@ PROMPT_KEYS = ('prompt', 'prompt_token_ids', 'messages')
 OPENAI_EXTRA = ('max_completion_tokens', 'top_logprobs', 'n', 'best_of', 'response_format',
                 'guided_json', 'guided_choice', 'guided_whitespace_pattern',
                 'structured_outputs', 'truncate_prompt_tokens')
-KNOWN = {'id', *PROMPT_KEYS, *OPENAI_EXTRA,
+KNOWN = {'id', 'model', *PROMPT_KEYS, *OPENAI_EXTRA,
          *(f.name for f in dataclasses.fields(SamplingParams))}
 # Chat fields only the HTTP server takes (tool calling, template variables).
 SERVER_ONLY = ('tools', 'tool_choice', 'parallel_tool_calls', 'functions', 'function_call',
@@ -49,6 +51,7 @@ class Job:
   body: dict
   prompt_ids: list[int] = dataclasses.field(default_factory=list)
   params: SamplingParams | None = None
+  lora: str | None = None   # the LoRA adapter its `model` names (None: the base)
 
 
 def read_jobs(path: str) -> list[Job]:
@@ -89,12 +92,13 @@ def _parse_line(path: str, number: int, text: str) -> dict:
 def prepare(job: Job, served, engine, path: str) -> None:
   """Tokenizes the prompt and builds the SamplingParams; BadLine names the field."""
   body, where = job.body, f'{path} line {job.line}'
+  job.lora = _adapter(body.get('model'), served, engine, where)
   try:
     text = body['prompt'] if isinstance(body.get('prompt'), str) else None   # with specials
     job.prompt_ids = truncate_prompt(_prompt_ids(body, served), body, engine.max_model_len,
                                      served.tokenizer, text)
     sampling = {k: v for k, v in body.items()
-                if k not in (*PROMPT_KEYS, 'id', 'truncate_prompt_tokens')}
+                if k not in (*PROMPT_KEYS, 'id', 'model', 'truncate_prompt_tokens')}
     job.params = from_openai(sampling, engine.vocab_size, chat='messages' in body,
                              defaults=served.sampling_defaults)
     bad_word_ids(served.tokenizer, job.params.bad_words)   # each spells some token
@@ -110,6 +114,20 @@ def prepare(job: Job, served, engine, path: str) -> None:
   except (ValueError, TypeError) as e:
     field = next(k for k in PROMPT_KEYS if k in body)
     raise BadLine(f'{where}: field {field!r}: {e}') from None
+
+
+def _adapter(model, served, engine, where: str) -> str | None:
+  """The LoRA adapter a line's `model` names (None: the base, by its name or none)."""
+  if model is None or model == served.name:
+    return None
+  registry = getattr(engine, 'lora', None)
+  names = [] if registry is None else [a['name'] for a in registry.names()]
+  if model not in names:
+    served_names = f'the LoRA adapters {names}' if names else (
+        'no LoRA adapters (--enable-lora --lora-modules NAME=DIR)')
+    raise BadLine(f'{where}: field \'model\': {model!r} is not served: the base is '
+                  f'{served.name!r}, with {served_names}.')
+  return model
 
 
 def _prompt_ids(body: dict, served) -> list[int]:
@@ -144,7 +162,7 @@ def _entry(lp) -> dict:
 
 
 def result_line(job: Job, result) -> dict:
-  out = {'id': job.body['id']} if 'id' in job.body else {}
+  out = {k: job.body[k] for k in ('id', 'model') if k in job.body}
   out.update(index=job.line, text=result.text, token_ids=result.token_ids,
              finish_reason=result.finish_reason, num_prompt_tokens=len(job.prompt_ids),
              num_output_tokens=len(result.token_ids))
@@ -164,7 +182,8 @@ def run(engine, jobs: list[Job]) -> list:
   with progress.Progress(*columns, transient=False) as bar:
     task = bar.add_task('generate', total=len(jobs))
     engine.add_observer(lambda _metrics: bar.advance(task))
-    return engine.generate([j.prompt_ids for j in jobs], [j.params for j in jobs])
+    return engine.generate([j.prompt_ids for j in jobs], [j.params for j in jobs],
+                           loras=[j.lora for j in jobs])
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -225,6 +225,29 @@ def test_models_list_the_base_and_its_adapters_with_their_parent(server):
   assert httpx.post(srv.url + '/v1/load_lora_adapter', json={}).status_code == 401
 
 
+def test_responses_name_the_adapter_the_request_named(server):
+  """As vLLM: "model" is the adapter's name in completions, chat and every streamed
+  chunk, and the base's for the base."""
+  srv, engine = server
+  for model in ('all8', 'base'):
+    for path, extra in (('/v1/completions', {'prompt': 'w1 w2'}),
+                        ('/v1/chat/completions', {'messages': [{'role': 'user',
+                                                                'content': 'w1'}]})):
+      body = {'model': model, 'max_tokens': 3, **extra}
+      resp = post(srv, path, body)
+      assert resp.status_code == 200 and resp.json()['model'] == model, resp.text
+      with httpx.stream('POST', srv.url + path, json={**body, 'stream': True}, timeout=120,
+                        headers={'Authorization': 'Bearer sesame'}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith('data: ') and line != 'data: [DONE]']
+      assert chunks and {c['model'] for c in chunks} == {model}, chunks
+  leak_free(engine)
+  metrics = httpx.get(srv.url + '/metrics').text
+  assert re.search(r'meshlm:lora_requests_info\{max_lora="2",running_lora_adapters="",'
+                   r'waiting_lora_adapters=""\} \d', metrics), metrics
+  assert 'meshlm:lora_adapters_loaded 1.0' in metrics
+
+
 def test_load_serve_unload_reload_while_others_stream(lora_dirs, server):
   """A base request streams throughout; an adapter is loaded, serves its merged
   weights' tokens, is unloaded while a request on it runs (which finishes with its
@@ -314,8 +337,8 @@ def test_adapters_that_do_not_fit_are_refused_in_one_line(lora_dirs, bad_dirs, s
 
 def test_unknown_names_and_a_full_house_are_refused_and_the_server_goes_on(lora_dirs, server):
   """A request naming no served model: 404 in OpenAI's shape, code model_not_found (as
-  vLLM); unloading an unknown adapter: 404; a load past --max-loras: 400 naming the
-  slots' holders. The server serves on, nothing leaked."""
+  vLLM); unloading an unknown adapter: 404; a load past --max-cpu-loras (--max-loras
+  by default): 400 naming the adapters loaded. The server serves on, nothing leaked."""
   srv, engine = server
   _, dirs, _ = lora_dirs
   for path in ('/v1/completions', '/v1/chat/completions'):
@@ -333,7 +356,7 @@ def test_unknown_names_and_a_full_house_are_refused_and_the_server_goes_on(lora_
               {'lora_name': 'attn4', 'lora_path': str(dirs['attn4'])}).status_code == 200
   resp = post(srv, '/v1/load_lora_adapter', {'lora_name': 'mlp2', 'lora_path': str(dirs['mlp2'])})
   assert resp.status_code == 400, resp.text
-  assert 'all --max-loras=2 slots hold adapters (all8, attn4); unload one first' in (
+  assert '--max-cpu-loras=2 adapters are loaded (all8, attn4); unload one first' in (
       resp.json()['error']['message'])
   resp = post(srv, '/v1/load_lora_adapter', {'lora_name': 'base', 'lora_path': str(dirs['mlp2'])})
   assert resp.status_code == 400 and "other than the base model's" in resp.text
@@ -345,7 +368,7 @@ def test_unknown_names_and_a_full_house_are_refused_and_the_server_goes_on(lora_
 @pytest.mark.parametrize('kw, message', [
     ({'lora_modules': ('a=x',)}, 'need --enable-lora'),
     ({'enable_lora': True, 'max_loras': 1, 'lora_modules': ('a=x', 'b=y')},
-     'names 2 adapters, more than --max-loras=1'),
+     'names 2 adapters, more than --max-cpu-loras=1'),
     ({'enable_lora': True, 'lora_modules': ('a',)}, "give NAME=DIR"),
     ({'enable_lora': True, 'max_lora_rank': 0}, '--max-lora-rank=0: must be at least 1'),
 ])

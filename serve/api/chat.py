@@ -17,7 +17,7 @@ from serve.api.tool_parsers import Delta
 
 
 async def _chat_events(state, reqs, body: ChatBody, want_logprobs: bool):
-  meta = response_meta('chat.completion.chunk', state)
+  meta = response_meta('chat.completion.chunk', state, reqs)
   for r in reqs:   # each choice opens with its role
     first = {'index': r.index, 'delta': {'role': 'assistant', 'content': ''},
              'logprobs': None, 'finish_reason': None}
@@ -71,7 +71,7 @@ def _chat_json(state, reqs, want_logprobs: bool) -> dict:
               'finish_reason': _chat_finish_reason(r),
               'logprobs': (chat_logprobs(state.served.tokenizer, r.logprobs)
                            if want_logprobs else None)} for r in reqs]
-  return {**response_meta('chat.completion', state), 'choices': choices, 'usage': usage(reqs),
+  return {**response_meta('chat.completion', state, reqs), 'choices': choices, 'usage': usage(reqs),
           **({'prompt_logprobs': vllm_prompt_logprobs(state.served.tokenizer, reqs[0])}
              if reqs[0].vllm_prompt_logprobs else {})}   # vLLM's, at the top level
 

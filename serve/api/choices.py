@@ -42,7 +42,7 @@ def submit(state: ServerState, prompts: list[list[int]], params: list,
         rid = f'{base}-{i * n + j}'
         stream = state.engine.add_request(ids, child, request_id=rid, **lora)
         reqs.append(Choice(rid, i * n + j, ids, stream, counts_prompt=j == 0,
-                           waits_for_scores=waits))
+                           waits_for_scores=waits, adapter=adapter))
         reqs[-1].first = reqs[-1] if j == 0 else reqs[-1 - j]
         state.active[rid] = reqs[-1]
   except QueueFull as e:

@@ -36,7 +36,8 @@ def _completion_events(state, reqs, body: CompletionBody, want_logprobs: bool):
     return {'index': r.index, 'text': text, 'logprobs': logprobs,
             'finish_reason': r.finish_reason}
 
-  return events(state, reqs, body, response_meta('text_completion', state), choice, want_logprobs)
+  return events(state, reqs, body, response_meta('text_completion', state, reqs), choice,
+                want_logprobs)
 
 
 def _completion_json(state, reqs, want_logprobs: bool) -> dict:
@@ -51,7 +52,8 @@ def _completion_json(state, reqs, want_logprobs: bool) -> dict:
               'logprobs': logprobs(r) if want_logprobs else None,
               **({'prompt_logprobs': vllm_prompt_logprobs(tokenizer, r)}
                  if r.vllm_prompt_logprobs else {})} for r in reqs]
-  return {**response_meta('text_completion', state), 'choices': choices, 'usage': usage(reqs)}
+  return {**response_meta('text_completion', state, reqs), 'choices': choices,
+          'usage': usage(reqs)}
 
 
 def _completion_request(state: ServerState, raw: dict):

@@ -72,7 +72,8 @@ async def unload_lora_adapter(state, request: fastapi.Request):
   except UnknownAdapter as e:
     raise ApiError(404, str(e), param='lora_name', type_='NotFoundError',
                    code='model_not_found') from None
-  after = (f' {running} running requests on it finish first; its slot is freed after them.'
+  after = (f' {running} queued or running requests on it finish first; it is dropped '
+           'after them.'
            if running else '')
   return responses.PlainTextResponse(
       f"Success: LoRA adapter '{name}' removed successfully.{after}")

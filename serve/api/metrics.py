@@ -62,11 +62,32 @@ class _EngineCollector:
       for pos, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
         per_pos.add_metric([str(pos)], float(value))
       yield per_pos
+    yield from _lora_metrics(self._engine)
     success = CounterMetricFamily(PREFIX + 'request_success', 'Finished requests by reason.',
                                   labels=['finished_reason'])
     for reason in FINISH_REASONS:
       success.add_metric([reason], float(stats.finished.get(reason, 0)))
     yield success
+
+
+def _lora_metrics(engine):
+  """vLLM's lora_requests_info (its labels name the adapters of running and waiting
+  requests, comma-separated, and the slots; its value the scrape time), and the adapters
+  loaded in host memory and resident in device slots."""
+  info = getattr(engine, 'lora_requests', lambda: None)()
+  if info is None:
+    return
+  family = GaugeMetricFamily(PREFIX + 'lora_requests_info', 'LoRA adapters of the running '
+                             'and the waiting requests, and max_lora (device slots).',
+                             labels=['running_lora_adapters', 'waiting_lora_adapters',
+                                     'max_lora'])
+  family.add_metric([','.join(info['running']), ','.join(info['waiting']),
+                     str(info['max_lora'])], time.time())
+  yield family
+  yield GaugeMetricFamily(PREFIX + 'lora_adapters_loaded', 'LoRA adapters loaded in host '
+                          'memory (at most --max-cpu-loras).', value=float(info['loaded']))
+  yield GaugeMetricFamily(PREFIX + 'lora_adapters_resident', 'LoRA adapters in device '
+                          'slots (at most --max-loras).', value=float(len(info['resident'])))
 
 
 class ServerMetrics:

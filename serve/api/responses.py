@@ -58,10 +58,12 @@ def logprob_entries(out) -> list:
   return [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or ()]
 
 
-def response_meta(kind: str, state: ServerState) -> dict:
+def response_meta(kind: str, state: ServerState, reqs: list[Choice]) -> dict:
+  """id, object, created, and the model: the LoRA adapter the request named, as vLLM
+  answers, or the base's name."""
   prefix = 'chatcmpl' if kind.startswith('chat') else 'cmpl'
   return {'id': f'{prefix}-{uuid.uuid4().hex}', 'object': kind, 'created': int(time.time()),
-          'model': state.model_name}
+          'model': reqs[0].adapter or state.model_name}
 
 
 def include_usage(body: Body) -> bool:

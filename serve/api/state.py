@@ -31,6 +31,7 @@ class Choice:
   logprobs: list = dataclasses.field(default_factory=list)
   logprob_offset: int = 0     # completions' text_offset of the next streamed logprob
   finish_reason: str | None = None
+  adapter: str | None = None  # the LoRA adapter it runs on (None: the base)
 
 
 class ServerState:

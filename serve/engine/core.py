@@ -130,13 +130,15 @@ class Engine(EngineLoop, OutputProcessor):
     if self.runner.lora is None:
       return None
     registry = LoraRegistry(self.served.model_cfg, self.runner.lora, self.served.name,
-                            base=self._lora_base)
+                            self.cfg.max_cpu_loras, base=self._lora_base)
+    self.scheduler.lora = registry   # admits a request once its adapter is in a slot
     for name, path in self.cfg.lora_module_paths().items():
       registry.load(name, path)
     loaded = ', '.join(f'{name} (rank {registry.rank(name)})' for name in
                        self.cfg.lora_module_paths()) or 'none yet'
-    print(f'LoRA: up to {self.cfg.max_loras} adapters of rank <= {self.cfg.max_lora_rank} '
-          f'resident; loaded: {loaded}.', flush=True)
+    print(f'LoRA: up to {registry.max_cpu_loras} adapters of rank <= '
+          f'{self.cfg.max_lora_rank} loaded, {self.cfg.max_loras} of them in a batch; '
+          f'loaded: {loaded}.', flush=True)
     return registry
 
   def _make_kv_manager(self):
@@ -187,13 +189,14 @@ class Engine(EngineLoop, OutputProcessor):
     return stream
 
   def _attach_adapter(self, request: Request, lora: str | None) -> None:
-    """Gives the request its adapter's slot (held until _finish releases it)."""
+    """Gives the request its adapter (held until _finish releases it); the scheduler
+    puts it in a slot when it admits the request."""
     if lora is None:
       return
     if self.lora is None:
       raise UnknownAdapter(f'The model {lora!r} does not exist: this server serves '
                            f'{self.served.name!r} and no LoRA adapters (--enable-lora).')
-    request.lora_slot, request.lora_id = self.lora.acquire(lora)
+    request.lora_id = self.lora.acquire(lora)
 
   def compile_guided(self, params: SamplingParams) -> None:
     """Compiles (and caches) a guided output's expression, or checks its grammar against
@@ -221,21 +224,27 @@ class Engine(EngineLoop, OutputProcessor):
       self._aborts.setdefault(request_id, (t, 'aborted'))
     self._wake.set()
 
-  def generate(self, prompts, params=None, on_finish=None) -> list[CompletionResult]:
+  def generate(self, prompts, params=None, on_finish=None,
+               loras=None) -> list[CompletionResult]:
     """Runs all prompts (token id lists) together; results in prompt order.
 
     params: one SamplingParams for all, or one per prompt. on_finish(result) is called
-    as each request completes (for a progress bar), from the calling thread.
+    as each request completes (for a progress bar), from the calling thread. loras: per
+    prompt its LoRA adapter's name (None: the base); None: all on the base.
     """
     if params is None or isinstance(params, SamplingParams):
       params = [params] * len(prompts)
     if len(params) != len(prompts):
       raise ValueError(f'{len(params)} SamplingParams for {len(prompts)} prompts; give '
                        'one for all or one per prompt.')
+    loras = [None] * len(prompts) if loras is None else loras
+    if len(loras) != len(prompts):
+      raise ValueError(f'{len(loras)} LoRA names for {len(prompts)} prompts; give one per '
+                       'prompt (None: the base).')
     streams = []
     try:
-      for p, sp in zip(prompts, params):
-        streams.append(self.add_request(p, sp, bounded=False))
+      for p, sp, lora in zip(prompts, params, loras):
+        streams.append(self.add_request(p, sp, bounded=False, lora=lora))
     except Exception:
       for stream in streams:   # a refused prompt: the ones already queued would run unread
         self.abort(stream.request_id)
@@ -265,6 +274,20 @@ class Engine(EngineLoop, OutputProcessor):
           spec_decode_num_draft_tokens=self._totals['draft_tokens'],
           spec_decode_num_accepted_tokens=self._totals['accepted_tokens'],
           spec_decode_num_accepted_tokens_per_pos=tuple(self._accepted_per_pos))
+
+  def lora_requests(self) -> dict | None:
+    """vLLM's lora_requests_info: the adapters of running and of waiting requests, the
+    slots (max_lora) and the adapters loaded and in slots; None without --enable-lora."""
+    if self.lora is None:
+      return None
+    with self._lock:
+      s = self.scheduler
+      running = {r.lora_id for r in s.running if r.lora_id}
+      waiting = {r.lora_id for r in s.waiting if r.lora_id}
+    names = lambda ids: sorted(filter(None, map(self.lora.name_of, ids)))  # noqa: E731
+    return {'running': names(running), 'waiting': names(waiting),
+            'max_lora': self.cfg.max_loras, 'loaded': len(self.lora.names()),
+            'resident': self.lora.resident()}
 
   @property
   def max_waiting_requests(self) -> int:

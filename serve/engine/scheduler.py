@@ -18,6 +18,11 @@ running request needs a block and none is free, the most recently admitted runni
 request is preempted by recompute: its blocks are freed, its computed count goes back to
 zero and it returns to the head of the waiting queue; resumed, it recomputes prompt and
 outputs (or finds them in the prefix cache) before sampling again.
+
+With LoRA adapters (`lora`, serve.engine.lora_registry) a waiting request of an adapter
+runs only once its adapter is in a device slot: one that must wait for a slot is passed
+over (the requests behind it, the base's and other adapters', are admitted meanwhile)
+and keeps its place at the head of the queue.
 """
 
 import collections
@@ -72,7 +77,7 @@ class SchedulerOutput:
 
 class Scheduler:
 
-  def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager | None = None):
+  def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager | None = None, lora=None):
     cfg.validate()
     kv = kv or KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
     if (kv.block_size, kv.pool.num_blocks) != (cfg.block_size, cfg.num_blocks):
@@ -86,6 +91,7 @@ class Scheduler:
     self.running: list[Request] = []          # in admission order: the last is the victim
     self._finished_ids: list[str] = []
     self.num_preemptions = 0
+    self.lora = lora   # a LoraRegistry: the device slots of the adapters (None: no LoRA)
 
   # Counters for /metrics.
   @property
@@ -283,21 +289,46 @@ class Scheduler:
     return True
 
   def _schedule_waiting(self, budget: int, chunks: list) -> int:
-    while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-      request = self.waiting[0]
-      hits = self.kv.get_computed_blocks(request)
-      num_computed = len(hits) * self.cfg.block_size
-      num_tokens = request.num_tokens
-      num_new = self._num_new_tokens(num_tokens, num_computed, budget)
-      if self.kv.allocate_slots(request, num_new, hits) is None:
-        break   # first come, first served: nobody overtakes the head of the queue
-      self.waiting.popleft()
-      request.num_computed_tokens = num_computed
-      request.status = RequestStatus.RUNNING
-      self.running.append(request)
-      chunks.append(self._chunk(request, num_new, num_tokens))
-      budget -= num_new
+    passed_over, busy = [], self._busy_slots()
+    try:
+      while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        request = self.waiting[0]
+        slot = self._lora_slot(request, busy)
+        if slot is None:   # its adapter waits for a slot: the requests behind it go on
+          passed_over.append(self.waiting.popleft())
+          continue
+        hits = self.kv.get_computed_blocks(request)
+        num_computed = len(hits) * self.cfg.block_size
+        num_tokens = request.num_tokens
+        num_new = self._num_new_tokens(num_tokens, num_computed, budget)
+        if self.kv.allocate_slots(request, num_new, hits) is None:
+          break   # first come, first served: nobody overtakes the head of the queue
+        self.waiting.popleft()
+        request.num_computed_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        request.lora_slot = slot
+        busy.add(slot)
+        self.running.append(request)
+        chunks.append(self._chunk(request, num_new, num_tokens))
+        budget -= num_new
+    finally:   # also when a slot write raises: the passed-over keep their places
+      self.waiting.extendleft(reversed(passed_over))
     return budget
+
+  def _busy_slots(self) -> set[int]:
+    """The LoRA slots running requests read (none to change adapter under them); claims
+    of adapters no waiting request wants are dropped first."""
+    if self.lora is None:
+      return set()
+    self.lora.prune_claims({r.lora_id for r in self.waiting if r.lora_id})
+    return {r.lora_slot for r in self.running if r.lora_slot}
+
+  def _lora_slot(self, request: Request, busy: set[int]) -> int | None:
+    """The device slot its adapter is in (written there now if need be; 0 for the
+    base), or None while it waits for one."""
+    if not request.lora_id:
+      return 0
+    return self.lora.slot_for(request.lora_id, busy)
 
   def _num_new_tokens(self, num_tokens: int, num_computed: int, budget: int) -> int:
     num_new = num_tokens - num_computed
