@@ -32,8 +32,19 @@ _UNSUPPORTED = {'use_dora': False, 'bias': 'none', 'fan_in_fan_out': False,
 
 # --------------------------------------------------------------------------------- write
 
+def check_exportable(lcfg: LoraConfig) -> None:
+  """ValueError for adapters with no PEFT form: those on experts. transformers fuses each
+  expert's gate and up in one gate_up_proj, where PEFT's target_parameters puts one
+  adapter of rank r; ours are two (a block of rank 2r), so the round trip is not exact."""
+  experts = [t for t in lcfg.targets if t in lora.EXPERT_TARGETS]
+  if experts:
+    raise ValueError(f'lora.targets {experts}: adapters on experts have no PEFT adapter form '
+                     'here; export base + adapters with `python -m serve.hf_export --merge`.')
+
+
 def peft_config(lcfg: LoraConfig, cfg: ModelConfig, base_model: str = '') -> dict:
   """adapter_config.json for lcfg's adapters on a base of cfg's architecture."""
+  check_exportable(lcfg)
   layers = sorted(lcfg.layers) if lcfg.layers else None
   return {'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'base_model_name_or_path':
           base_model or None, 'r': lcfg.rank, 'lora_alpha': lcfg.alpha,
@@ -46,6 +57,7 @@ def peft_config(lcfg: LoraConfig, cfg: ModelConfig, base_model: str = '') -> dic
 
 def peft_tensors(adapter: dict, lcfg: LoraConfig, cfg: ModelConfig) -> dict[str, np.ndarray]:
   """The adapted layers' lora_A [r, in] and lora_B [out, r], float32."""
+  check_exportable(lcfg)
   chosen = set(lcfg.layers) if lcfg.layers else set(range(cfg.num_layers))
   out = {}
   for stack, indices in lora.stack_layer_indices(cfg).items():
@@ -108,6 +120,12 @@ def _read_config(directory: str) -> dict:
     hf = json.load(f)
   if hf.get('peft_type', 'LORA') != 'LORA':
     raise ValueError(f'{directory}: peft_type {hf["peft_type"]!r}; only LORA adapters load.')
+  if hf.get('target_parameters'):
+    raise ValueError(f'{directory}: {CONFIG_FILE} sets target_parameters='
+                     f'{hf["target_parameters"]!r} (adapters on expert parameters), which '
+                     'meshlm does not read or serve per request: merge them into the base '
+                     '(peft merge_and_unload, or `python -m serve.hf_export --merge` of a '
+                     'meshlm run) and serve that.')
   for key, default in _UNSUPPORTED.items():
     if hf.get(key, default) not in (default, None, {}, []):
       raise ValueError(f'{directory}: {CONFIG_FILE} sets {key}={hf[key]!r}, which meshlm '
