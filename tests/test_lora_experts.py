@@ -109,13 +109,23 @@ def test_expert_adapters_layout_equals_one_device(combo):
 
 @pytest.fixture(scope='module')
 def expert_workdir(cache_dir, tmp_path_factory):
-  """A LoRA run of q and the experts on a random tiny MoE base (every layer routed)."""
+  """A LoRA run of q and the experts on a random tiny MoE base (every layer routed, 2 of 4
+  experts a token), the base written as hf_export writes a run."""
+  from model.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  from model.hf import hf_config, hf_tensors  # pylint: disable=import-outside-toplevel
+  from serve import hf_export  # pylint: disable=import-outside-toplevel
   from training import trainer  # pylint: disable=import-outside-toplevel
-  cfg = tiny(tmp_path_factory.mktemp('run'), cache_dir, steps=3, sample__num_tokens=0,
-             optim__learning_rate=3e-2, optim__warmup_steps=0)
-  cfg.model = dataclasses.replace(cfg.model, num_experts=4, experts_per_token=2,
-                                  moe_mlp_dim=32, moe_dispatch='dropless',
-                                  tie_embeddings=False)
+  base_cfg = ModelConfig(vocab_size=320, num_layers=2, embed_dim=64, num_heads=4,
+                         num_kv_heads=2, head_dim=16, mlp_dim=128, max_seq_len=64,
+                         tie_embeddings=False, num_experts=4, experts_per_token=2,
+                         moe_mlp_dim=32, init_std=0.1)
+  base = str(tmp_path_factory.mktemp('base'))
+  hf_export._write(base, hf_config(base_cfg, 'float32', 256),  # pylint: disable=protected-access
+                   hf_tensors(model.init_params(base_cfg, jax.random.key(3)), base_cfg),
+                   hf_export.byte_tokenizer_json(), '<|endoftext|>', 64, 256)
+  cfg = tiny(tmp_path_factory.mktemp('run'), cache_dir, steps=3, init_from_hf=base,
+             sample__num_tokens=0, optim__learning_rate=3e-2, optim__warmup_steps=0)
+  cfg.model = dataclasses.replace(cfg.model, moe_dispatch='dropless')
   cfg.lora = LoraConfig(rank=4, alpha=8.0, targets=('q', *EXPERTS))
   trainer.train(cfg)
   return cfg.workdir
@@ -131,6 +141,7 @@ def test_merge_export_of_expert_adapters_is_what_transformers_computes(expert_wo
   cfg, params = run.served.model_cfg, run.served.params
   assert np.abs(run.adapter['moe_layers']['experts_down']['b']).max() > 0   # trained
   ids = np.random.default_rng(0).integers(0, 257, size=(2, 20))
+  assert cfg.num_experts == 4 and cfg.moe_dispatch == 'dropless'   # as transformers: no drops
   want = _logits(cfg, params, jnp.asarray(ids, jnp.int32), lora.layer_form(run.adapter,
                                                                            run.lcfg, cfg))
   assert np.abs(want - _logits(cfg, params, jnp.asarray(ids, jnp.int32))).max() > 1e-3
@@ -138,6 +149,7 @@ def test_merge_export_of_expert_adapters_is_what_transformers_computes(expert_wo
   assert hf_export.main(['--checkpoint', expert_workdir, '--output', str(out), '--merge',
                          '--dtype', 'float32']) == 0
   net = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+  assert type(net).__name__ == 'MixtralForCausalLM'
   with torch.no_grad():
     theirs = net.eval()(torch.tensor(ids)).logits.numpy()
   np.testing.assert_allclose(theirs, want, atol=1e-4, rtol=1e-4)
