@@ -47,7 +47,7 @@ from jax.sharding import AxisType
 
 from model import lora
 from model.hf import hf_config, hf_tensors, host_device
-from model.lora_peft import check_exportable, peft_config, write_peft_adapter
+from model.lora_peft import peft_config, write_peft_adapter
 from serve.load.checkpoint import load_checkpoint
 from serve.load.lora_checkpoint import load_lora_checkpoint, lora_section
 from serve.load.hf_model import SERVE_DTYPES, check_dtype
@@ -95,7 +95,6 @@ def export(checkpoint: str, output: str, dtype: str = 'auto',
     raise ValueError(f'--merge: {checkpoint} is a full-model run (no lora section in its '
                      'config.json), nothing to merge: export it without --merge.')
   if lcfg is not None and not merge:
-    check_exportable(lcfg)
     return _export_peft(checkpoint, output)
   # Onto the host (a model too big for one accelerator exports too), master values,
   # cast once with numpy.

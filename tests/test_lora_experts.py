@@ -1,8 +1,8 @@
 """LoRA on a mixture of experts' routed experts (experts_gate, experts_up, experts_down):
 base + adapters computes what the merged weights compute, in both dispatches; the
 adapters' gradients are the same on one device and on expert-parallel, FSDP and tensor
-meshes; --merge exports what transformers computes; what has no PEFT or per-row serving
-form is refused with one line naming --merge."""
+meshes; --merge and the PEFT export give what transformers (and peft) compute; serving
+them per request is refused with one line naming --merge."""
 
 import dataclasses
 
@@ -155,12 +155,39 @@ def test_merge_export_of_expert_adapters_is_what_transformers_computes(expert_wo
   np.testing.assert_allclose(theirs, want, atol=1e-4, rtol=1e-4)
 
 
-def test_peft_export_of_expert_adapters_is_refused_naming_merge(expert_workdir, tmp_path):
+def test_peft_export_of_expert_adapters_loads_in_peft_to_our_logits(expert_workdir,
+                                                                     tmp_path):
+  """Without --merge: adapters on transformers' fused expert parameters
+  (target_parameters, gate and up as one rank-2r adapter) that peft loads onto the base
+  to the logits of our base + adapters, every tensor of the file taken."""
+  torch = pytest.importorskip('torch')   # not in .ci/newer-jax's environment
+  transformers = pytest.importorskip('transformers')
+  peft = pytest.importorskip('peft')
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
   from serve import hf_export  # pylint: disable=import-outside-toplevel
+  from serve.load.lora_checkpoint import load_lora_checkpoint  # pylint: disable=import-outside-toplevel
+  run = load_lora_checkpoint(expert_workdir)
+  cfg, params = run.served.model_cfg, run.served.params
+  ids = np.random.default_rng(1).integers(0, 257, size=(2, 20))
+  want = _logits(cfg, params, jnp.asarray(ids, jnp.int32), lora.layer_form(run.adapter,
+                                                                           run.lcfg, cfg))
   out = tmp_path / 'peft'
-  with pytest.raises(ValueError, match=r'experts.*--merge'):
-    hf_export.export(expert_workdir, str(out))
-  assert not out.exists()
+  assert hf_export.main(['--checkpoint', expert_workdir, '--output', str(out)]) == 0
+  net = transformers.AutoModelForCausalLM.from_pretrained(run.base_source,
+                                                          dtype=torch.float32)
+  net = peft.PeftModel.from_pretrained(net, str(out))
+  saved = load_file(str(out / lora_peft.WEIGHTS_FILE))
+  loaded = {k.replace('.default', ''): v.numpy()
+            for k, v in net.state_dict().items() if '.lora_' in k}
+  assert sorted(loaded) == sorted(saved)
+  for k, v in saved.items():
+    np.testing.assert_array_equal(loaded[k], v)
+  with torch.no_grad():
+    theirs = net.eval()(torch.tensor(ids)).logits.numpy()
+  np.testing.assert_allclose(theirs, want, atol=1e-4, rtol=1e-4)
+  from serve.load.peft_adapter import read_peft_adapter  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match='hf_export --merge'):   # --lora-modules of it
+    read_peft_adapter('experts', str(out), cfg, max_rank=8)
 
 
 def test_serving_expert_adapters_per_row_is_refused_naming_merge():
@@ -170,8 +197,6 @@ def test_serving_expert_adapters_per_row_is_refused_naming_merge():
   layer = {'lora': {**adapter['moe_layers'], 'row_slot': jnp.zeros((4,), jnp.int32)}}
   with pytest.raises(ValueError, match='hf_export --merge'):
     moe.lora_adapters(layer)
-  with pytest.raises(ValueError, match='--merge'):
-    lora_peft.peft_config(lcfg, cfg)
 
 
 def test_lora_modules_with_adapters_on_expert_parameters_are_refused_at_load(tmp_path):
