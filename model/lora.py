@@ -10,7 +10,8 @@ that HF Linear's flattened sizes, so per layer `a` = PEFT's lora_A.weight.T and 
 lora_B.weight.T. A mixture-of-experts model's routed experts take EXPERT_TARGETS
 (experts_gate, experts_up, experts_down; gate/up/down stay the dense layers' MLP): one
 adapter per expert, `{'a': [L, E, in, r], 'b': [L, E, r, out]}` under 'moe_layers', applied
-inside model.moe's dispatch so each expert's delta sees exactly the tokens routed to it. Layers a LoraConfig leaves out hold zeros there and are scaled by 0.
+inside model.moe's dispatch so each expert's delta sees exactly the tokens routed to it.
+Layers a LoraConfig leaves out hold zeros there and are scaled by 0.
 The scale alpha / r (alpha / sqrt(r) with rslora) is applied at apply time:
 `delta(x, a, b, scale)` = scale * (x @ a) @ b. Logical axes follow the base weight's: `a`
 takes the base's input axis and an unsharded rank axis, `b` the rank axis and the base's
@@ -29,6 +30,8 @@ Serving many adapters in one batch uses the same entry with 'row_slot' instead o
 token row's slot): target -> {'a': [L, slots, in, r_max], 'b': [L, slots, r_max, out]},
 ranks zero-padded, each slot's scale folded into its b, slot 0 all zeros (the base).
 `delta_rows` computes it with a gather per row, never a merged copy of the base weight.
+Expert targets have no per-row form (model.moe.lora_adapters refuses them): their runs
+are served merged.
 """
 
 import dataclasses

@@ -14,6 +14,7 @@ import pytest
 import model
 from model import lora, lora_peft, moe
 from model.lora import LoraConfig
+from serve.load.lora_checkpoint import load_lora_checkpoint
 from tests import layout_matrix as lm
 from tests.test_layout_matrix import check
 from tests.test_lora import random_adapter
@@ -136,7 +137,6 @@ def test_merge_export_of_expert_adapters_is_what_transformers_computes(expert_wo
   torch = pytest.importorskip('torch')   # not in .ci/newer-jax's environment
   transformers = pytest.importorskip('transformers')
   from serve import hf_export  # pylint: disable=import-outside-toplevel
-  from serve.load.lora_checkpoint import load_lora_checkpoint  # pylint: disable=import-outside-toplevel
   run = load_lora_checkpoint(expert_workdir)
   cfg, params = run.served.model_cfg, run.served.params
   assert np.abs(run.adapter['moe_layers']['experts_down']['b']).max() > 0   # trained
@@ -165,7 +165,6 @@ def test_peft_export_of_expert_adapters_loads_in_peft_to_our_logits(expert_workd
   peft = pytest.importorskip('peft')
   from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
   from serve import hf_export  # pylint: disable=import-outside-toplevel
-  from serve.load.lora_checkpoint import load_lora_checkpoint  # pylint: disable=import-outside-toplevel
   run = load_lora_checkpoint(expert_workdir)
   cfg, params = run.served.model_cfg, run.served.params
   ids = np.random.default_rng(1).integers(0, 257, size=(2, 20))
