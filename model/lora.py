@@ -7,7 +7,11 @@ An adapter is a tree mirroring the base's stacked (scanned) layer groups,
 also `'moe_layers'`, for the attention targets of its routed layers). A target is one of
 TARGETS: q, k, v, o, gate, up, down (Hugging Face's q_proj ... down_proj); in / out are
 that HF Linear's flattened sizes, so per layer `a` = PEFT's lora_A.weight.T and `b` =
-lora_B.weight.T. Layers a LoraConfig leaves out hold zeros there and are scaled by 0.
+lora_B.weight.T. A mixture-of-experts model's routed experts take EXPERT_TARGETS
+(experts_gate, experts_up, experts_down; gate/up/down stay the dense layers' MLP): one
+adapter per expert, `{'a': [L, E, in, r], 'b': [L, E, r, out]}` under 'moe_layers', applied
+inside model.moe's dispatch so each expert's delta sees exactly the tokens routed to it.
+Layers a LoraConfig leaves out hold zeros there and are scaled by 0.
 The scale alpha / r (alpha / sqrt(r) with rslora) is applied at apply time:
 `delta(x, a, b, scale)` = scale * (x @ a) @ b. Logical axes follow the base weight's: `a`
 takes the base's input axis and an unsharded rank axis, `b` the rank axis and the base's
@@ -26,6 +30,8 @@ Serving many adapters in one batch uses the same entry with 'row_slot' instead o
 token row's slot): target -> {'a': [L, slots, in, r_max], 'b': [L, slots, r_max, out]},
 ranks zero-padded, each slot's scale folded into its b, slot 0 all zeros (the base).
 `delta_rows` computes it with a gather per row, never a merged copy of the base weight.
+Expert targets have no per-row form (model.moe.lora_adapters refuses them): their runs
+are served merged.
 """
 
 import dataclasses
@@ -36,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
+from model.moe import LORA_TARGETS as EXPERT_TARGETS
 from model.params import param_specs
 
 # Our target name -> (the base weight it adapts, its number of input dims after 'layers',
@@ -50,6 +57,8 @@ TARGETS = {
     'down': ('w_down', 1, 'mlp.down_proj'),
 }
 STACKS = ('layers', 'moe_layers')
+# Every target name: the dense projections', then the routed experts' (model.moe).
+ALL_TARGETS = (*TARGETS, *EXPERT_TARGETS)
 
 
 @dataclasses.dataclass
@@ -62,7 +71,8 @@ class LoraConfig:
   dropout: float = 0.0
   """Dropout on each adapter's input while training (PEFT's lora_dropout)."""
   targets: tuple = ('q', 'v')
-  """Projections adapted, among q, k, v, o, gate, up, down."""
+  """Projections adapted, among q, k, v, o, gate, up, down (a dense MLP's) and
+  experts_gate, experts_up, experts_down (each routed expert's, on a mixture of experts)."""
   layers: tuple = ()
   """Layer indices adapted (0-based); (): every layer."""
   rslora: bool = False
@@ -87,21 +97,30 @@ class LoraConfig:
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f'lora.dropout={self.dropout} must be in [0, 1).')
     targets = tuple(self.targets)
-    unknown = [t for t in targets if t not in TARGETS]
+    unknown = [t for t in targets if t not in ALL_TARGETS]
     if unknown or not targets:
       raise ValueError(f'lora.targets={targets}: {unknown or "none given"}; choose among '
-                       f'{tuple(TARGETS)}.')
+                       f'{ALL_TARGETS}.')
     bad = [i for i in self.layers if not 0 <= i < cfg.num_layers]
     if bad:
       raise ValueError(f'lora.layers={tuple(self.layers)}: {bad} out of range for a model of '
                        f'{cfg.num_layers} layers (0-based; () for all).')
-    present = {t for stack in _base_stacks(cfg).values() for t in TARGETS
-               if TARGETS[t][0] in stack}
+    present = {t for stack in _base_stacks(cfg).values() for t in ALL_TARGETS
+               if base_name(t) in stack}
     missing = [t for t in targets if t not in present]
     if missing:
-      raise ValueError(f'lora.targets {missing}: this model has no such projection (a '
-                       'mixture-of-experts layer has experts, not gate/up/down; adapters '
-                       f'on experts are not supported): choose among {sorted(present)}.')
+      raise ValueError(f'lora.targets {missing}: this model has no such projection (gate, '
+                       'up, down are a dense MLP\'s; experts_gate, experts_up, experts_down '
+                       f'a mixture of experts\'): choose among {sorted(present)}.')
+    if self.dropout and set(targets) & set(EXPERT_TARGETS):
+      # As PEFT's adapters on expert parameters: the delta is not factored per token.
+      raise ValueError(f'lora.dropout={self.dropout} with expert targets: adapters on '
+                       'experts take no dropout; set lora.dropout=0.')
+
+
+def base_name(target: str) -> str:
+  """The base weight a target adapts (its name in a layer stack)."""
+  return EXPERT_TARGETS[target] if target in EXPERT_TARGETS else TARGETS[target][0]
 
 
 def _base_stacks(cfg: ModelConfig) -> dict:
@@ -127,15 +146,23 @@ def adapter_specs(cfg: ModelConfig, lcfg: LoraConfig) -> dict:
   out = {}
   for stack, base in _base_stacks(cfg).items():
     for t in lcfg.targets:
-      name, n_in, _ = TARGETS[t]
-      if name not in base:
-        continue
-      w = base[name]
-      fan_in, fan_out = math.prod(w.shape[1:1 + n_in]), math.prod(w.shape[1 + n_in:])
-      out.setdefault(stack, {})[t] = {
-          'a': ((w.shape[0], fan_in, lcfg.rank), ('layers', w.axes[1], None)),
-          'b': ((w.shape[0], lcfg.rank, fan_out), ('layers', None, w.axes[1 + n_in]))}
+      if base_name(t) in base:
+        out.setdefault(stack, {})[t] = _target_spec(base[base_name(t)], t, lcfg.rank)
   return out
+
+
+def _target_spec(w, target: str, rank: int) -> dict:
+  """A dense weight [L, in..., out...] -> a [L, in, r], b [L, r, out]; an expert weight
+  [L, E, in, out] -> a [L, E, in, r], b [L, E, r, out] (the expert axis kept, so it
+  shards over `expert` with its expert)."""
+  if target in EXPERT_TARGETS:
+    (layers, experts, fan_in, fan_out), (la, ea, ia, oa) = w.shape, w.axes
+    return {'a': ((layers, experts, fan_in, rank), (la, ea, ia, None)),
+            'b': ((layers, experts, rank, fan_out), (la, ea, None, oa))}
+  n_in = TARGETS[target][1]
+  fan_in, fan_out = math.prod(w.shape[1:1 + n_in]), math.prod(w.shape[1 + n_in:])
+  return {'a': ((w.shape[0], fan_in, rank), ('layers', w.axes[1], None)),
+          'b': ((w.shape[0], rank, fan_out), ('layers', None, w.axes[1 + n_in]))}
 
 
 def _is_spec(x) -> bool:
@@ -162,7 +189,7 @@ def init_adapter(cfg: ModelConfig, lcfg: LoraConfig, key: jax.Array, dtype='floa
     shape = spec[0]
     if path[-1].key == 'b':
       return jnp.zeros(shape, dtype)
-    bound = 1.0 / math.sqrt(shape[1])
+    bound = 1.0 / math.sqrt(shape[-2])   # a's fan-in
     return jax.random.uniform(jax.random.fold_in(key, i), shape, jnp.float32, -bound,
                               bound).astype(dtype)
 
@@ -268,10 +295,10 @@ def merge(params: dict, adapter: dict, lcfg: LoraConfig, cfg: ModelConfig) -> di
   for stack, targets in adapter.items():
     out[stack] = dict(params[stack])
     for t, ab in targets.items():
-      name = TARGETS[t][0]
+      name = base_name(t)
       w = params[stack][name]
-      prod = jnp.einsum('lir,lro->lio', ab['a'].astype(jnp.float32),
-                        ab['b'].astype(jnp.float32))
-      prod = prod * jnp.asarray(scales[stack])[:, None, None]
+      prod = jnp.einsum('...ir,...ro->...io', ab['a'].astype(jnp.float32),
+                        ab['b'].astype(jnp.float32))   # experts: per expert
+      prod = prod * jnp.asarray(scales[stack]).reshape(-1, *[1] * (prod.ndim - 1))
       out[stack][name] = (w.astype(jnp.float32) + prod.reshape(w.shape)).astype(w.dtype)
   return out

@@ -26,6 +26,7 @@ and reduce-scatter over `expert`, nothing when it is 1). Serving (model/paged.py
 MoE layers dropless without a plan, so no token of a request depends on the others.
 """
 
+import functools
 import math
 
 import jax
@@ -38,6 +39,8 @@ from sharding.rules import ShardingPlan, constrain
 
 # Values each MoE forward reports (mean over MoE layers, dropped summed over them).
 AUX_KEYS = ('moe_aux_loss', 'router_z_loss', 'dropped_tokens')
+# LoRA targets on the routed experts (model.lora's names) -> the stacked weight each adapts.
+LORA_TARGETS = {'experts_gate': 'we_gate', 'experts_up': 'we_up', 'experts_down': 'we_down'}
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple]:
@@ -104,11 +107,42 @@ def swiglu(x, w_gate, w_up, w_down):
   return jnp.einsum('...f,fd->...d', jax.nn.silu(gate) * up, w_down.astype(x.dtype))
 
 
-def expert_swiglu(x, w_gate, w_up, w_down):
-  """x [b, e, c, d] through expert e's SwiGLU, weights [e, d, f] / [e, f, d]."""
-  gate = jnp.einsum('becd,edf->becf', x, w_gate.astype(x.dtype))
-  up = jnp.einsum('becd,edf->becf', x, w_up.astype(x.dtype))
-  return jnp.einsum('becf,efd->becd', jax.nn.silu(gate) * up, w_down.astype(x.dtype))
+def expert_swiglu(x, w_gate, w_up, w_down, *adapters, targets=()):
+  """x [b, e, c, d] through expert e's SwiGLU, weights [e, d, f] / [e, f, d]; adapters:
+  per name in `targets` (LORA_TARGETS' order), a [e, in, r] and b [e, r, out], scale in b."""
+  ab = _adapter_pairs(targets, adapters)
+  gate = _expert_project(x, w_gate, ab.get('experts_gate'))
+  up = _expert_project(x, w_up, ab.get('experts_up'))
+  return _expert_project(jax.nn.silu(gate) * up, w_down, ab.get('experts_down'))
+
+
+def _expert_project(x, w, ab):
+  """x [b, e, c, i] @ w [e, i, o], plus (x @ a) @ b per expert when ab = (a, b)."""
+  y = jnp.einsum('beci,eio->beco', x, w.astype(x.dtype))
+  if ab is None:
+    return y
+  h = jnp.einsum('beci,eir->becr', x, ab[0].astype(x.dtype))
+  return y + jnp.einsum('becr,ero->beco', h, ab[1].astype(x.dtype))
+
+
+def _adapter_pairs(targets, adapters) -> dict:
+  return dict(zip(targets, zip(adapters[::2], adapters[1::2])))
+
+
+def lora_adapters(layer) -> tuple[tuple[str, ...], tuple[jax.Array, ...]]:
+  """(the expert targets `layer` adapts, their (a, b * scale) flattened): a layer's
+  model.lora entry as extra expert weights, so the adapters take every route and exchange
+  the base experts take (each split over `expert` with its expert's weights)."""
+  entry = layer.get('lora') or {}
+  targets = tuple(t for t in LORA_TARGETS if t in entry)
+  if targets and 'scale' not in entry:
+    raise ValueError('adapters on experts are not served per row: export the run with '
+                     '`python -m serve.hf_export --merge` and serve the merged model.')
+  arrays = []
+  for t in targets:
+    # scale * (x @ a) @ b == (x @ a) @ (scale * b): the scale rides in b.
+    arrays += [entry[t]['a'], entry[t]['b'] * entry['scale'].astype(entry[t]['b'].dtype)]
+  return targets, tuple(arrays)
 
 
 # ---------------------------------------------------------------------- capacity dispatch
@@ -169,26 +203,30 @@ def combine(y, slots, weights):
   return jnp.einsum('btkd,btk->btd', picked.reshape(b, t, k, -1), weights.astype(y.dtype))
 
 
-def capacity_experts(x, ids, weights, experts, cfg: ModelConfig, plan):
-  """(out [b,t,d], dropped (token, choice) pairs)."""
+def capacity_experts(x, ids, weights, experts, cfg: ModelConfig, plan, targets=()):
+  """(out [b,t,d], dropped (token, choice) pairs). experts: the three expert weights,
+  then the adapters of `targets` (lora_adapters)."""
   cap = capacity(cfg, x.shape[1])
   slots, keep = capacity_queue(ids, cfg, plan)
   buffers = dispatch(x, slots, cfg.num_experts, cap)
+  ffn = functools.partial(expert_swiglu, targets=targets)
   if moe_sharding.expert_shards(plan) > 1:
-    y = moe_sharding.all_to_all_experts(plan, expert_swiglu, buffers, experts)
+    y = moe_sharding.all_to_all_experts(plan, ffn, buffers, experts)
   else:
     buffers = constrain(buffers, ('batch', None, None, 'act_embed'), plan)
-    y = expert_swiglu(buffers, *experts)
+    y = ffn(buffers, *experts)
   dropped = jnp.sum(1 - keep.astype(jnp.float32))
   return combine(y, slots, weights), dropped
 
 
 # ---------------------------------------------------------------------- dropless dispatch
 
-def dropless_local(x, ids, weights, first_expert, w_gate, w_up, w_down):
+def dropless_local(x, ids, weights, first_expert, w_gate, w_up, w_down, *adapters,
+                   targets=()):
   """x [n, d]; ids, weights [n, k]. The output [n, d] of experts first_expert ... +
   len(w_gate) - 1 only: their (token, choice) pairs sorted by expert, one grouped matmul
-  (jax.lax.ragged_dot; on CPU a masked dense matmul, local experts x the FLOPs)."""
+  (jax.lax.ragged_dot; on CPU a masked dense matmul, local experts x the FLOPs), and the
+  adapters of `targets` as two more grouped matmuls each."""
   n, k = ids.shape
   num_local = w_gate.shape[0]
   expert = ids.reshape(-1) - first_expert
@@ -197,20 +235,32 @@ def dropless_local(x, ids, weights, first_expert, w_gate, w_up, w_down):
   order = jnp.argsort(key, stable=True)
   sizes = jnp.sum(jax.nn.one_hot(key, num_local, dtype=jnp.int32), axis=0)
   xs = x[order // k]
-  gate = jax.lax.ragged_dot(xs, w_gate.astype(x.dtype), sizes)
-  up = jax.lax.ragged_dot(xs, w_up.astype(x.dtype), sizes)
-  ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(x.dtype), sizes)
+  ab = _adapter_pairs(targets, adapters)
+  gate = _grouped_project(xs, w_gate, ab.get('experts_gate'), sizes)
+  up = _grouped_project(xs, w_up, ab.get('experts_up'), sizes)
+  ys = _grouped_project(jax.nn.silu(gate) * up, w_down, ab.get('experts_down'), sizes)
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
   y = ys[inverse].reshape(n, k, -1)                           # rows past the groups: 0
   return jnp.einsum('nkd,nk->nd', y, weights.astype(x.dtype))
 
 
-def dropless_experts(x, ids, weights, experts, plan):
+def _grouped_project(xs, w, ab, sizes):
+  """Rows xs [m, i] sorted by expert (group sizes `sizes`) @ their expert's w [e, i, o],
+  plus (xs @ a) @ b of their expert when ab = (a, b)."""
+  y = jax.lax.ragged_dot(xs, w.astype(xs.dtype), sizes)
+  if ab is None:
+    return y
+  h = jax.lax.ragged_dot(xs, ab[0].astype(xs.dtype), sizes)
+  return y + jax.lax.ragged_dot(h, ab[1].astype(xs.dtype), sizes)
+
+
+def dropless_experts(x, ids, weights, experts, plan, targets=()):
+  local = functools.partial(dropless_local, targets=targets)
   if plan is not None:
-    return moe_sharding.all_gather_experts(plan, dropless_local, x, ids, weights, experts)
+    return moe_sharding.all_gather_experts(plan, local, x, ids, weights, experts)
   b, t, d = x.shape
-  y = dropless_local(x.reshape(b * t, d), ids.reshape(b * t, -1), weights.reshape(b * t, -1),
-                     0, *experts)
+  y = local(x.reshape(b * t, d), ids.reshape(b * t, -1), weights.reshape(b * t, -1),
+            0, *experts)
   return y.reshape(b, t, d)
 
 
@@ -219,11 +269,12 @@ def dropless_experts(x, ids, weights, experts, plan):
 def moe_mlp(x, layer, cfg: ModelConfig, plan: ShardingPlan | None):
   """x [b,t,d] (normed) -> (routed + shared expert output [b,t,d], aux values)."""
   ids, weights, aux = route(x, layer['router'], cfg)
-  experts = (layer['we_gate'], layer['we_up'], layer['we_down'])
+  targets, adapters = lora_adapters(layer)
+  experts = (layer['we_gate'], layer['we_up'], layer['we_down']) + adapters
   if cfg.moe_dispatch == 'dropless':
-    out, dropped = dropless_experts(x, ids, weights, experts, plan), jnp.zeros(())
+    out, dropped = dropless_experts(x, ids, weights, experts, plan, targets), jnp.zeros(())
   else:
-    out, dropped = capacity_experts(x, ids, weights, experts, cfg, plan)
+    out, dropped = capacity_experts(x, ids, weights, experts, cfg, plan, targets)
   if cfg.num_shared_experts:
     out = out + swiglu(x, layer['ws_gate'], layer['ws_up'], layer['ws_down'])
   return out, {**aux, 'dropped_tokens': dropped.astype(jnp.float32)}
