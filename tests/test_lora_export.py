@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,9 @@ from model.lora import LoraConfig
 from serve import hf_export
 from serve.load.lora_checkpoint import load_lora_checkpoint
 from tests.test_train import cache_dir, tiny  # pylint: disable=unused-import
-from training import trainer
+from sharding.mesh import MeshConfig, make_mesh
+from sharding.rules import make_plan
+from training import state, trainer
 
 torch = pytest.importorskip('torch')   # not in .ci/newer-jax's environment
 transformers = pytest.importorskip('transformers')
@@ -123,3 +126,21 @@ def test_serving_a_lora_workdir_directly_says_how_to_serve_it(lora_workdir):
   from serve.load.checkpoint import load_checkpoint  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match=r'is a LoRA run: .*--merge.*--lora-modules'):
     load_checkpoint(lora_workdir)
+
+
+def test_a_lora_run_on_the_seeds_random_base_exports(cache_dir, tmp_path):
+  """No init_from_hf: the base is the seed's random weights, rebuilt at export exactly
+  as training drew them, and the --merge export computes what base + adapters compute."""
+  cfg = tiny(tmp_path / 'run', cache_dir, steps=2, sample__num_tokens=0,
+             optim__learning_rate=3e-2, optim__warmup_steps=0)
+  cfg.lora = LORA
+  trainer.train(cfg)
+  run = load_lora_checkpoint(cfg.workdir)
+  plan = make_plan(make_mesh(MeshConfig(data=1), jax.devices()[:1]), 0)
+  want_base = state.frozen_base(cfg, plan)   # what the run trained on
+  for got, want in zip(jax.tree.leaves(run.served.params), jax.tree.leaves(want_base)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  assert hf_export.main(['--checkpoint', cfg.workdir, '--output', str(tmp_path / 'merged'),
+                         '--merge']) == 0
+  np.testing.assert_allclose(transformers_logits(str(tmp_path / 'merged')), ours(run),
+                             rtol=1e-5, atol=2e-5)

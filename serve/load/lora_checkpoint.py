@@ -76,7 +76,7 @@ def _base(model_cfg, source: str, seed: int, mesh) -> dict:
   if source:
     host = model_hf.params_from_hf(model_hf.read_safetensors(source), model_cfg, on_host=True)
   else:
-    host = jax.jit(model.init_params, static_argnums=0)(model_cfg, jax.random.key(seed))
+    host = jax.jit(lambda key: model.init_params(model_cfg, key))(jax.random.key(seed))
   return jax.tree.map(jax.device_put, host, shardings)
 
 
