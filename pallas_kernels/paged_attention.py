@@ -174,9 +174,13 @@ def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
   chunks starting at position 0, which is how the scheduler orders a step without
   chunked-prefill continuations or prefix hits. Memory O(T * T * Hq): the caller enables
   it for small T only.
-  sliding_window > 0: each row sees only its last sliding_window positions (the keys
-  before are still read, then masked). softcap > 0: scores soft-capped (Gemma 2), as in
-  paged_attention_reference.
+  sliding_window > 0: each row sees only its last sliding_window positions, and the
+  pages wholly before a row's window (by row) or its query window's earliest row's (by
+  sequence) are never read: the walk starts at the key block holding the window's first
+  page, on the same block grid as without a window, and that block's earlier table slots
+  read page 0, masked (so the output is bitwise the masked walk's, and a decode step
+  loops over about window / block_k blocks, not the whole context). softcap > 0: scores
+  soft-capped (Gemma 2), as in paged_attention_reference.
   k_scale, v_scale [P, page_size, Hkv]: pages stored 8-bit (see `paged_attention`).
   """
   _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, k_scale, v_scale)
@@ -241,10 +245,11 @@ def _xla_step_dense(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale
   m, l, acc = (jnp.moveaxis(x, 2, 0) for x in (m, l, acc))                # rows leading
   n = min(table.shape[0], t)
   prefix = _prefix_lens(t, kv_lens, cu_q_lens, num_seqs)[:n]
+  first = _first_pages(pos[:n], prefix > 0, sliding, page_size)
   step = functools.partial(_xla_row_block, qg=qg[:n], pages=pages, table=table[seq[:n]],
                            pos=pos[:n], row_len=prefix, ppb=ppb, scale=scale, sliding=sliding,
-                           cap=cap)
-  num_blocks = pl.cdiv(jnp.max(prefix), ppb * page_size)
+                           cap=cap, first=first)
+  num_blocks = _row_blocks(prefix, first, ppb, page_size)
   head = lax.fori_loop(0, num_blocks, step, (m[:n], l[:n], acc[:n]))
   l, acc = (jnp.concatenate([h, x[n:]]) for h, x in zip(head[1:], (l, acc)))
   out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(t, hq, d)
@@ -257,29 +262,54 @@ def _xla_by_row(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scale, sl
   hkv = pages[0].shape[2]
   seq, pos, live = _token_layout(t, kv_lens, cu_q_lens, num_seqs)
   row_len = jnp.where(live, kv_lens[seq], 0)
+  first = _first_pages(pos, live, sliding, pages[0].shape[1])
   step = functools.partial(_xla_row_block, qg=q.reshape(t, hkv, hq // hkv, d), pages=pages,
                            table=table[seq], pos=pos, row_len=row_len, ppb=ppb, scale=scale,
-                           sliding=sliding, cap=cap)
-  num_blocks = pl.cdiv(jnp.max(row_len), ppb * pages[0].shape[1])
+                           sliding=sliding, cap=cap, first=first)
+  num_blocks = _row_blocks(row_len, first, ppb, pages[0].shape[1])
   _, l, acc = lax.fori_loop(0, num_blocks, step, _softmax_init((t, hkv, hq // hkv), d))
   out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(t, hq, d)
   return jnp.where(live[:, None, None], out, 0)
 
 
+def _first_pages(pos, live, sliding, page_size):
+  """Per row: the page holding the first key of its window (0 without a window, or for a
+  row that reads nothing); None without a window (the walk from page 0)."""
+  if not sliding:
+    return None
+  return jnp.where(live, jnp.maximum(pos - sliding + 1, 0) // page_size, 0)
+
+
+def _row_blocks(row_len, first, ppb, page_size):
+  """Key blocks of the by-row walk: the most any row needs from its first block on."""
+  block_k = ppb * page_size
+  start = 0 if first is None else first // ppb * block_k
+  return pl.cdiv(jnp.max(jnp.maximum(row_len - start, 0)), block_k)
+
+
 def _xla_row_block(j, carry, *, qg, pages, table, pos, row_len, ppb, scale, sliding=0,
-                   cap=0.0):
-  """Key block j of every row's own sequence: k, v [T, block_k, Hkv, D]."""
+                   cap=0.0, first=None):
+  """Key block j of every row's own sequence: k, v [T, block_k, Hkv, D]. first [T]: each
+  row's window's first page (_first_pages); its walk's block j is then the j-th from the
+  block holding that page, whose slots before it read page 0, masked."""
   t = qg.shape[0]
   block_k = ppb * pages[0].shape[1]
-  k_pos = j * block_k + jnp.arange(block_k)
-  k_ok = k_pos[None, :] < row_len[:, None]                                  # [T, block_k]
-  ids = lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=1)               # [T, ppb]
+  if first is None:
+    k_pos = (j * block_k + jnp.arange(block_k))[None, :]                    # [1, block_k]
+    k_ok = k_pos < row_len[:, None]                                         # [T, block_k]
+    ids = lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=1)             # [T, ppb]
+  else:
+    block = first // ppb + j                                                # [T]
+    k_pos = block[:, None] * block_k + jnp.arange(block_k)                  # [T, block_k]
+    k_ok = (k_pos < row_len[:, None]) & (k_pos >= first[:, None] * pages[0].shape[1])
+    # Clipped: a row past its own last block reads nothing (k_ok is False there).
+    ids = jnp.take_along_axis(table, block[:, None] * ppb + jnp.arange(ppb), axis=1,
+                              mode='clip')
   ids = jnp.where(k_ok.reshape(t, ppb, -1)[:, :, 0], ids, 0)
   k, v = _read_kv(pages, (ids,), qg.dtype, (t, block_k, *pages[0].shape[2:]))
   # Junk past a sequence's end may be NaN, and 0 * NaN would poison p @ v.
   v = jnp.where(k_ok[..., None, None], v, 0)
-  visible = k_ok & (k_pos[None, :] <= pos[:, None]) & _in_window(k_pos[None, :], pos[:, None],
-                                                                 sliding)
+  visible = k_ok & (k_pos <= pos[:, None]) & _in_window(k_pos, pos[:, None], sliding)
   visible = visible[:, None, None]                                          # [T,1,1,bk]
   return _softmax_step(carry, qg, k, v, visible, scale, 'tkgd,tskd->tkgs', 'tkgs,tskd->tkgd',
                        cap)
@@ -298,12 +328,16 @@ def _xla_by_sequence(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scal
     r0 = q_start + w * window
     rows = w * window + jnp.arange(window)
     qw = lax.dynamic_slice_in_dim(q, r0, window).reshape(window, hkv, hq // hkv, d)
-    step = functools.partial(_xla_seq_block, qw=qw, pages=pages, row=table[s],
-                             q_pos=kv_len - q_len + rows, kv_len=kv_len, ppb=ppb, scale=scale,
-                             sliding=sliding, cap=cap)
+    q_pos = kv_len - q_len + rows
+    # The earliest row's window: the pages before its first are never read.
+    first = _first_pages(q_pos[0], True, sliding, pages[0].shape[1])
+    step = functools.partial(_xla_seq_block, qw=qw, pages=pages, row=table[s], q_pos=q_pos,
+                             kv_len=kv_len, ppb=ppb, scale=scale, sliding=sliding, cap=cap,
+                             first=first)
     # Causal: keys up to the window's last live row.
     keys = kv_len - q_len + jnp.minimum((w + 1) * window, q_len)
-    _, l, acc = lax.fori_loop(0, pl.cdiv(keys, block_k), step,
+    lo = 0 if first is None else first // ppb
+    _, l, acc = lax.fori_loop(lo, jnp.maximum(pl.cdiv(keys, block_k), lo), step,
                               _softmax_init((window, hkv, hq // hkv), d))
     new = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(window, hq, d)
     old = lax.dynamic_slice_in_dim(out, r0, window)
@@ -321,11 +355,15 @@ def _xla_by_sequence(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, ppb, scal
 
 
 def _xla_seq_block(j, carry, *, qw, pages, row, q_pos, kv_len, ppb, scale, sliding=0,
-                   cap=0.0):
-  """Key block j of one sequence, shared by a window of its rows: k, v [block_k, Hkv, D]."""
+                   cap=0.0, first=None):
+  """Key block j of one sequence, shared by a window of its rows: k, v [block_k, Hkv, D].
+  first: the earliest row's window's first page; the block's slots before it read page
+  0, masked."""
   block_k = ppb * pages[0].shape[1]
   k_pos = j * block_k + jnp.arange(block_k)
   k_ok = k_pos < kv_len
+  if first is not None:
+    k_ok &= k_pos >= first * pages[0].shape[1]
   ids = jnp.where(k_ok.reshape(ppb, -1)[:, 0], lax.dynamic_slice_in_dim(row, j * ppb, ppb), 0)
   k, v = _read_kv(pages, (ids,), qw.dtype, (block_k, *pages[0].shape[2:]))
   v = jnp.where(k_ok[:, None, None], v, 0)   # junk past the end may be NaN

@@ -266,6 +266,61 @@ def test_pages_before_the_window_are_never_read(ppb, splits):
   assert np.isnan(np.asarray(out)[1]).all()   # the poison reaches a row that reads it
 
 
+# The XLA path's walks (paged_attention_xla): by row (decode rows, or row_tokens), by
+# sequence in windows of 4 query rows, and the step-dense split (its cached prefixes by row).
+XLA_WALKS = {'by_row': ([(1, 30), (12, 30), (1, 7)], dict(row_tokens=1024)),
+             'by_sequence': ([(1, 30), (12, 30), (1, 7)], dict(window=4)),
+             'decode': ([(1, 30), (1, 25), (1, 7)], {}),
+             'step_dense': ([(1, 30), (1, 25), (6, 6)], dict(step_dense=True))}
+
+
+def _before_windows(case, seqs, window, page_size=4):
+  """Page ids lying wholly before the window of each live sequence's earliest query."""
+  table = np.asarray(case.args[4])
+  return np.concatenate([table[s, :max(kv - q + 1 - window, 0) // page_size]
+                         for s, (q, kv) in enumerate(seqs)])
+
+
+@pytest.mark.parametrize('kv_format', ['float32', 'int8'])
+@pytest.mark.parametrize('walk', list(XLA_WALKS))
+def test_the_xla_path_never_reads_pages_before_the_window(walk, kv_format):
+  """Window 5, pages of 4, key blocks of 2 pages: NaN in every page (or, 8-bit, every
+  page's scales) lying wholly before the window of a sequence's earliest query (seq 0's
+  decode at 29: pages 0-5; a chunk at 18..29: pages 0-2, the block of pages 2-3 read
+  from page 3 on). Every live row is finite and bitwise the clean run's, which the
+  float32 reference gives; NaN in the window's first page reaches the output."""
+  seqs, kw = XLA_WALKS[walk]
+  case = make_case(seqs, hq=4, hkv=2, page_size=4, seed=15)
+  q, kp, vp, kv_lens, table, cu, n = case.args
+  pages = [kp, vp]
+  if kv_format == 'int8':
+    pages = [x for p in pages for x in _int8(p)]   # k, k_scale, v, v_scale
+  def args(ps):   # (k, v) or (k, k_scale, v, v_scale) -> positional and keyword arguments
+    scales = dict(k_scale=ps[1], v_scale=ps[3]) if len(ps) == 4 else {}
+    return (q, ps[0], ps[len(ps) // 2], kv_lens, table, cu, n), scales
+  def run(ps):
+    a, scales = args(ps)
+    return pa.paged_attention_xla(*a, sliding_window=5, block_k=8, **kw, **scales)
+  clean = np.asarray(run(pages))[:case.live_rows]
+  a, scales = args(pages)
+  ref = pa.paged_attention_reference(*a, sliding_window=5, **scales)
+  assert rel_err(clean, ref[:case.live_rows]) < 1e-5
+  poison = lambda bad: [p.at[bad].set(jnp.nan) if p.dtype != jnp.int8 else p for p in pages]
+  bad = _before_windows(case, seqs, 5)
+  assert len(bad) >= 6
+  out = np.asarray(run(poison(bad)))[:case.live_rows]
+  assert np.isfinite(out).all(), 'a page before the window was read'
+  np.testing.assert_array_equal(out, clean)
+  first = np.asarray(table)[0, 6]   # seq 0's window starts in its page 6
+  assert np.isnan(np.asarray(run(poison(first)))[0]).all()
+
+
+def _int8(pages):
+  """(int8 values, float32 scales [P, page, Hkv]) of pages, one scale per slot and head."""
+  scale = jnp.max(jnp.abs(jnp.nan_to_num(pages)), axis=-1) / 127
+  return jnp.round(jnp.nan_to_num(pages) / scale[..., None]).astype(jnp.int8), scale
+
+
 def test_splits_divide_the_blocks_inside_the_window():
   """200 cached keys, blocks of 8, a decode row's window of 40 (keys 160..199, blocks
   20-24): the splits share those 5 blocks, none before them."""

@@ -151,7 +151,9 @@ def _calls_of(items: list) -> list:
     call['id'] = item.get('id', call['id'])
     call['name'] = item.get('function', {}).get('name', call['name'])
     call['arguments'] += item['function'].get('arguments', '')
-  assert all(c['id'] and c['id'].startswith('call_') for c in calls.values())
+  # Mistral's parser: 9 letters and digits (what its templates take back); others call_...
+  assert all(c['id'] and (c['id'].startswith('call_') or len(c['id']) == 9 and c['id'].isalnum())
+             for c in calls.values())
   return [(c['name'], c['arguments']) for _, c in sorted(calls.items())]
 
 
@@ -262,6 +264,70 @@ def test_json_and_pythonic_parsers_in_any_chunking(parser, text, content, calls)
     assert _run(parser(), text, rng if trial else None) == (content, calls)
   if len(calls) > 1:
     assert _run(parser(parallel=False), text, rng)[1] == calls[:1]
+
+
+def _mistral(*calls):
+  return '[TOOL_CALLS] ' + json.dumps([{'name': n, 'arguments': a} for n, a in calls])
+
+
+MISTRAL_CASES = [   # text, content, calls
+    ('It is sunny [today].', 'It is sunny [today].', []),
+    (_mistral(('get_weather', {'city': 'Rome'})), '', [('get_weather', '{"city": "Rome"}')]),
+    ('Let me look. ' + _mistral(('f', {'s': '}], [{'}), ('g', {'n': 2})), 'Let me look. ',
+     [('f', '{"s": "}], [{"}'), ('g', '{"n": 2}')]),
+    ('[TOOL_CALLS]{"name": "f", "arguments": {}}', '', [('f', '{}')]),   # one object
+    # Arguments as a JSON string of an object; an object of another shape is content.
+    ('[TOOL_CALLS] [{"name": "f", "arguments": "{\\"a\\": 1}"}]', '', [('f', '{"a": 1}')]),
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"answer": 1}]', '{"answer": 1}',
+     [('f', '{}')]),
+    # No call after the tag (malformed JSON, cut short, not a call): as written.
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {]}]', '[TOOL_CALLS] [{"name": "f", '
+     '"arguments": {]}]', []),
+    ('ok [TOOL_CALLS] [{"name": "f", "argu', 'ok [TOOL_CALLS] [{"name": "f", "argu', []),
+    ('[TOOL_CALLS] [1, 2]', '[TOOL_CALLS] [1, 2]', []),
+    ('[TOOL_CALLS]', '[TOOL_CALLS]', []),
+    ('a [TOOL_CA', 'a [TOOL_CA', []),
+    # Cut short after a call: the open object is content.
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "g", "arg',
+     '{"name": "g", "arg', [('f', '{}')]),
+]
+
+
+@pytest.mark.parametrize('text, content, calls', MISTRAL_CASES)
+def test_mistral_parser_in_any_chunking(text, content, calls):
+  rng = random.Random(text)
+  for trial in range(20):
+    parser = tool_parsers.MistralParser()
+    delta = tool_parsers.Delta()
+    for piece in _pieces(text, rng if trial else None):
+      delta += parser.feed(piece)
+    delta += parser.finish()
+    assert delta.content == content
+    assert [(c.name, c.arguments) for c in parser.calls] == calls
+    # Mistral's templates take back only ids of 9 letters and digits.
+    ids = [item['id'] for item in delta.tool_calls]
+    assert ids == [c.id for c in parser.calls]
+    assert all(len(i) == 9 and i.isalnum() for i in ids), ids
+  if len(calls) > 1:
+    parser = tool_parsers.MistralParser(parallel=False)
+    parser.feed(text)
+    parser.finish()
+    assert [(c.name, c.arguments) for c in parser.calls] == calls[:1]
+
+
+def _pieces(text: str, rng: random.Random | None) -> list[str]:
+  cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12)))) \
+      if rng and len(text) > 1 else []
+  return [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+
+
+def test_mistral_parser_holds_nothing_before_the_tag():
+  """Content before [TOOL_CALLS] streams as it comes, less a tail that may begin the tag."""
+  parser = tool_parsers.MistralParser()
+  assert parser.feed('Hello [TOOL').content == 'Hello '
+  assert parser.feed('S] x').content == '[TOOLS] x'
+  assert tools.ToolChoice((), 'auto', auto_parser='mistral').parser().__class__ is \
+      tool_parsers.MistralParser
 
 
 def test_required_parser_in_any_chunking_and_cut_anywhere():
@@ -425,6 +491,8 @@ def test_auto_returns_the_calls_the_model_writes(echo_server, extra, want):
      '<|python_tag|>{"name": "w", "parameters": {"c": "R"}}; {"name": "t", "parameters": {}}',
      'No call {here}.'),
     ('pythonic', '[w(c="R"), t()]', 'No call [here].'),
+    ('mistral', '[TOOL_CALLS] [{"name": "w", "arguments": {"c": "R"}}, {"name": "t", '
+     '"arguments": {}}]', 'No call [TOOL_CALLS] [here].'),
 ], indirect=['echo_server'])
 def test_auto_reads_json_and_pythonic_calls(echo_server, text, plain_text):
   server, _ = echo_server
@@ -518,7 +586,7 @@ def test_serve_cli_needs_a_parser_for_auto():
   fake = FakeEngine()
   try:
     with pytest.raises(ValueError, match='--tool-call-parser'):
-      create_app(fake, FakeServed(), tool_parser='mistral')
+      create_app(fake, FakeServed(), tool_parser='granite')
   finally:
     fake.shutdown()
 

@@ -9,6 +9,8 @@ chunking; text that does not parse as a call comes back as content, never droppe
 import ast
 import dataclasses
 import json
+import random
+import string
 import uuid
 
 
@@ -198,6 +200,98 @@ class Llama3JsonParser(_ObjectsParser):
 
   def _arguments_key(self, call: dict) -> str:
     return 'arguments' if 'arguments' in call else 'parameters'
+
+
+class MistralParser:
+  """Mistral's calls (vLLM's mistral): the text before `[TOOL_CALLS]` is content, as
+  written; after it, a JSON list of {"name": ..., "arguments": {...}} objects (or one
+  such object; "arguments" may be a JSON string of an object), each a call once it
+  closes. An object of another shape is content, so is text beside the calls (but
+  brackets and separators), and so is an object cut short. Until its first call the text
+  after the tag is held: if none comes, the tag and that text are content as written.
+  Call ids are 9 letters and digits, what Mistral's chat templates accept back as a
+  tool_call_id."""
+  TAG = '[TOOL_CALLS]'
+
+  def __init__(self, parallel: bool = True):
+    self._parallel = parallel
+    self._buffer = ''          # before the tag: a tail that may begin it
+    self._objects = None       # after the tag: the objects' parser
+    self._held, self._raw = Delta(), ''   # after the tag, until its first call
+
+  @property
+  def calls(self) -> list[ToolCall]:
+    return self._objects.calls if self._objects else []
+
+  def feed(self, text: str) -> Delta:
+    if self._objects is not None:
+      return self._release(self._objects.feed(text), text)
+    self._buffer += text
+    at = self._buffer.find(self.TAG)
+    if at < 0:
+      cut = len(self._buffer) - _prefix_tail(self._buffer, self.TAG)
+      out, self._buffer = self._buffer[:cut], self._buffer[cut:]
+      return Delta(content=out)
+    before, rest = self._buffer[:at], self._buffer[at + len(self.TAG):]
+    self._objects, self._buffer = _MistralObjects(self._parallel), ''
+    return Delta(content=before) + self._release(self._objects.feed(rest), rest)
+
+  def finish(self) -> Delta:
+    if self._objects is None:
+      return Delta(content=self._buffer)
+    delta = self._release(self._objects.finish(), '')
+    if not self.calls:   # no call after the tag: the output as written
+      return Delta(content=self.TAG + self._raw)
+    return delta
+
+  def _release(self, delta: Delta, text: str) -> Delta:
+    """delta, once a call has come (with what was held before it); else nothing yet."""
+    if self.calls:
+      held, self._held = self._held, Delta()
+      return held + delta
+    self._held, self._raw = self._held + delta, self._raw + text
+    return Delta()
+
+
+class _MistralObjects(_ObjectsParser):
+  """The JSON after [TOOL_CALLS]: objects in a list (LEVEL 1), or one at the top (LEVEL 0,
+  chosen by the first character that is not a blank)."""
+  LEVEL = None
+
+  def __init__(self, parallel: bool):
+    super().__init__(parallel)
+    self._head = ''
+
+  def feed(self, text: str) -> Delta:
+    if self.LEVEL is None:
+      self._head += text
+      body = self._head.lstrip()
+      if not body:
+        return Delta()
+      self.LEVEL, text = 0 if body.startswith('{') else 1, self._head
+    return super().feed(text)
+
+  def finish(self) -> Delta:
+    return Delta() if self.LEVEL is None else super().finish()
+
+  def _arguments_key(self, call: dict) -> str:
+    return 'arguments'
+
+  def _object(self, text: str) -> Delta:
+    call = _json_object(text)
+    if call is not None and isinstance(call.get('arguments'), str):
+      call['arguments'] = _json_object(call['arguments'])
+      text = json.dumps(call) if call['arguments'] is not None else text
+    return super()._object(text)
+
+  def _add(self, name: str, arguments) -> dict:
+    item = super()._add(name, arguments)
+    self.calls[-1].id = item['id'] = _mistral_id()
+    return item
+
+
+def _mistral_id() -> str:
+  return ''.join(random.SystemRandom().choices(string.ascii_letters + string.digits, k=9))
 
 
 class HermesParser(_WholeCalls):

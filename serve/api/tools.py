@@ -32,12 +32,12 @@ import dataclasses
 import json
 
 from serve.api.openai_sampling import guided_field
-from serve.api.tool_parsers import (HermesParser, Llama3JsonParser, NamedParser, PythonicParser,
-                                    RequiredParser)
+from serve.api.tool_parsers import (HermesParser, Llama3JsonParser, MistralParser, NamedParser,
+                                    PythonicParser, RequiredParser)
 from serve.sampling_params import SamplingParamsError
 
 
-PARSERS = ('hermes', 'llama3_json', 'pythonic')   # --tool-call-parser
+PARSERS = ('hermes', 'llama3_json', 'mistral', 'pythonic')   # --tool-call-parser
 FIELDS = ('tools', 'tool_choice', 'parallel_tool_calls')   # the request's, read here
 
 
@@ -86,7 +86,7 @@ class ToolChoice:
       return RequiredParser()
     if self.mode == 'auto':
       kind = {'hermes': HermesParser, 'llama3_json': Llama3JsonParser,
-              'pythonic': PythonicParser}[self.auto_parser]
+              'mistral': MistralParser, 'pythonic': PythonicParser}[self.auto_parser]
       return kind(self.parallel)
     return None
 
