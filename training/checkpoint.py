@@ -184,7 +184,15 @@ class Checkpointer:
 
 def restore_params(directory: str, target, step: int | None = None) -> tuple[object, int]:
   """(params, step) of the newest checkpoint whose parameters are intact (or of `step`
-  alone), for serving and as a LoRA run's base.
+  alone), for serving and as a LoRA run's base (restore_params_and_meta)."""
+  params, step, _ = restore_params_and_meta(directory, target, step)
+  return params, step
+
+
+def restore_params_and_meta(directory: str, target,
+                            step: int | None = None) -> tuple[object, int, dict]:
+  """(params, step, meta) of the newest checkpoint whose parameters are intact (or of
+  `step` alone): what is checked against the meta is that step's, not the newest one's.
 
   Reads the `params` subtree of `state` only (orbax partial restore: the optimizer state
   is never read) onto the shardings in `target` (ShapeDtypeStructs in the model's param
@@ -212,7 +220,7 @@ def restore_params(directory: str, target, step: int | None = None) -> tuple[obj
       # meta['checksums'] follows the TrainState leaves: step, then the params.
       expected = list(meta['checksums'][1:1 + len(jax.tree.leaves(params))])
       if checksums(params) == expected:
-        return params, step
+        return params, step, meta
       last_error = 'parameter checksum mismatch'
     except Exception as e:  # pylint: disable=broad-except
       last_error = f'{type(e).__name__}: {e}'

@@ -63,11 +63,10 @@ def read_lora_workdir(name: str, path: str, cfg: ModelConfig, max_rank: int,
     raise ValueError(f'{where}: rank {lcfg.rank} exceeds --max-lora-rank={max_rank}; restart '
                      f'with --max-lora-rank {lcfg.rank} or more.')
   directory = os.path.join(path, 'checkpoints')
-  _check_base((checkpoint.latest_meta(directory) or {}).get('lora_base'), run_cfg.dtype,
-              base, where)
   target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=_one(None)),
                         lora_lib.abstract_adapter(run_cfg, lcfg, run_cfg.param_dtype))
-  adapter, _ = checkpoint.restore_params(directory, target)
+  adapter, step, meta = checkpoint.restore_params_and_meta(directory, target)
+  _check_base(meta.get('lora_base'), run_cfg.dtype, base, f'{where}, step {step}')
   scale = lora_lib.layer_scales(cfg, lcfg)['layers'][:, None, None]
   weights = {t: (np.asarray(ab['a'], np.float32), np.asarray(ab['b'], np.float32) * scale)
              for t, ab in adapter['layers'].items()}
@@ -75,9 +74,14 @@ def read_lora_workdir(name: str, path: str, cfg: ModelConfig, max_rank: int,
 
 
 def _check_base(saved: dict | None, dtype: str, base: BaseIdentity | None, where: str) -> None:
-  """Refuses adapters whose recorded base is not the served weights."""
-  if saved is None or base is None:
-    return   # no checkpoint: restore_params says so; no identity: an engine built bare
+  """Refuses adapters whose recorded base (that of the step restored) is not the served
+  weights."""
+  if base is None:
+    return   # no identity: an engine built bare
+  if saved is None:
+    raise ValueError(f'{where}: its checkpoint records no base (meta lora_base), so the '
+                     'adapters cannot be checked against the served weights: serve a LoRA '
+                     'workdir saved by train.py with a lora section.')
   if base.checksum is None:
     raise ValueError(f'{where}: the served weights were quantized when loaded, so they '
                      'cannot be checked against the base the adapters were trained on; '
