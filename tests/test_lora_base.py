@@ -6,6 +6,7 @@ base are each refused in one line."""
 
 import dataclasses
 import json
+import os
 import shutil
 
 import jax
@@ -198,3 +199,26 @@ def test_a_damaged_newest_meta_does_not_skip_the_base_check(moved_base, tmp_path
   run = load_lora_checkpoint(str(copy))
   for got, want in zip(jax.tree.leaves(run.served.params), jax.tree.leaves(base_params(base_dir, 2))):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_lora_workdir_with_no_intact_adapters_is_refused_in_one_line(tiny_workdir,
+                                                                       lora_workdir, tmp_path):
+  """No checkpoint yet, or every step damaged: ValueError (a 400 over HTTP, not a 500)
+  naming the adapter and its directory; nothing is loaded."""
+  empty, damaged = tmp_path / 'empty', tmp_path / 'damaged'
+  empty.mkdir()
+  shutil.copy(f'{lora_workdir}/config.json', empty)
+  shutil.copytree(lora_workdir, damaged)
+  for step in os.listdir(damaged / 'checkpoints'):
+    if step.isdigit():
+      shutil.rmtree(damaged / 'checkpoints' / step / 'state')
+  engine = Engine(load_checkpoint(tiny_workdir),
+                  ServeConfig(**ENGINE, enable_lora=True, max_lora_rank=4))
+  try:
+    for path, why in ((empty, 'does not exist'), (damaged, 'has intact parameters')):
+      with pytest.raises(ValueError, match=rf"LoRA adapter 'x' \({path}\): no intact adapters "
+                         rf'to serve \(.*{why}') as e:
+        engine.lora.load('x', str(path))
+      assert '\n' not in str(e.value) and engine.lora.names() == []
+  finally:
+    engine.shutdown()

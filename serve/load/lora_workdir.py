@@ -65,7 +65,10 @@ def read_lora_workdir(name: str, path: str, cfg: ModelConfig, max_rank: int,
   directory = os.path.join(path, 'checkpoints')
   target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=_one(None)),
                         lora_lib.abstract_adapter(run_cfg, lcfg, run_cfg.param_dtype))
-  adapter, step, meta = checkpoint.restore_params_and_meta(directory, target)
+  try:
+    adapter, step, meta = checkpoint.restore_params_and_meta(directory, target)
+  except (FileNotFoundError, checkpoint.CheckpointError) as e:   # a 400, not a 500
+    raise ValueError(f'{where}: no intact adapters to serve ({e})') from e
   _check_base(meta.get('lora_base'), run_cfg.dtype, base, f'{where}, step {step}')
   scale = lora_lib.layer_scales(cfg, lcfg)['layers'][:, None, None]
   weights = {t: (np.asarray(ab['a'], np.float32), np.asarray(ab['b'], np.float32) * scale)
