@@ -21,6 +21,7 @@ from serve.config import ServeConfig
 from serve.engine.core import Engine
 from serve.load.checkpoint import load_checkpoint
 from serve.load.lora_checkpoint import load_lora_checkpoint
+from serve.load.lora_workdir import BaseIdentity
 from serve.sampling_params import SamplingParams
 from tests.test_train import cache_dir, tiny  # pylint: disable=unused-import
 from training import checkpoint, lora_run, trainer
@@ -222,3 +223,21 @@ def test_a_lora_workdir_with_no_intact_adapters_is_refused_in_one_line(tiny_work
       assert '\n' not in str(e.value) and engine.lora.names() == []
   finally:
     engine.shutdown()
+
+
+def test_the_base_checksum_is_taken_at_the_first_lora_workdir_load_not_at_start(
+    tiny_workdir, lora_workdir, monkeypatch):
+  """--enable-lora with no LoRA workdir loaded reads no weight for a checksum; the first
+  load takes it of the runner's per-layer arrays, equal to that of the stacked tree."""
+  served = load_checkpoint(tiny_workdir)
+  want = lora_run.checksum(served.params)
+  calls, real = [], checkpoint.checksums
+  monkeypatch.setattr(checkpoint, 'checksums', lambda tree: calls.append(1) or real(tree))
+  engine = Engine(served, ServeConfig(**ENGINE, enable_lora=True, max_lora_rank=4))
+  try:
+    assert calls == []
+    engine.lora.load('mine', str(lora_workdir))
+    assert engine.lora.base.get() == BaseIdentity(served.model_cfg.dtype, want)
+  finally:
+    engine.shutdown()
+
