@@ -238,6 +238,34 @@ def test_loads_past_max_cpu_loras_are_refused_and_unloads_wait_for_queued_reques
     engine.shutdown()
 
 
+def test_a_load_whose_slot_write_fails_midway_is_not_served_and_a_reload_is(lora_dirs):
+  """The write into the empty slot raises after one target: the load fails and the
+  name is not served (no request runs on half an adapter); loaded again, its requests
+  equal transformers on its merged weights."""
+  base, dirs, merged = lora_dirs
+  engine = make_engine(base, {'all8': dirs['all8']}, max_loras=2, max_cpu_loras=2)
+  slots, write = engine.lora.slots, engine.lora.slots.write
+
+  def half_write(slot, weights):
+    first = sorted(weights)[:1]
+    write(slot, {t: weights[t] for t in first})
+    raise RuntimeError('device out of memory')
+
+  try:
+    slots.write = half_write
+    with pytest.raises(RuntimeError):
+      engine.lora.load('attn4', str(dirs['attn4']))
+    del slots.write
+    assert [a['name'] for a in engine.lora.names()] == ['all8']
+    engine.lora.load('attn4', str(dirs['attn4']))
+    res = engine.generate([PROMPTS[0]], greedy(), loras=['attn4'])[0]
+    check_equal((res.token_ids, [lp.logprob for lp in res.logprobs]),
+                reference(merged['attn4'], PROMPTS[0]))
+    leak_free(engine)
+  finally:
+    engine.shutdown()
+
+
 @pytest.mark.parametrize('kw, message', [
     ({'enable_lora': True, 'max_loras': 2, 'max_cpu_loras': 1},
      '--max-cpu-loras=1 is less than --max-loras=2'),
