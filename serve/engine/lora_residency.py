@@ -7,8 +7,9 @@ never mixes more adapters than there are slots. A waiting request whose adapter 
 in a slot takes an idle one (an empty slot first, else the least recently used), or,
 when every slot is busy, claims the least recently used unclaimed one: no new request of
 that slot's adapter is admitted until the running ones finish and the claimant takes
-it (or another slot, should one go idle first). So the claimant never starves, and requests behind it (the base, adapters in other
-slots) run meanwhile: no head-of-line blocking.
+it (or another slot, should one go idle first). So the claimant never starves, and
+requests behind it (the base, adapters in other slots) run meanwhile: no head-of-line
+blocking.
 
 Plain bookkeeping, no arrays: serve.engine.lora_registry writes the adapter's weights
 into the slot this returns, under its lock.
