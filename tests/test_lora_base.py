@@ -198,7 +198,8 @@ def test_a_damaged_newest_meta_does_not_skip_the_base_check(moved_base, tmp_path
     Engine(served, ServeConfig(**ENGINE, enable_lora=True, max_lora_rank=4,
                                lora_modules=(f'mine={copy}',)))
   run = load_lora_checkpoint(str(copy))
-  for got, want in zip(jax.tree.leaves(run.served.params), jax.tree.leaves(base_params(base_dir, 2))):
+  recorded = base_params(base_dir, 2)
+  for got, want in zip(jax.tree.leaves(run.served.params), jax.tree.leaves(recorded)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

@@ -216,7 +216,8 @@ def leak_free(engine):
   assert engine.num_unfinished == 0
   assert engine.lora.num_running() == 0
   assert engine.scheduler.kv_cache_usage == 0.0
-  lora = engine.lora   # pylint: disable=protected-access
+  # pylint: disable=protected-access
+  lora = engine.lora
   loaded = {entry.adapter_id for entry in lora._by_name.values()}
   assert lora.table._claims == {}
   assert set(lora.table.resident()) <= loaded and set(lora._by_id) == loaded
