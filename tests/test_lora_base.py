@@ -226,15 +226,18 @@ def test_a_lora_workdir_with_no_intact_adapters_is_refused_in_one_line(tiny_work
     engine.shutdown()
 
 
+@pytest.mark.parametrize('tensor', [1, 2])
 def test_the_base_checksum_is_taken_at_the_first_lora_workdir_load_not_at_start(
-    tiny_workdir, lora_workdir, monkeypatch):
+    tiny_workdir, lora_workdir, monkeypatch, tensor):
   """--enable-lora with no LoRA workdir loaded reads no weight for a checksum; the first
-  load takes it of the runner's per-layer arrays, equal to that of the stacked tree."""
+  load takes it of the runner's per-layer arrays (sharded on tensor=2), equal to that of
+  the stacked tree."""
   served = load_checkpoint(tiny_workdir)
   want = lora_run.checksum(served.params)
   calls, real = [], checkpoint.checksums
   monkeypatch.setattr(checkpoint, 'checksums', lambda tree: calls.append(1) or real(tree))
-  engine = Engine(served, ServeConfig(**ENGINE, enable_lora=True, max_lora_rank=4))
+  engine = Engine(served, ServeConfig(**ENGINE, enable_lora=True, max_lora_rank=4,
+                                      tensor=tensor))
   try:
     assert calls == []
     engine.lora.load('mine', str(lora_workdir))
