@@ -5,6 +5,9 @@ on the merged weights, and a base of another shape, two bases, or an adapter on 
 base are each refused in one line."""
 
 import dataclasses
+import json
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from serve.config import ServeConfig
 from serve.engine.core import Engine
 from serve.load.checkpoint import load_checkpoint
 from serve.load.lora_checkpoint import load_lora_checkpoint
+from serve.load.lora_workdir import BaseIdentity
 from serve.sampling_params import SamplingParams
 from tests.test_train import cache_dir, tiny  # pylint: disable=unused-import
 from training import checkpoint, lora_run, trainer
@@ -31,7 +35,7 @@ ENGINE = dict(num_blocks=32, block_size=8, max_num_seqs=4, max_num_batched_token
 
 def lora_cfg(workdir, cache_dir, base, steps=3, **overrides):
   cfg = tiny(workdir, cache_dir, steps=steps, sample__num_tokens=0, optim__warmup_steps=0,
-             optim__learning_rate=3e-2, checkpoint__every_steps=steps, **overrides)
+             optim__learning_rate=3e-2, **{'checkpoint__every_steps': steps, **overrides})
   cfg.lora = dataclasses.replace(LORA, base_checkpoint=base)
   return cfg
 
@@ -125,3 +129,119 @@ def test_serving_the_lora_workdir_itself_names_its_base(tiny_workdir, lora_workd
   with pytest.raises(ValueError, match=rf'serve its base \(--checkpoint {tiny_workdir}\) with '
                      rf'--enable-lora --lora-modules NAME={lora_workdir}\.$'):
     load_checkpoint(lora_workdir)
+
+
+# ---------------------------------------- the base of the step restored, not the newest
+
+@pytest.fixture(scope='module')
+def moved_base(cache_dir, tmp_path_factory):
+  """(base run, LoRA run): the LoRA run of 2 steps (a checkpoint each) on the base run's
+  newest step, 2, named with no step; the base run has since trained on to step 3."""
+  root = tmp_path_factory.mktemp('moved')
+  base = tiny(root / 'base', cache_dir, steps=2, sample__num_tokens=0,
+              checkpoint__every_steps=1, checkpoint__keep=5)
+  trainer.train(base)
+  run = lora_cfg(root / 'lora', cache_dir, base.workdir, steps=2, checkpoint__every_steps=1,
+                 checkpoint__keep=5)
+  trainer.train(run)
+  base.steps = 3
+  trainer.train(base)
+  return base.workdir, run.workdir
+
+
+def base_params(workdir, step):
+  target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
+                        model.abstract_params(load_checkpoint(workdir).model_cfg))
+  return checkpoint.restore_params(f'{workdir}/checkpoints', target, step)[0]
+
+
+def damaged_copy(lora_dir, tmp_path):
+  """A copy of the LoRA run whose newest checkpoint's meta is gone (step 1 restores)."""
+  copy = tmp_path / 'lora'
+  shutil.copytree(lora_dir, copy)
+  shutil.rmtree(copy / 'checkpoints' / '2' / 'meta')
+  assert checkpoint.latest_meta(str(copy / 'checkpoints')) is None
+  return copy
+
+
+def test_a_resume_reads_the_base_at_the_step_the_adapters_recorded(moved_base, cache_dir,
+                                                                   tmp_path):
+  base_dir, lora_dir = moved_base
+  shutil.copytree(lora_dir, tmp_path / 'lora')
+  cfg = lora_cfg(tmp_path / 'lora', cache_dir, base_dir, steps=3, checkpoint__every_steps=1)
+  trainer.train(cfg)
+  meta = checkpoint.latest_meta(str(tmp_path / 'lora' / 'checkpoints'))
+  assert meta['step'] == 3 and meta['lora_base']['source'] == f'base_checkpoint={base_dir}:2'
+
+
+def test_a_resume_checks_the_base_of_the_step_it_restores(moved_base, cache_dir, tmp_path):
+  """The newest step's meta does not read, the older one's records another base: the
+  resume is refused, not run on adapters of another base."""
+  base_dir, lora_dir = moved_base
+  copy = damaged_copy(lora_dir, tmp_path)
+  path = copy / 'checkpoints' / '1' / 'meta' / 'metadata'
+  meta = json.loads(path.read_text())
+  meta['lora_base']['checksum'] = '0' * 16
+  path.write_text(json.dumps(meta))
+  cfg = lora_cfg(copy, cache_dir, f'{base_dir}:2', steps=3, checkpoint__every_steps=1)
+  with pytest.raises(ConfigError, match='were trained on another base'):
+    trainer.train(cfg)
+
+
+def test_a_damaged_newest_meta_does_not_skip_the_base_check(moved_base, tmp_path):
+  """Served and exported from the older step restored: checked against its meta, on the
+  base step it recorded (2, not the base run's newest, 3)."""
+  base_dir, lora_dir = moved_base
+  copy = damaged_copy(lora_dir, tmp_path)
+  served = load_checkpoint(base_dir)   # step 3: not the adapters' base
+  with pytest.raises(ValueError, match=r'step 1: trained on another base'):
+    Engine(served, ServeConfig(**ENGINE, enable_lora=True, max_lora_rank=4,
+                               lora_modules=(f'mine={copy}',)))
+  run = load_lora_checkpoint(str(copy))
+  recorded = base_params(base_dir, 2)
+  for got, want in zip(jax.tree.leaves(run.served.params), jax.tree.leaves(recorded)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_lora_workdir_with_no_intact_adapters_is_refused_in_one_line(tiny_workdir,
+                                                                       lora_workdir, tmp_path):
+  """No checkpoint yet, or every step damaged: ValueError (a 400 over HTTP, not a 500)
+  naming the adapter and its directory; nothing is loaded."""
+  empty, damaged = tmp_path / 'empty', tmp_path / 'damaged'
+  empty.mkdir()
+  shutil.copy(f'{lora_workdir}/config.json', empty)
+  shutil.copytree(lora_workdir, damaged)
+  for step in os.listdir(damaged / 'checkpoints'):
+    if step.isdigit():
+      shutil.rmtree(damaged / 'checkpoints' / step / 'state')
+  engine = Engine(load_checkpoint(tiny_workdir),
+                  ServeConfig(**ENGINE, enable_lora=True, max_lora_rank=4))
+  try:
+    for path, why in ((empty, 'does not exist'), (damaged, 'has intact parameters')):
+      with pytest.raises(ValueError, match=rf"LoRA adapter 'x' \({path}\): no intact adapters "
+                         rf'to serve \(.*{why}') as e:
+        engine.lora.load('x', str(path))
+      assert '\n' not in str(e.value) and engine.lora.names() == []
+  finally:
+    engine.shutdown()
+
+
+@pytest.mark.parametrize('tensor', [1, 2])
+def test_the_base_checksum_is_taken_at_the_first_lora_workdir_load_not_at_start(
+    tiny_workdir, lora_workdir, monkeypatch, tensor):
+  """--enable-lora with no LoRA workdir loaded reads no weight for a checksum; the first
+  load takes it of the runner's per-layer arrays (sharded on tensor=2), equal to that of
+  the stacked tree."""
+  served = load_checkpoint(tiny_workdir)
+  want = lora_run.checksum(served.params)
+  calls, real = [], checkpoint.checksums
+  monkeypatch.setattr(checkpoint, 'checksums', lambda tree: calls.append(1) or real(tree))
+  engine = Engine(served, ServeConfig(**ENGINE, enable_lora=True, max_lora_rank=4,
+                                      tensor=tensor))
+  try:
+    assert calls == []
+    engine.lora.load('mine', str(lora_workdir))
+    assert engine.lora.base.get() == BaseIdentity(served.model_cfg.dtype, want)
+  finally:
+    engine.shutdown()
+

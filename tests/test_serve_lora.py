@@ -211,10 +211,16 @@ def text_of(lora_dirs, adapter, prompt, n=MAX_TOKENS):
 
 
 def leak_free(engine):
-  """No request tracked or holding an adapter, every KV block free."""
+  """No request tracked or holding an adapter, every KV block free; no slot claimed,
+  only loaded adapters in slots, no unloaded adapter's host arrays kept."""
   assert engine.num_unfinished == 0
   assert engine.lora.num_running() == 0
   assert engine.scheduler.kv_cache_usage == 0.0
+  # pylint: disable=protected-access
+  lora = engine.lora
+  loaded = {entry.adapter_id for entry in lora._by_name.values()}
+  assert lora.table._claims == {}
+  assert set(lora.table.resident()) <= loaded and set(lora._by_id) == loaded
 
 
 def test_models_list_the_base_and_its_adapters_with_their_parent(server):

@@ -95,6 +95,79 @@ def test_an_idle_slot_goes_to_the_least_recently_used_adapter_and_claims_lapse()
   assert table.place_in_empty(6) is None and table.place(6, set()) == (1, True)
 
 
+def test_a_claimant_takes_a_slot_that_goes_idle_before_its_busy_claimed_one():
+  """Adapter 3 claims slot 1 (both slots busy); when slot 2 goes idle first, 3 takes
+  it (its claim dropped) rather than wait for slot 1, which later adapters pass by to
+  take slot 2."""
+  registry = FakeRegistry(2)
+  sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=64, max_num_seqs=8,
+                                    max_num_batched_tokens=64), lora=registry)
+  sched.add_request(request('long', 1, 30))
+  step(sched)
+  sched.add_request(request('short', 2, 2))
+  step(sched)
+  sched.add_request(request('x', 3, 2))
+  step(sched)
+  assert registry.table._claims == {1: 3}   # pylint: disable=protected-access
+  assert 'x' in step(sched) and registry.table.owner == [0, 1, 3]
+  assert registry.table._claims == {}   # pylint: disable=protected-access
+
+
+class FailingSlots:
+  """LoraSlots' write over a dict {slot: the adapter whose weights it holds}; the next
+  write raises when told to, after writing part of the slot."""
+  max_loras, max_rank = 1, 8
+
+  def __init__(self):
+    self.content, self.fail = {1: None}, False
+
+  def write(self, slot, weights):
+    if self.fail:
+      self.fail = False
+      self.content[slot] = 'half of ' + weights['tag']
+      raise RuntimeError('device out of memory')
+    self.content[slot] = weights['tag']
+
+
+@pytest.fixture
+def failing_registry(monkeypatch):
+  from serve.engine import lora_registry  # pylint: disable=import-outside-toplevel
+  from serve.load.peft_adapter import LoraAdapter  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(lora_registry, 'read_adapter', lambda name, path, *_: LoraAdapter(
+      name, path, 4, {'tag': name}, None))
+  slots = FailingSlots()
+  return lora_registry.LoraRegistry(None, slots, 'base', max_cpu_loras=2), slots
+
+
+def test_a_failed_slot_write_at_admission_leaves_no_adapter_in_the_slot(failing_registry):
+  """The write raises: the next admission writes the adapter again, not run on the
+  previous adapter's weights (or half of its own)."""
+  registry, slots = failing_registry
+  registry.load('a', '/a')
+  registry.load('b', '/b')   # no empty slot: written when a request is admitted
+  b = registry.acquire('b')
+  slots.fail = True
+  with pytest.raises(RuntimeError):
+    registry.slot_for(b, busy=set())
+  assert registry.table.owner == [0, 0]
+  assert slots.content[registry.slot_for(b, busy=set())] == 'b'
+  a = registry.acquire('a')
+  assert slots.content[registry.slot_for(a, busy=set())] == 'a'
+
+
+def test_a_load_whose_slot_write_fails_serves_no_name(failing_registry):
+  registry, slots = failing_registry
+  registry.load('a', '/a')
+  registry.unload('a')
+  slots.fail = True
+  with pytest.raises(RuntimeError):
+    registry.load('c', '/c')
+  assert registry.names() == [] and registry.table.owner == [0, 0]
+  registry.load('c', '/c')   # the name and the host memory are free
+  c = registry.acquire('c')
+  assert slots.content[registry.slot_for(c, busy=set())] == 'c'
+
+
 # ------------------------------------------------------------------- the engine
 
 def test_more_adapters_than_slots_give_each_request_what_it_gets_alone(lora_dirs):
@@ -161,6 +234,34 @@ def test_loads_past_max_cpu_loras_are_refused_and_unloads_wait_for_queued_reques
     assert [a['name'] for a in engine.lora.names()] == ['all8']
     leak_free(engine)
     engine.lora.load('mlp2', str(dirs['mlp2']))   # attn4's host memory is free again
+  finally:
+    engine.shutdown()
+
+
+def test_a_load_whose_slot_write_fails_midway_is_not_served_and_a_reload_is(lora_dirs):
+  """The write into the empty slot raises after one target: the load fails and the
+  name is not served (no request runs on half an adapter); loaded again, its requests
+  equal transformers on its merged weights."""
+  base, dirs, merged = lora_dirs
+  engine = make_engine(base, {'all8': dirs['all8']}, max_loras=2, max_cpu_loras=2)
+  slots, write = engine.lora.slots, engine.lora.slots.write
+
+  def half_write(slot, weights):
+    first = sorted(weights)[:1]
+    write(slot, {t: weights[t] for t in first})
+    raise RuntimeError('device out of memory')
+
+  try:
+    slots.write = half_write
+    with pytest.raises(RuntimeError):
+      engine.lora.load('attn4', str(dirs['attn4']))
+    del slots.write
+    assert [a['name'] for a in engine.lora.names()] == ['all8']
+    engine.lora.load('attn4', str(dirs['attn4']))
+    res = engine.generate([PROMPTS[0]], greedy(), loras=['attn4'])[0]
+    check_equal((res.token_ids, [lp.logprob for lp in res.logprobs]),
+                reference(merged['attn4'], PROMPTS[0]))
+    leak_free(engine)
   finally:
     engine.shutdown()
 

@@ -52,13 +52,17 @@ class CheckpointError(RuntimeError):
   """Checkpoints exist but none can be restored."""
 
 
-def _leaf_checksum(x: jax.Array) -> jax.Array:
-  """Position-weighted sum of the raw bits mod 2^32: same value on any mesh."""
+def _raw(x: jax.Array) -> jax.Array:
   bits = x.dtype.itemsize * 8
   raw = jax.lax.bitcast_convert_type(x, jnp.dtype(f'uint{bits}'))
   if bits == 64:
     raw = (raw ^ (raw >> 32)).astype(jnp.uint32)
-  raw = raw.astype(jnp.uint32)
+  return raw.astype(jnp.uint32)
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+  """Position-weighted sum of the raw bits mod 2^32: same value on any mesh."""
+  raw = _raw(x)
   index = jnp.zeros(x.shape, jnp.uint32)
   stride = 1
   for dim in reversed(range(x.ndim)):
@@ -80,6 +84,21 @@ def checksums(tree) -> list[int]:
   sums = iter(jax.device_get(_checksums([x for x, h in zip(leaves, on_host) if not h])))
   return [int(_checksums(offload.to_default_memory(x)) if h else next(sums))
           for x, h in zip(leaves, on_host)]
+
+
+@jax.jit
+def _checksum_and_sum(x):
+  return _leaf_checksum(x), jnp.sum(_raw(x), dtype=jnp.uint32)
+
+
+def stacked_checksum(pieces) -> int:
+  """The checksum of jnp.stack(pieces) without stacking them: the stacked index of an
+  element of piece j is j * piece.size plus its index in the piece."""
+  total = 0
+  for j, piece in enumerate(pieces):
+    own, raw_sum = jax.device_get(_checksum_and_sum(piece))
+    total += int(own) + 2 * j * piece.size * int(raw_sum)
+  return total % 2**32
 
 
 class Checkpointer:
@@ -184,7 +203,15 @@ class Checkpointer:
 
 def restore_params(directory: str, target, step: int | None = None) -> tuple[object, int]:
   """(params, step) of the newest checkpoint whose parameters are intact (or of `step`
-  alone), for serving and as a LoRA run's base.
+  alone), for serving and as a LoRA run's base (restore_params_and_meta)."""
+  params, step, _ = restore_params_and_meta(directory, target, step)
+  return params, step
+
+
+def restore_params_and_meta(directory: str, target,
+                            step: int | None = None) -> tuple[object, int, dict]:
+  """(params, step, meta) of the newest checkpoint whose parameters are intact (or of
+  `step` alone): what is checked against the meta is that step's, not the newest one's.
 
   Reads the `params` subtree of `state` only (orbax partial restore: the optimizer state
   is never read) onto the shardings in `target` (ShapeDtypeStructs in the model's param
@@ -212,7 +239,7 @@ def restore_params(directory: str, target, step: int | None = None) -> tuple[obj
       # meta['checksums'] follows the TrainState leaves: step, then the params.
       expected = list(meta['checksums'][1:1 + len(jax.tree.leaves(params))])
       if checksums(params) == expected:
-        return params, step
+        return params, step, meta
       last_error = 'parameter checksum mismatch'
     except Exception as e:  # pylint: disable=broad-except
       last_error = f'{type(e).__name__}: {e}'

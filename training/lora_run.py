@@ -45,6 +45,21 @@ def load_base(cfg: Config, plan):
   return base, {'source': source, 'checksum': checksum(base)}
 
 
+def resumed_base(cfg: Config, meta: dict | None) -> Config:
+  """cfg with lora.base_checkpoint pinned to the step the workdir's newest checkpoint
+  (`meta`) recorded, where it names no step and the same base run: that run may have
+  trained on since, and the adapters resume on the base they were trained on."""
+  spec = cfg.lora.base_checkpoint
+  source = ((meta or {}).get('lora_base') or {}).get('source', '')
+  if not spec or parse_base_checkpoint(spec)[1] is not None or not source.startswith(
+      CHECKPOINT_SOURCE):
+    return cfg
+  recorded = source[len(CHECKPOINT_SOURCE):]
+  if parse_base_checkpoint(recorded)[0] != parse_base_checkpoint(spec)[0]:
+    return cfg   # another base run: check_workdir refuses it
+  return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, base_checkpoint=recorded))
+
+
 def parse_base_checkpoint(spec: str) -> tuple[str, int | None]:
   """lora.base_checkpoint's (absolute workdir, step or None for the newest)."""
   head, colon, tail = spec.rpartition(':')
@@ -100,7 +115,7 @@ def checksum(tree) -> str:
 
 
 def check_workdir(meta: dict | None, base: dict | None, directory: str) -> None:
-  """ValueError where the newest checkpoint's meta (None: none) does not fit this run:
+  """ValueError where a checkpoint's meta (None: none) does not fit this run:
   `base` is this LoRA run's base identity, None for a full-model run."""
   if meta is None:
     return

@@ -131,14 +131,14 @@ def _make_plan(cfg: config_lib.Config, mesh) -> ShardingPlan:
 def restore_or_init(t: Trainer):
   """(state, step): the newest intact checkpoint, data position included, or a fresh start."""
   target, base = state.abstract_state(t.cfg, t.plan, t.tx), None
+  newest = t.ckpt.latest_meta()
   if t.cfg.lora.rank:
-    base = _lora_base(t)
+    base = _lora_base(t, newest)
     target = target.replace(frozen=None)   # checkpoints hold the adapters only
-  try:
-    lora_run.check_workdir(t.ckpt.latest_meta(), t.lora_base, t.ckpt.directory)
-  except ValueError as e:
-    raise ConfigError(str(e)) from e
+  _check_workdir(t, newest)
   restored = t.ckpt.restore_latest(target)
+  if restored is not None:   # an older step when the newest does not read
+    _check_workdir(t, restored[1])
   if restored is None and base is not None:
     adapter = None
     if t.cfg.lora.init_from_peft:
@@ -180,12 +180,19 @@ def restore_or_init(t: Trainer):
   return train_state, int(meta['step'])
 
 
-def _lora_base(t: Trainer):
-  """The frozen base (lora.base_checkpoint's, init_from_hf's or the seed's weights), its
-  identity in t.lora_base."""
+def _check_workdir(t: Trainer, meta: dict | None) -> None:
+  try:
+    lora_run.check_workdir(meta, t.lora_base, t.ckpt.directory)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+
+
+def _lora_base(t: Trainer, newest: dict | None):
+  """The frozen base (lora.base_checkpoint's, at the step the workdir's newest checkpoint
+  recorded on a resume; init_from_hf's or the seed's weights), its identity in t.lora_base."""
   start = time.perf_counter()
   try:
-    base, t.lora_base = lora_run.load_base(t.cfg, t.plan)
+    base, t.lora_base = lora_run.load_base(lora_run.resumed_base(t.cfg, newest), t.plan)
   except (ValueError, FileNotFoundError, checkpoint.CheckpointError) as e:
     where = '' if t.cfg.lora.base_checkpoint else f'init_from_hf={t.cfg.init_from_hf!r}: '
     raise ConfigError(f'{where}{e}') from e

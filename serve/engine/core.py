@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 
-from model import kv_quant
+from model import kv_quant, quant
 from serve.config import ServeConfig, resolve_attention
 from serve.engine import warmup
 from serve.engine.constraints import bad_word_ids
@@ -28,7 +28,7 @@ from serve.engine.sizing import build_mesh, describe_cache, describe_model, size
 from serve.engine.stream import RequestStream
 from serve.engine.tracked import TrackedRequest
 from serve.load.hf_model import with_dtype, with_quantization
-from serve.load.lora_workdir import BaseIdentity
+from serve.load.lora_workdir import BaseIdentity, LazyBaseIdentity
 from serve.sampling_params import SamplingParams
 from serve.worker import sampler
 from serve.worker.logits_adjust import pack_bits
@@ -48,8 +48,11 @@ class Engine(EngineLoop, OutputProcessor):
     cfg.validate()
     if cfg.dtype != 'auto':   # the loaders take it too, and cast while loading
       served = with_dtype(served, cfg.dtype)
-    # A LoRA workdir's adapters are checked against the weights as loaded, unquantized.
-    self._lora_base = BaseIdentity.of(served) if cfg.enable_lora else None
+    # A LoRA workdir's adapters are checked against the weights as loaded, unquantized:
+    # now where --quantization replaces them, else at the first such load (_load_adapters).
+    self._lora_base = BaseIdentity.of(served) if cfg.enable_lora and (
+        cfg.quantization != 'none' or served.params is None or
+        quant.describe(served.params)) else None
     served = with_quantization(served, cfg.quantization)
     if cfg.generation_config == 'none' and served.sampling_defaults:
       served = dataclasses.replace(served, sampling_defaults={})
@@ -130,7 +133,8 @@ class Engine(EngineLoop, OutputProcessor):
     if self.runner.lora is None:
       return None
     registry = LoraRegistry(self.served.model_cfg, self.runner.lora, self.served.name,
-                            self.cfg.max_cpu_loras, base=self._lora_base)
+                            self.cfg.max_cpu_loras, base=self._lora_base or LazyBaseIdentity(
+                                self.runner.params, self.served.model_cfg.dtype))
     self.scheduler.lora = registry   # admits a request once its adapter is in a slot
     for name, path in self.cfg.lora_module_paths().items():
       registry.load(name, path)

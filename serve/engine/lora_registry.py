@@ -70,11 +70,20 @@ class LoraRegistry:
     with self._lock:
       entry = _Loaded(name, path, self._next_id, adapter.rank, adapter.weights)
       self._next_id += 1
-      self._by_name[name] = entry
-      self._by_id[entry.adapter_id] = entry
       slot = self.table.place_in_empty(entry.adapter_id)
       if slot is not None:   # an empty slot no row reads: written now, not in a step
-        self.slots.write(slot, entry.weights)
+        self._write(slot, entry.weights)   # before the name is served: a failure leaves none
+      self._by_name[name] = entry
+      self._by_id[entry.adapter_id] = entry
+
+  def _write(self, slot: int, weights: dict) -> None:
+    """Writes the slot the table gave (lock held); where the write fails the slot is
+    emptied, so no request runs on the previous adapter's or a half-written one's weights."""
+    try:
+      self.slots.write(slot, weights)
+    except BaseException:
+      self.table.vacate(slot)
+      raise
 
   def _check_name(self, name: str) -> None:
     if not name or name == self.base_name:
@@ -137,7 +146,7 @@ class LoraRegistry:
         return None
       slot, write = placed
       if write:   # fixed shapes: no step recompiles
-        self.slots.write(slot, self._by_id[adapter_id].weights)
+        self._write(slot, self._by_id[adapter_id].weights)
       return slot
 
   def prune_claims(self, waiting_ids: set[int]) -> None:

@@ -7,8 +7,9 @@ never mixes more adapters than there are slots. A waiting request whose adapter 
 in a slot takes an idle one (an empty slot first, else the least recently used), or,
 when every slot is busy, claims the least recently used unclaimed one: no new request of
 that slot's adapter is admitted until the running ones finish and the claimant takes
-it. So the claimant never starves, and requests behind it (the base, adapters in other
-slots) run meanwhile: no head-of-line blocking.
+it (or another slot, should one go idle first). So the claimant never starves, and
+requests behind it (the base, adapters in other slots) run meanwhile: no head-of-line
+blocking.
 
 Plain bookkeeping, no arrays: serve.engine.lora_registry writes the adapter's weights
 into the slot this returns, under its lock.
@@ -40,13 +41,16 @@ class SlotTable:
         return None   # draining for a waiting adapter: this one's newcomers wait
       return self._take(slot, adapter_id), False
     mine = [s for s, a in self._claims.items() if a == adapter_id]
-    if mine:
-      return None if mine[0] in busy else (self._take(mine[0], adapter_id), True)
+    if mine and mine[0] not in busy:
+      return self._take(mine[0], adapter_id), True
     unclaimed = [s for s in range(1, self.num_slots + 1) if s not in self._claims]
     idle = [s for s in unclaimed if s not in busy]
-    if idle:
+    if idle:   # taken ahead of a claimed slot still draining
+      self._claims = {s: a for s, a in self._claims.items() if a != adapter_id}
       slot = min(idle, key=lambda s: (self.owner[s] != 0, self._used[s]))
       return self._take(slot, adapter_id), True
+    if mine:
+      return None
     if unclaimed:
       self._claims[min(unclaimed, key=lambda s: self._used[s])] = adapter_id
     return None
@@ -64,6 +68,11 @@ class SlotTable:
     self._tick += 1
     self._used[slot] = self._tick
     return slot
+
+  def vacate(self, slot: int) -> None:
+    """The write into `slot` failed: its arrays hold no adapter whole, so it is empty."""
+    self.owner[slot] = 0
+    self._used[slot] = 0
 
   def prune_claims(self, waiting_ids: set[int]) -> None:
     """Drops the claims of adapters no waiting request wants any more (aborted,

@@ -49,14 +49,18 @@ def load_lora_checkpoint(workdir: str, mesh=None) -> LoraRun:
   lcfg.validate(model_cfg)
   source = os.path.expanduser(raw.get('init_from_hf') or '')
   directory = os.path.join(workdir, 'checkpoints')
-  saved = checkpoint.latest_meta(directory) or {}
-  base_run = _base_run(saved, lcfg)
-  base = (_checkpoint_base(model_cfg, *base_run, mesh) if base_run else
-          _base(model_cfg, source, raw.get('seed', 0), mesh))
-  _check_base(base, model_cfg, directory)
   target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=_one(mesh)),
                         lora.abstract_adapter(model_cfg, lcfg, model_cfg.param_dtype))
-  adapter, _ = checkpoint.restore_params(directory, target)
+  adapter, step, meta = checkpoint.restore_params_and_meta(directory, target)
+  saved = meta.get('lora_base')
+  if saved is None:
+    raise ValueError(f'step {step} in {directory} records no base (meta lora_base), so the '
+                     'adapters cannot be put on the base they were trained on: give a LoRA '
+                     'workdir saved by train.py with a lora section.')
+  base_run = _base_run(saved)
+  base = (_checkpoint_base(model_cfg, *base_run, mesh) if base_run else
+          _base(model_cfg, source, raw.get('seed', 0), mesh))
+  _check_base(base, model_cfg, directory, saved)
   tokenizer = load_tokenizer(raw.get('data', {}).get('tokenizer', 'byte'))
   served = ServedModel(model_cfg=model_cfg, params=base, tokenizer=tokenizer,
                        eos_token_ids=[tokenizer.eos_id], chat_template=None,
@@ -80,13 +84,14 @@ def _base(model_cfg, source: str, seed: int, mesh) -> dict:
   return jax.tree.map(jax.device_put, host, shardings)
 
 
-def _base_run(meta: dict, lcfg: LoraConfig) -> tuple[str, int | None] | None:
+def _base_run(saved: dict) -> tuple[str, int | None] | None:
   """(workdir, step) of a run whose checkpoint is the base (lora.base_checkpoint), else
-  None. The step the adapters recorded, not the newest: that run may have trained on."""
-  source = (meta.get('lora_base') or {}).get('source', '')
+  None. The step the adapters recorded (`saved`: the restored step's lora_base), not the
+  newest: that run may have trained on."""
+  source = saved.get('source', '')
   if source.startswith(lora_run.CHECKPOINT_SOURCE):
     return lora_run.parse_base_checkpoint(source[len(lora_run.CHECKPOINT_SOURCE):])
-  return lora_run.parse_base_checkpoint(lcfg.base_checkpoint) if lcfg.base_checkpoint else None
+  return None
 
 
 def _checkpoint_base(model_cfg, workdir: str, step: int | None, mesh) -> dict:
@@ -98,10 +103,7 @@ def _checkpoint_base(model_cfg, workdir: str, step: int | None, mesh) -> dict:
   return params
 
 
-def _check_base(base: dict, model_cfg, directory: str) -> None:
-  saved = (checkpoint.latest_meta(directory) or {}).get('lora_base')
-  if saved is None:
-    return   # no checkpoint: restore_params says so
+def _check_base(base: dict, model_cfg, directory: str, saved: dict) -> None:
   frozen = jax.tree.map(lambda w: w.astype(model_cfg.dtype), base)
   found = lora_run.checksum(frozen)
   if found != saved['checksum']:
