@@ -174,6 +174,18 @@ def test_a_resume_reads_the_base_at_the_step_the_adapters_recorded(moved_base, c
   assert meta['step'] == 3 and meta['lora_base']['source'] == f'base_checkpoint={base_dir}:2'
 
 
+def test_a_resume_past_a_damaged_newest_meta_reads_the_restored_steps_base(
+    moved_base, cache_dir, tmp_path):
+  """No :STEP and the newest meta unreadable: the base is read at the step the restored
+  (older) adapters recorded (2), not the base run's newest (3), and the run goes on."""
+  base_dir, lora_dir = moved_base
+  copy = damaged_copy(lora_dir, tmp_path)
+  cfg = lora_cfg(copy, cache_dir, base_dir, steps=3, checkpoint__every_steps=1)
+  trainer.train(cfg)
+  meta = checkpoint.latest_meta(str(copy / 'checkpoints'))
+  assert meta['step'] == 3 and meta['lora_base']['source'] == f'base_checkpoint={base_dir}:2'
+
+
 def test_a_resume_checks_the_base_of_the_step_it_restores(moved_base, cache_dir, tmp_path):
   """The newest step's meta does not read, the older one's records another base: the
   resume is refused, not run on adapters of another base."""

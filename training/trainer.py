@@ -137,7 +137,9 @@ def restore_or_init(t: Trainer):
     target = target.replace(frozen=None)   # checkpoints hold the adapters only
   _check_workdir(t, newest)
   restored = t.ckpt.restore_latest(target)
-  if restored is not None:   # an older step when the newest does not read
+  if restored is not None and restored[1] != newest:   # the newest did not read
+    if base is not None:   # the base at the step the restored adapters recorded
+      base = _lora_base(t, restored[1])
     _check_workdir(t, restored[1])
   if restored is None and base is not None:
     adapter = None
