@@ -4,6 +4,7 @@ requests behind it, and never starves. Adapter names in responses and in the bat
 """
 
 import json
+import time
 
 import pytest
 
@@ -261,6 +262,45 @@ def test_a_load_whose_slot_write_fails_midway_is_not_served_and_a_reload_is(lora
     res = engine.generate([PROMPTS[0]], greedy(), loras=['attn4'])[0]
     check_equal((res.token_ids, [lp.logprob for lp in res.logprobs]),
                 reference(merged['attn4'], PROMPTS[0]))
+    leak_free(engine)
+  finally:
+    engine.shutdown()
+
+
+def test_a_slot_write_failing_at_admission_fails_that_request_alone(lora_dirs):
+  """Every write into the one slot raises (a device out of memory, say): the request whose
+  adapter needs the slot ends with finish_reason 'error' and the cause; the base's and the
+  resident adapter's requests beside it get what they get alone; the engine stays up and
+  serves the adapter once writes work again."""
+  base, dirs, merged = lora_dirs
+  engine = make_engine(base, {n: dirs[n] for n in ('all8', 'attn4')}, max_loras=1,
+                       max_cpu_loras=2)   # all8 written into the slot at load
+  slots = engine.lora.slots
+
+  def no_memory(slot, weights):
+    raise RuntimeError('device out of memory')
+
+  try:
+    slots.write = no_memory
+    # all8 runs in its slot first; attn4 waits for the slot, then its write fails.
+    jobs = [(PROMPTS[0], 'base'), (PROMPTS[1], 'all8'), (PROMPTS[1], 'attn4')]
+    with engine._lock:   # pylint: disable=protected-access  # all queued before a step
+      streams = [engine.add_request(p, greedy(), lora=None if a == 'base' else a)
+                 for p, a in jobs]
+    deadline = time.monotonic() + 120   # a failure retried forever would hang here
+    while engine.num_unfinished and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert engine.num_unfinished == 0, 'a request never finished'
+    results = [s.result() for s in streams]
+    assert results[2].finish_reason == 'error' and 'out of memory' in results[2].error
+    for (p, a), res in zip(jobs[:2], results[:2]):
+      check_equal((res.token_ids, [lp.logprob for lp in res.logprobs]),
+                  reference(merged[a], p))
+    assert engine.health() is None
+    del slots.write
+    res = engine.generate([PROMPTS[1]], greedy(), loras=['attn4'])[0]
+    check_equal((res.token_ids, [lp.logprob for lp in res.logprobs]),
+                reference(merged['attn4'], PROMPTS[1]))
     leak_free(engine)
   finally:
     engine.shutdown()

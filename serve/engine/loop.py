@@ -110,6 +110,7 @@ class EngineLoop:
       if self.spec is not None:
         self._propose_drafts()
       out = self.scheduler.schedule()
+      self._fail_admissions()
     if not out.chunks:
       self._flush_outputs()
       self._progress_at = time.monotonic()
@@ -221,6 +222,16 @@ class EngineLoop:
       if self._tracked.get(rid) is t:
         self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
         self._finish(t, 'abort', error=why)
+
+  def _fail_admissions(self) -> None:
+    """Requests the scheduler finished at admission (their adapter's slot write failed)
+    end with finish_reason 'error' and the cause; the step goes on for the others."""
+    for rid, error in self.scheduler.take_failed_admissions():
+      print(f'request {rid}: its LoRA adapter could not be placed in a device slot: '
+            f'{type(error).__name__}: {error}', file=sys.stderr, flush=True)
+      t = self._tracked.get(rid)
+      if t is not None:
+        self._finish(t, 'error', error=f'{type(error).__name__}: {error}')
 
   def _fail(self, request_ids, error: Exception) -> None:
     """A failed step ends the requests it held with finish_reason 'error'."""

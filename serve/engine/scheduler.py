@@ -92,6 +92,7 @@ class Scheduler:
     self._finished_ids: list[str] = []
     self.num_preemptions = 0
     self.lora = lora   # a LoraRegistry: the device slots of the adapters (None: no LoRA)
+    self._failed_admissions: list[tuple[str, Exception]] = []
 
   # Counters for /metrics.
   @property
@@ -293,7 +294,14 @@ class Scheduler:
     try:
       while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
         request = self.waiting[0]
-        slot = self._lora_slot(request, busy)
+        try:
+          slot = self._lora_slot(request, busy)
+        except Exception as e:  # pylint: disable=broad-except
+          # Its adapter's slot write failed (a device out of memory, say): this request
+          # ends with the error, the step goes on for everyone else.
+          self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+          self._failed_admissions.append((request.request_id, e))
+          continue
         if slot is None:   # its adapter waits for a slot: the requests behind it go on
           passed_over.append(self.waiting.popleft())
           continue
@@ -314,6 +322,12 @@ class Scheduler:
     finally:   # also when a slot write raises: the passed-over keep their places
       self.waiting.extendleft(reversed(passed_over))
     return budget
+
+  def take_failed_admissions(self) -> list[tuple[str, Exception]]:
+    """(request id, error) of the requests finished since the last call because their
+    adapter could not be written into a slot; the engine reports each error."""
+    failed, self._failed_admissions = self._failed_admissions, []
+    return failed
 
   def _busy_slots(self) -> set[int]:
     """The LoRA slots running requests read (none to change adapter under them); claims
