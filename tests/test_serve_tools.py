@@ -330,6 +330,19 @@ def test_mistral_parser_holds_nothing_before_the_tag():
       tool_parsers.MistralParser
 
 
+@pytest.mark.parametrize('auto_parser, mistral', [('mistral', True), ('hermes', False)])
+def test_named_and_required_call_ids_follow_the_servers_parser(auto_parser, mistral):
+  """Under --tool-call-parser mistral, calls forced by a named or "required" tool_choice
+  get 9-character ids too: Mistral's templates refuse any other tool_call_id next turn."""
+  named = tools.ToolChoice((), 'named', 'get_time', auto_parser=auto_parser).parser()
+  required = tools.ToolChoice((), 'required', auto_parser=auto_parser).parser()
+  required.feed('[{"name": "get_time", "parameters": {"zone": 1}}]')
+  ids = [named.finish().tool_calls[0]['id'], required.calls[0].id]
+  for call_id in ids:
+    assert (len(call_id) == 9 and call_id.isalnum()) == mistral
+    assert call_id.startswith('call_') != mistral
+
+
 def test_required_parser_in_any_chunking_and_cut_anywhere():
   items = [{'name': 'get_weather', 'parameters': {'city': 'Paris'}},
            {'name': 'get_time', 'parameters': {'zone': -3}},

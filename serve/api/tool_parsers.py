@@ -18,7 +18,7 @@ HERMES_OPEN, HERMES_CLOSE = '<tool_call>', '</tool_call>'
 SEPARATORS = ' \n\t,;[]'   # between JSON calls: dropped
 
 
-def _call_id() -> str:
+def openai_call_id() -> str:
   return f'call_{uuid.uuid4().hex[:24]}'
 
 
@@ -26,7 +26,7 @@ def _call_id() -> str:
 class ToolCall:
   name: str
   arguments: str            # JSON text
-  id: str = dataclasses.field(default_factory=_call_id)
+  id: str = dataclasses.field(default_factory=openai_call_id)
 
   def openai(self) -> dict:
     return {'id': self.id, 'type': 'function',
@@ -44,10 +44,11 @@ class Delta:
 
 
 class NamedParser:
-  """The whole output is the named function's arguments, streamed as they come."""
+  """The whole output is the named function's arguments, streamed as they come.
+  new_id: the call id's maker (Mistral's templates take back 9-character ids only)."""
 
-  def __init__(self, name: str):
-    self.call = ToolCall(name, '')
+  def __init__(self, name: str, new_id=openai_call_id):
+    self.call = ToolCall(name, '', new_id())
     self._started = False
 
   def feed(self, text: str) -> Delta:
@@ -80,8 +81,12 @@ class _WholeCalls:
   def _add(self, name: str, arguments) -> dict:
     text = arguments if isinstance(arguments, str) else json.dumps(arguments,
                                                                    ensure_ascii=False)
-    self.calls.append(ToolCall(name, text))
+    self.calls.append(ToolCall(name, text, self._new_id()))
     return {'index': len(self.calls) - 1, **self.calls[-1].openai()}
+
+  @staticmethod
+  def _new_id() -> str:
+    return openai_call_id()
 
 
 class _StringState:
@@ -169,6 +174,14 @@ class _ObjectsParser(_WholeCalls):
 class RequiredParser(_ObjectsParser):
   """tool_choice "required": a JSON array of {"name", "parameters"} objects."""
   LEVEL = 1
+
+
+class MistralRequiredParser(RequiredParser):
+  """RequiredParser with Mistral's 9-character call ids (what its templates take back)."""
+
+  @staticmethod
+  def _new_id() -> str:
+    return mistral_call_id()
 
 
 class Llama3JsonParser(_ObjectsParser):
@@ -284,13 +297,12 @@ class _MistralObjects(_ObjectsParser):
       text = json.dumps(call) if call['arguments'] is not None else text
     return super()._object(text)
 
-  def _add(self, name: str, arguments) -> dict:
-    item = super()._add(name, arguments)
-    self.calls[-1].id = item['id'] = _mistral_id()
-    return item
+  @staticmethod
+  def _new_id() -> str:
+    return mistral_call_id()
 
 
-def _mistral_id() -> str:
+def mistral_call_id() -> str:
   return ''.join(random.SystemRandom().choices(string.ascii_letters + string.digits, k=9))
 
 

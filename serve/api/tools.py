@@ -32,8 +32,9 @@ import dataclasses
 import json
 
 from serve.api.openai_sampling import guided_field
-from serve.api.tool_parsers import (HermesParser, Llama3JsonParser, MistralParser, NamedParser,
-                                    PythonicParser, RequiredParser)
+from serve.api.tool_parsers import (HermesParser, Llama3JsonParser, MistralParser,
+                                    MistralRequiredParser, NamedParser, PythonicParser,
+                                    RequiredParser, mistral_call_id, openai_call_id)
 from serve.sampling_params import SamplingParamsError
 
 
@@ -80,10 +81,11 @@ class ToolChoice:
 
   def parser(self):
     """A fresh output parser for one choice; None for 'none' (plain text)."""
+    mistral = self.auto_parser == 'mistral'   # its templates take 9-character ids only
     if self.mode == 'named':
-      return NamedParser(self.name)
+      return NamedParser(self.name, mistral_call_id if mistral else openai_call_id)
     if self.mode == 'required':
-      return RequiredParser()
+      return MistralRequiredParser() if mistral else RequiredParser()
     if self.mode == 'auto':
       kind = {'hermes': HermesParser, 'llama3_json': Llama3JsonParser,
               'mistral': MistralParser, 'pythonic': PythonicParser}[self.auto_parser]
