@@ -759,14 +759,7 @@ def _as_stacked(k_pages, v_pages, layer):
                      f'[P, page_size, Hkv, D] without layer, or as a stacked cache '
                      f'[L, P, page_size, Hkv, D] with layer=; got k_pages {k_pages.shape}, '
                      f'v_pages {v_pages.shape}, layer={layer!r}.')
-  if jnp.size(layer) != 1 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-    raise TypeError(f'paged_attention: layer must be one integer (an int or an int32 '
-                    f'[] or [1] array); got shape {jnp.shape(layer)} dtype '
-                    f'{jnp.result_type(layer)}.')
-  try:
-    known = int(np.asarray(layer).reshape(-1)[0])
-  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    known = None   # traced: not checkable here (the docstring says so)
+  known = _one_integer('layer', layer, '')   # None when traced (the docstring says so)
   if known is not None and not 0 <= known < k_pages.shape[0]:
     raise ValueError(f'paged_attention: layer={known} is outside the stacked cache\'s '
                      f'{k_pages.shape[0]} layers.')
@@ -775,19 +768,24 @@ def _as_stacked(k_pages, v_pages, layer):
 
 def _as_window(sliding_window):
   """The sliding window as [1] int32 (0: none); ValueError for a known negative one."""
-  if jnp.size(sliding_window) != 1 or not jnp.issubdtype(jnp.result_type(sliding_window),
-                                                          jnp.integer):
-    raise TypeError(f'paged_attention: sliding_window must be one integer (an int or an '
-                    f'int32 [] or [1] array; 0: no window); got shape '
-                    f'{jnp.shape(sliding_window)} dtype {jnp.result_type(sliding_window)}.')
-  try:
-    known = int(np.asarray(sliding_window).reshape(-1)[0])
-  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    known = None   # traced: a negative value acts as no window
-  if known is not None and known < 0:
+  known = _one_integer('sliding_window', sliding_window, '; 0: no window')
+  if known is not None and known < 0:   # traced: a negative value acts as no window
     raise ValueError(f'paged_attention: sliding_window={known} must be >= 0 (0: the whole '
                      f'context).')
   return jnp.asarray(sliding_window, jnp.int32).reshape(1)
+
+
+def _one_integer(name: str, value, hint: str) -> int | None:
+  """`value`'s integer where it is known at trace time, None where traced; TypeError
+  unless it is one integer."""
+  if jnp.size(value) != 1 or not jnp.issubdtype(jnp.result_type(value), jnp.integer):
+    raise TypeError(f'paged_attention: {name} must be one integer (an int or an int32 '
+                    f'[] or [1] array{hint}); got shape {jnp.shape(value)} dtype '
+                    f'{jnp.result_type(value)}.')
+  try:
+    return int(np.asarray(value).reshape(-1)[0])
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return None
 
 
 def _check_args(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, k_scale=None,
